@@ -1,0 +1,33 @@
+"""load(): a model path or demo name -> (config, weights, tokenizer)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import Config
+from jaxllm.gguf import GGUFFile
+from jaxllm.model import Weights
+from jaxllm.models import resolve_model
+from jaxllm.tokenizer import Tokenizer
+from jaxllm.weights import load_weights
+
+
+def default_dtype():
+  """bf16 activations on GPU; f32 on CPU, where XLA's bf16 matmuls are slow."""
+  return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+
+
+def load(model: str, quant: str = "w8a16", dtype=None, progress: bool = True) -> tuple[Config, Weights, Tokenizer]:
+  """Loads a GGUF model.
+
+  Args:
+    model: a .gguf path or a demo-model name (jaxllm.DEMO_MODELS).
+    quant: "w8a16" or "none" (float weights, for reference runs).
+    dtype: activation dtype (default_dtype() if None); float weights are stored in it.
+  Returns:
+    (config, weights, tokenizer).
+  """
+  gf = GGUFFile(resolve_model(model))
+  tokenizer = Tokenizer(gf.metadata)
+  weights = load_weights(gf, quant=quant, dtype=dtype or default_dtype(), progress=progress)
+  return gf.config, weights, tokenizer

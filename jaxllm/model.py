@@ -1,0 +1,172 @@
+"""The transformer as pure functions over pytrees: embed, layer, forward, logits.
+
+Notation: B batch, T new tokens, D model width, H query heads, G key/value heads, Dh head dim,
+F feed-forward width, V vocabulary, L layers, S cache length.
+
+One forward serves prefill (T > 1: causal attention over the cache, written first) and decode (T = 1:
+the decode-attention kernel). The layer loop is a Python loop, unrolled into the compiled program:
+`lax.scan` over layers defeats XLA's command buffers (DESIGN.md). The residual stream is float32;
+matmul inputs and the KV cache use the cache's dtype (bf16 on GPU, f32 on CPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.cache import KVCache
+from jaxllm.config import Config
+from jaxllm.kernels import decode_attention, linear
+from jaxllm.quant import Linear
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+  """All weights, stacked over layers so the step takes few arrays (DESIGN.md)."""
+  embed: Linear                  # [V, D]
+  attn_norm: jax.Array           # [L, D] f32
+  wqkv: Linear                   # [L, H*Dh + 2*G*Dh, D]  (q, k, v fused)
+  wo: Linear                     # [L, D, H*Dh]
+  ffn_norm: jax.Array            # [L, D] f32
+  w_gate_up: Linear              # [L, 2F, D]  (gate, up fused)
+  w_down: Linear                 # [L, D, F]
+  out_norm: jax.Array            # [D] f32
+  head: Linear                   # [V, D]  (the embed arrays when tied)
+  bqkv: jax.Array | None = None  # [L, H*Dh + 2*G*Dh] f32 (qwen2)
+  q_norm: jax.Array | None = None  # [L, Dh] f32 (qwen3)
+  k_norm: jax.Array | None = None  # [L, Dh] f32 (qwen3)
+  rope_freqs: jax.Array | None = None  # [Dh/2] f32 divisors (llama3 scaling)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """x [..., D] * rsqrt(mean(x^2) + eps) * w [D], computed in f32."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_angles(config: Config, positions: jax.Array, rope_freqs: jax.Array | None) -> jax.Array:
+  """Rotation angles [..., Dh/2] for integer positions [...]."""
+  half = config.head_dim // 2
+  inv_freq = config.rope_base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / config.head_dim)
+  if rope_freqs is not None:
+    inv_freq = inv_freq / rope_freqs
+  pos = positions.astype(jnp.float32)
+  if config.rope_scaling == "linear":
+    pos = pos / config.rope_scale
+  return pos[..., None] * inv_freq
+
+
+def apply_rope(x: jax.Array, angles: jax.Array, style: str) -> jax.Array:
+  """Rotates x [B, T, N, Dh] by angles [B, T, Dh/2].
+
+  "normal" rotates adjacent pairs (x[2i], x[2i+1]) (llama's GGUF layout); "neox" rotates
+  (x[i], x[i + Dh/2]) (qwen2/qwen3).
+  """
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  if style == "neox":
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  else:
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+  return out.astype(x.dtype)
+
+
+def embed(weights: Weights, tokens: jax.Array) -> jax.Array:
+  """tokens [B, T] int32 -> [B, T, D] f32."""
+  e = weights.embed
+  rows = e.w[tokens].astype(jnp.float32)
+  if e.scale is not None:
+    rows = rows * e.scale[tokens][..., None]
+  return rows
+
+
+def _prefill_attention(q, k_cache, v_cache, layer, positions):
+  """Causal attention of T new queries over the cache (new keys already written).
+
+  q [B, T, H, Dh]; caches [L, B, G, S, Dh]; positions [B, T] -> [B, T, H, Dh].
+  A key at cache position s is visible to a query at position p when s <= p.
+  """
+  k, v = k_cache[layer], v_cache[layer]                        # [B, G, S, Dh]
+  b, t, h, dh = q.shape
+  g, s = k.shape[1], k.shape[2]
+  qg = q.reshape(b, t, g, h // g, dh).astype(jnp.float32)       # [B, T, G, R, Dh]
+  scores = jnp.einsum("btgrd,bgsd->bgrts", qg, k.astype(jnp.float32)) * (dh ** -0.5)
+  visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  p = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bgrts,bgsd->btgrd", p, v.astype(jnp.float32))
+  return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+def _write_cache(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """Writes new [B, T, G, Dh] at cache[layer, b, :, positions[b, t]]; out-of-range writes are dropped."""
+  bi = jnp.arange(new.shape[0])[:, None]
+  return cache.at[layer, bi, :, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache,
+          positions: jax.Array, angles: jax.Array, *, kernels: str) -> tuple[jax.Array, KVCache]:
+  """Transformer block i.
+
+  Args:
+    x: [B, T, D] f32 residual stream.
+    positions: [B, T] int32 cache positions of the new tokens (also their RoPE positions).
+    angles: [B, T, Dh/2] RoPE angles for those positions.
+  Returns:
+    x [B, T, D] and the cache with this layer's new keys/values written.
+  """
+  c = config
+  dtype = cache.k.dtype
+  b, t, _ = x.shape
+  h = rms_norm(x, weights.attn_norm[i], c.rms_eps).astype(dtype)
+  qkv = linear(h, weights.wqkv, i, kernels=kernels)              # [B, T, H*Dh + 2*G*Dh]
+  if weights.bqkv is not None:
+    qkv = (qkv.astype(jnp.float32) + weights.bqkv[i]).astype(dtype)
+  q, k, v = jnp.split(qkv, [c.q_dim, c.q_dim + c.kv_dim], axis=-1)
+  q = q.reshape(b, t, c.n_heads, c.head_dim)
+  k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+  v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+  if weights.q_norm is not None:
+    q = rms_norm(q, weights.q_norm[i], c.rms_eps).astype(dtype)
+    k = rms_norm(k, weights.k_norm[i], c.rms_eps).astype(dtype)
+  q = apply_rope(q, angles, c.rope_style)
+  k = apply_rope(k, angles, c.rope_style)
+  cache = KVCache(k=_write_cache(cache.k, i, k, positions), v=_write_cache(cache.v, i, v, positions))
+  if t == 1:
+    attn = decode_attention(q[:, 0], cache.k, cache.v, i, positions[:, 0] + 1, kernels=kernels)[:, None]
+  else:
+    attn = _prefill_attention(q, cache.k, cache.v, i, positions)
+  x = x + linear(attn.reshape(b, t, c.q_dim), weights.wo, i, kernels=kernels).astype(jnp.float32)
+  h = rms_norm(x, weights.ffn_norm[i], c.rms_eps).astype(dtype)
+  gate, up = jnp.split(linear(h, weights.w_gate_up, i, kernels=kernels), 2, axis=-1)
+  act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+  x = x + linear(act, weights.w_down, i, kernels=kernels).astype(jnp.float32)
+  return x, cache
+
+
+def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
+            *, kernels: str = "xla") -> tuple[jax.Array, KVCache]:
+  """Runs T new tokens per sequence, written to the cache from position start[b].
+
+  Args:
+    tokens: [B, T] int32.
+    start: [B] int32 cache position of each sequence's first new token.
+  Returns:
+    hidden [B, T, D] f32 after the final norm, and the updated cache.
+  """
+  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+  angles = rope_angles(config, positions, weights.rope_freqs)
+  x = embed(weights, tokens)
+  for i in range(config.n_layers):
+    x, cache = layer(config, weights, i, x, cache, positions, angles, kernels=kernels)
+  return rms_norm(x, weights.out_norm, config.rms_eps), cache
+
+
+def logits(weights: Weights, hidden: jax.Array, dtype, *, kernels: str = "xla") -> jax.Array:
+  """hidden [..., D] -> logits [..., V] f32 through the (quantized) LM head."""
+  return linear(hidden.astype(dtype), weights.head, kernels=kernels).astype(jnp.float32)

