@@ -79,10 +79,7 @@ def apply_rope(x: jax.Array, angles: jax.Array, style: str) -> jax.Array:
 def embed(weights: Weights, tokens: jax.Array) -> jax.Array:
   """tokens [B, T] int32 -> [B, T, D] f32."""
   e = weights.embed
-  rows = e.w[tokens].astype(jnp.float32)
-  if e.scale is not None:
-    rows = rows * e.scale[tokens][..., None]
-  return rows
+  return Linear(w=e.w[tokens], scale=None if e.scale is None else e.scale[tokens]).dequantize()
 
 
 def _prefill_attention(q, k_cache, v_cache, layer, positions):

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import Config
 from jaxllm.gguf import GGUFFile
 from jaxllm.model import Weights
-from jaxllm.quant import Linear, quantize_int8
+from jaxllm.quant import GROUP, Linear, quantize_int8
 
 QUANT_CHOICES = ("w8a16", "none")
 
@@ -96,7 +96,8 @@ def random_weights(config: Config, seed: int = 0, quant: str = "w8a16", dtype=jn
     if quant == "none":
       return Linear(w=(0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype))
     q = jax.random.randint(next(keys), shape, -127, 128, jnp.int32).astype(jnp.int8)
-    return Linear(w=q, scale=jnp.full(shape[:-1], 0.02 / 73.0, jnp.float32))  # std of U(-127,127) ~ 73
+    groups = (*shape[:-1], shape[-1] // GROUP)
+    return Linear(w=q, scale=jnp.full(groups, 0.02 / 73.0, jnp.float32))  # std of U(-127,127) ~ 73
 
   L, qkv = c.n_layers, c.q_dim + 2 * c.kv_dim
   embed = lin(c.vocab_size, c.d_model)

@@ -1,4 +1,4 @@
-"""W8A16 linear: y[M, N] = x[M, K] @ w[N, K].T * scale[N].
+"""W8A16 linear: y[M, N] = x[M, K] @ (w[N, K] * scale[N, K / group]).T.
 
 The weight may be one layer of a stacked [L, N, K] array; `layer` (a Python int) picks it, so the FFI
 kernel can address the layer inside the stacked buffer without XLA copying it out.
@@ -16,19 +16,15 @@ def linear_reference(x: jax.Array, lin: Linear, layer: int | None = None) -> jax
 
   Args:
     x: [..., K] activations (bf16/f16/f32).
-    lin: weight [N, K] or [L, N, K] (int8 with scale [.., N], or float with no scale).
+    lin: weight [N, K] or [L, N, K] (int8 with scale [.., N, K // group], or float with no scale).
     layer: index into L when the weight is stacked.
   Returns:
-    [..., N] in x.dtype; accumulation in f32, scale applied to the f32 sum.
+    [..., N] in x.dtype; accumulation in f32.
   """
-  w, scale = lin.w, lin.scale
   if layer is not None:
-    w = w[layer]
-    scale = None if scale is None else scale[layer]
-  y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-  if scale is not None:
-    y = y * scale
-  return y.astype(x.dtype)
+    lin = Linear(w=lin.w[layer], scale=None if lin.scale is None else lin.scale[layer])
+  w = lin.dequantize(x.dtype)                                                   # [N, K]
+  return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def linear(x: jax.Array, lin: Linear, layer: int | None = None, *, kernels: str = "xla") -> jax.Array:

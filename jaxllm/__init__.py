@@ -1,0 +1,29 @@
+"""jaxllm: a JAX/XLA compiled LLM decode engine for GGUF models (W8A16, CUDA Graphs, XLA FFI kernels).
+
+Public API:
+  load(model, quant, dtype) -> (Config, Weights, Tokenizer)
+  Engine: compiled prefill/decode with a generate loop
+  create_cache, prefill, decode_step, sequence_logits: pure functions for use inside your own jit/vmap/scan
+  SamplingParams, DecodeState, KVCache, Weights, Config, Tokenizer
+  DEMO_MODELS, fetch_demo_model, random_weights
+"""
+from jaxllm.cache import KVCache, create_cache
+from jaxllm.config import Config
+from jaxllm.decode import DecodeState, decode_step, prefill, sequence_logits
+from jaxllm.engine import Engine, GenerationResult
+from jaxllm.gguf import GGUFError, GGUFFile
+from jaxllm.load import default_dtype, load
+from jaxllm.model import Weights
+from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS, fetch_demo_model
+from jaxllm.sampling import SamplingParams
+from jaxllm.tokenizer import StreamDecoder, Tokenizer
+from jaxllm.weights import random_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config", "DEFAULT_MODEL", "DEMO_MODELS", "DecodeState", "Engine", "GGUFError", "GGUFFile",
+    "GenerationResult", "KVCache", "SamplingParams", "StreamDecoder", "Tokenizer", "Weights",
+    "create_cache", "decode_step", "default_dtype", "fetch_demo_model", "load", "prefill",
+    "random_weights", "sequence_logits",
+]

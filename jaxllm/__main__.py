@@ -1,0 +1,5 @@
+import sys
+
+from jaxllm.generate import main
+
+sys.exit(main())

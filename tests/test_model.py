@@ -1,0 +1,91 @@
+"""The JAX model against an independent numpy float64 forward, and decode against prefill."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import GGUFFile, Tokenizer, create_cache, sequence_logits
+from jaxllm.weights import load_weights
+from tiny import numpy_forward, write_tiny_model
+
+TOKENS = [5, 77, 200, 259, 31, 140, 12, 256, 99, 3, 18, 240, 66, 130, 8, 201, 44, 90, 257]
+
+
+def _load(path, quant="none"):
+  gf = GGUFFile(path)
+  return gf.config, load_weights(gf, quant=quant, dtype=jnp.float32, progress=False)
+
+
+def _prefill_logits(config, weights, tokens, max_len=32):
+  cache = create_cache(config, 1, max_len, jnp.float32)
+  out, _ = sequence_logits(config, weights, cache, jnp.asarray([tokens], jnp.int32), jnp.zeros((1,), jnp.int32))
+  return np.asarray(out[0])
+
+
+def _stepwise_logits(config, weights, tokens, max_len=32):
+  cache = create_cache(config, 1, max_len, jnp.float32)
+  step = jax.jit(lambda c, t, p: sequence_logits(config, weights, c, t, p))
+  rows = []
+  for i, t in enumerate(tokens):
+    out, cache = step(cache, jnp.asarray([[t]], jnp.int32), jnp.asarray([i], jnp.int32))
+    rows.append(np.asarray(out[0, 0]))
+  return np.stack(rows)
+
+
+def _rel(a, b):
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_prefill_matches_numpy_float64(tiny_path):
+  config, weights = _load(tiny_path)
+  ours = _prefill_logits(config, weights, TOKENS)
+  ref = numpy_forward(tiny_path, TOKENS)
+  assert _rel(ours, ref) < 1e-5, _rel(ours, ref)
+  assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_decode_matches_prefill(tiny_path):
+  """Step-by-step decode (the decode-attention path, T=1) equals one prefill of the whole sequence."""
+  config, weights = _load(tiny_path)
+  full = _prefill_logits(config, weights, TOKENS)
+  steps = _stepwise_logits(config, weights, TOKENS)
+  assert _rel(steps, full) < 1e-5, _rel(steps, full)
+  np.testing.assert_allclose(steps, full, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_matches_prefill_w8a16(tiny_path):
+  config, weights = _load(tiny_path, quant="w8a16")
+  full = _prefill_logits(config, weights, TOKENS)
+  steps = _stepwise_logits(config, weights, TOKENS)
+  np.testing.assert_allclose(steps, full, rtol=1e-4, atol=1e-4)
+
+
+def test_w8a16_close_to_float(tiny_path):
+  config, wf = _load(tiny_path)
+  _, wq = _load(tiny_path, quant="w8a16")
+  lf, lq = _prefill_logits(config, wf, TOKENS), _prefill_logits(config, wq, TOKENS)
+  assert _rel(lq, lf) < 0.05, _rel(lq, lf)
+
+
+@pytest.mark.parametrize("tensor_type", ["F16", "Q8_0"])
+def test_quantized_gguf_types_match_numpy(tmp_path, tensor_type):
+  path = write_tiny_model(tmp_path / "m.gguf", "qwen2", tensor_type=tensor_type)
+  config, weights = _load(path)
+  assert _rel(_prefill_logits(config, weights, TOKENS), numpy_forward(path, TOKENS)) < 1e-5
+
+
+def test_linear_rope_scaling_matches_numpy(tmp_path):
+  path = write_tiny_model(tmp_path / "m.gguf", "llama", rope_scale=4.0)
+  config, weights = _load(path)
+  assert config.rope_scaling == "linear" and config.rope_scale == 4.0
+  assert _rel(_prefill_logits(config, weights, TOKENS), numpy_forward(path, TOKENS)) < 1e-5
+
+
+def test_config_from_metadata(tiny_models):
+  for arch, path in tiny_models.items():
+    c = GGUFFile(path).config
+    assert c.arch == arch and c.n_layers == 2 and c.n_heads == 4 and c.n_kv_heads == 2
+    assert c.tied_embeddings == (arch == "llama")
+    assert c.qkv_bias == (arch == "qwen2") and c.qk_norm == (arch == "qwen3")
+    assert c.rope_style == ("normal" if arch == "llama" else "neox")
+    assert Tokenizer(GGUFFile(path).metadata).eog_ids >= {c.eos_id}

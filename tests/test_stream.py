@@ -1,0 +1,88 @@
+"""Streaming text: UTF-8 split across tokens, stop strings, and the CLI's output."""
+import json
+
+import pytest
+
+from jaxllm import Engine, GGUFFile, SamplingParams, StreamDecoder, Tokenizer
+from jaxllm.engine import _StopText
+from jaxllm.generate import main as cli_main
+from jaxllm.weights import load_weights
+from tiny import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+  path = write_tiny_model(tmp_path_factory.mktemp("s") / "m.gguf", "qwen2")
+  gf = GGUFFile(path)
+  tok = Tokenizer(gf.metadata)
+  return path, Engine(gf.config, load_weights(gf, progress=False), tok, max_context=64, kernels="xla"), tok
+
+
+def test_stream_decoder_holds_split_characters(model):
+  _, _, tok = model
+  text = "你好，世界 🎉 naïve"
+  ids = tok.encode(text)
+  assert len(ids) > len(text)          # the tiny vocab is bytes: every CJK char spans 3 tokens
+  dec = StreamDecoder(tok)
+  pieces = [dec.push(i) for i in ids] + [dec.flush()]
+  assert "".join(pieces) == text
+  assert all("\ufffd" not in p for p in pieces)
+  assert "" in pieces                  # some tokens complete no character
+
+
+def test_stop_text_holds_back_prefixes():
+  s = _StopText(["STOP"])
+  assert s.push("abc ST") == ("abc ", False)
+  assert s.push("O") == ("", False)
+  assert s.push("x") == ("STOx", False)
+  assert s.push(" ST") == (" ", False)
+  assert s.push("OP and more") == ("", True)
+  assert s.text == "abc STOx "
+
+
+def test_generate_stops_at_stop_string(model):
+  _, engine, tok = model
+  prompt = tok.encode("the cat")
+  full = engine.generate(prompt, 24, ignore_eos=True)
+  assert len(full.text) > 6
+  stop = full.text[3:6]
+  cut = engine.generate(prompt, 24, ignore_eos=True, stop=[stop])
+  assert cut.finish_reason == "stop"
+  assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_pipelined_and_streaming_loops_agree(model):
+  _, engine, tok = model
+  prompt = tok.encode("hello")
+  params = SamplingParams(temperature=0.8, top_p=0.9)
+  a = engine.generate(prompt, 20, params, seed=5, ignore_eos=True, pipelined=True)
+  b = engine.generate(prompt, 20, params, seed=5, ignore_eos=True, pipelined=False)
+  c = engine.generate(prompt, 20, params, seed=6, ignore_eos=True)
+  assert a.ids == b.ids and len(a.ids) == 20
+  assert a.ids != c.ids
+
+
+def test_generation_ends_when_context_is_full(model):
+  _, engine, tok = model
+  result = engine.generate(list(range(1, 61)), 50, ignore_eos=True)
+  assert len(result.ids) == 64 - 60 + 1 and result.finish_reason == "context"
+
+
+def test_cli_json(model, capsys):
+  path, _, tok = model
+  assert cli_main([path, "--prompt", "the", "--max-tokens", "5", "--ignore-eos", "--json", "--kernels", "xla"]) == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["prompt_ids"] == tok.encode("the") and len(out["ids"]) == 5
+  assert out["text"] == tok.decode(out["ids"])
+  for key in ("ttft_ms", "tpot_ms", "tok_per_s"):
+    assert out[key] > 0
+
+
+def test_cli_chat_streams_text(model, capsys):
+  path, _, tok = model
+  cli_main([path, "--chat", "--system", "be brief", "--prompt", "hi", "--max-tokens", "4", "--ignore-eos",
+            "--show-tokens"])
+  captured = capsys.readouterr()
+  assert "prompt ids: " + str(tok.encode(tok.apply_chat_template(
+      [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))) in captured.out
+  assert "TTFT" in captured.err and "TPOT" in captured.err and "tok/s" in captured.err
