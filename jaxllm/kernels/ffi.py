@@ -1,7 +1,131 @@
-"""jaxllm's own kernels through the XLA FFI (filled in by the kernel work; unavailable until built)."""
+"""jaxllm's own kernels through the XLA FFI: registration and the thin wrappers the model calls.
+
+The extension (`jaxllm._ffi`, built from ffi/ by the package build) exposes CPU handlers always and
+CUDA handlers when it was built with a CUDA compiler. Each wrapper validates its inputs up front,
+declares its outputs with jax.ShapeDtypeStruct and passes attributes as numpy scalars.
+
+Under `jax.vmap`: the matmul folds a batched activation into M (one kernel call; weights must not be
+batched, else it maps sequentially); attention maps sequentially.
+"""
 from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.quant import Linear
+
+MAX_M = 16          # rows of x the matmul kernel takes; larger M (prefill) uses XLA's dot
+ATTN_CHUNK = 256    # cache positions per split block of the CUDA attention (kChunk in cuda_kernels.cu)
+_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _register() -> str | None:
+  """Registers the handlers for the default backend; returns why not, or None on success."""
+  try:
+    from jaxllm import _ffi
+  except ImportError as e:
+    return f"the extension jaxllm._ffi is not built ({e})"
+  backend = jax.default_backend()
+  if backend == "cpu":
+    targets, platform = _ffi.cpu_targets(), "cpu"
+  elif backend == "gpu" and jax.devices()[0].platform == "gpu" and _ffi.with_cuda:
+    targets, platform = _ffi.cuda_targets(), "CUDA"
+  elif backend == "gpu":
+    return "the extension was built without a CUDA compiler"
+  else:
+    return f"no jaxllm kernels for the {backend!r} backend"
+  try:
+    for name, capsule in targets.items():
+      jax.ffi.register_ffi_target(name, capsule, platform=platform)
+  except Exception as e:  # registration failures come as assorted XLA errors
+    return f"registering the FFI targets failed ({e})"
+  return None
 
 
 def unavailable_reason() -> str | None:
-  """None when the FFI extension is built and registered, else why not."""
-  return "the jaxllm FFI extension is not built in this version"
+  """None when the FFI kernels are registered for the default backend, else why not."""
+  return _register()
+
+
+def _check_dtype(name: str, x: jax.Array) -> None:
+  if x.dtype not in _DTYPES:
+    raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul_call(layer: int):
+  """The FFI matmul for one layer index, batched under vmap by folding into M."""
+
+  @jax.custom_batching.custom_vmap
+  def call(x, w, scale):                       # x [M, K], w [L, N, K], scale [L, N, G] -> [M, N]
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
+    return jax.ffi.ffi_call("jaxllm_w8a16", out)(x, w, scale, layer=np.int64(layer))
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, x, w, scale):
+    x_b, w_b, s_b = in_batched
+    if w_b or s_b:
+      xs = x if x_b else jnp.broadcast_to(x, (axis_size, *x.shape))
+      ws = w if w_b else jnp.broadcast_to(w, (axis_size, *w.shape))
+      ss = scale if s_b else jnp.broadcast_to(scale, (axis_size, *scale.shape))
+      return jax.lax.map(lambda a: call(*a), (xs, ws, ss)), True
+    m, k = x.shape[-2:]
+    return call(x.reshape(axis_size * m, k), w, scale).reshape(axis_size, m, w.shape[1]), True
+
+  return call
+
+
+def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None) -> jax.Array:
+  """x [..., K] @ dequantize(lin)[layer].T -> [..., N] with jaxllm's kernel (M <= MAX_M rows).
+
+  Larger M falls back to the reference (XLA's dot on dequantized weights), which is faster there.
+  """
+  from jaxllm.kernels.linear import linear_reference
+  if not lin.quantized:
+    raise ValueError("w8a16_matmul needs int8 weights with scales (quant='w8a16')")
+  _check_dtype("x", x)
+  w, scale = lin.w, lin.scale
+  if w.ndim == 2:
+    w, scale, layer = w[None], scale[None], 0
+  if w.ndim != 3 or w.dtype != jnp.int8 or scale.shape != (*w.shape[:2], scale.shape[-1]):
+    raise ValueError(f"expected w [L, N, K] int8 and scale [L, N, G]; got w {w.shape} {w.dtype}, "
+                     f"scale {scale.shape}")
+  if layer is None or not 0 <= layer < w.shape[0]:
+    raise ValueError(f"layer must index the {w.shape[0]} stacked weights, got {layer!r}")
+  k = x.shape[-1]
+  if k != w.shape[2]:
+    raise ValueError(f"x has K={k} but the weight has K={w.shape[2]}")
+  lead = x.shape[:-1]
+  m = int(np.prod(lead)) if lead else 1
+  if m > MAX_M:
+    return linear_reference(x, Linear(w=w, scale=scale), layer)
+  y = _matmul_call(int(layer))(x.reshape(m, k), w.astype(jnp.int8), scale.astype(jnp.float32))
+  return y.reshape(*lead, w.shape[1])
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
+                     lengths: jax.Array) -> jax.Array:
+  """jaxllm's decode attention; see attention.decode_attention_reference for the contract."""
+  _check_dtype("q", q)
+  if q.ndim != 3 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+    raise ValueError(f"expected q [B, H, Dh] and caches [L, B, G, S, Dh]; got q {q.shape}, "
+                     f"k {k_cache.shape}, v {v_cache.shape}")
+  n_layers, b, g, s, dh = k_cache.shape
+  if q.shape[0] != b or q.shape[2] != dh or q.shape[1] % g:
+    raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}")
+  if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    raise ValueError(f"q and caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+  if lengths.shape != (b,):
+    raise ValueError(f"lengths must be [B]={b}, got {lengths.shape}")
+  if not 0 <= layer < n_layers:
+    raise ValueError(f"layer must be in [0, {n_layers}), got {layer!r}")
+  parts = -(-s // ATTN_CHUNK)
+  out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct((b, q.shape[1], parts, dh + 2), jnp.float32))
+  out, _ = jax.ffi.ffi_call("jaxllm_decode_attention", out_types, vmap_method="sequential")(
+      q, k_cache, v_cache, lengths.astype(jnp.int32), layer=np.int64(layer))
+  return out

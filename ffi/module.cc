@@ -1,0 +1,43 @@
+// The Python module: handlers as PyCapsules, registered by jaxllm/kernels/ffi.py.
+#include <pybind11/pybind11.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace jaxllm {
+extern "C" XLA_FFI_Error* W8A16MatmulCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* DecodeAttentionCpuHandler(XLA_FFI_CallFrame*);
+#ifdef JAXLLM_WITH_CUDA
+extern "C" XLA_FFI_Error* W8A16MatmulCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* DecodeAttentionCudaHandler(XLA_FFI_CallFrame*);
+#endif
+}  // namespace jaxllm
+
+namespace {
+template <typename F>
+pybind11::capsule Capsule(F* fn) {
+  return pybind11::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+PYBIND11_MODULE(_ffi, m) {
+  m.doc() = "jaxllm's XLA FFI handlers";
+  m.def("cpu_targets", [] {
+    pybind11::dict d;
+    d["jaxllm_w8a16"] = Capsule(jaxllm::W8A16MatmulCpu);
+    d["jaxllm_decode_attention"] = Capsule(jaxllm::DecodeAttentionCpuHandler);
+    return d;
+  });
+  m.def("cuda_targets", [] {
+    pybind11::dict d;
+#ifdef JAXLLM_WITH_CUDA
+    d["jaxllm_w8a16"] = Capsule(jaxllm::W8A16MatmulCuda);
+    d["jaxllm_decode_attention"] = Capsule(jaxllm::DecodeAttentionCudaHandler);
+#endif
+    return d;
+  });
+#ifdef JAXLLM_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}
