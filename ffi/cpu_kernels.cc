@@ -156,6 +156,17 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// Test variants: the output aliases a poisoned input buffer, so tests can see unwritten elements.
+ffi::Error W8A16CpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                        ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
+  return W8A16Cpu(pool, x, w, scale, y, layer);
+}
+ffi::Error DecodeAttentionCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                  ffi::AnyBuffer lengths, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::AnyBuffer> ws, int64_t layer) {
+  return DecodeAttentionCpu(pool, q, k, v, lengths, out, ws, layer);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCpu, W8A16Cpu,
@@ -177,5 +188,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCpuHandler, DecodeAttentionCpu,
                                   .Ret<ffi::AnyBuffer>()      // out [B, H, Dh]
                                   .Ret<ffi::AnyBuffer>()      // workspace [B, H, P, Dh + 2] f32 (unused here)
                                   .Attr<int64_t>("layer"));   // which layer of the cache
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCpuInto, W8A16CpuInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()      // x
+                                  .Arg<ffi::AnyBuffer>()      // w
+                                  .Arg<ffi::AnyBuffer>()      // scale
+                                  .Arg<ffi::AnyBuffer>()      // poisoned y, aliased to the result
+                                  .Ret<ffi::AnyBuffer>()      // y
+                                  .Attr<int64_t>("layer"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCpuIntoHandler, DecodeAttentionCpuInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()      // q
+                                  .Arg<ffi::AnyBuffer>()      // k cache
+                                  .Arg<ffi::AnyBuffer>()      // v cache
+                                  .Arg<ffi::AnyBuffer>()      // lengths
+                                  .Arg<ffi::AnyBuffer>()      // poisoned out, aliased to the result
+                                  .Ret<ffi::AnyBuffer>()      // out
+                                  .Ret<ffi::AnyBuffer>()      // workspace
+                                  .Attr<int64_t>("layer"));
 
 }  // namespace jaxllm

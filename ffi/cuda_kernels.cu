@@ -302,6 +302,17 @@ ffi::Error DecodeAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// Test variants: the output aliases a poisoned input buffer, so tests can see unwritten elements.
+ffi::Error W8A16CudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                         ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
+  return W8A16Cuda(stream, x, w, scale, y, layer);
+}
+ffi::Error DecodeAttentionCudaInto(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                   ffi::AnyBuffer lengths, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Result<ffi::AnyBuffer> ws, int64_t layer) {
+  return DecodeAttentionCuda(stream, q, k, v, lengths, out, ws, layer);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCuda, W8A16Cuda,
@@ -324,6 +335,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaHandler, DecodeAttentionCuda,
                                   .Ret<ffi::AnyBuffer>()      // out [B, H, Dh]
                                   .Ret<ffi::AnyBuffer>()      // workspace [B, H, P, Dh + 2] f32
                                   .Attr<int64_t>("layer"),    // which layer of the cache
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCudaInto, W8A16CudaInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()      // x
+                                  .Arg<ffi::AnyBuffer>()      // w
+                                  .Arg<ffi::AnyBuffer>()      // scale
+                                  .Arg<ffi::AnyBuffer>()      // poisoned y, aliased to the result
+                                  .Ret<ffi::AnyBuffer>()      // y
+                                  .Attr<int64_t>("layer"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaIntoHandler, DecodeAttentionCudaInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()      // q
+                                  .Arg<ffi::AnyBuffer>()      // k cache
+                                  .Arg<ffi::AnyBuffer>()      // v cache
+                                  .Arg<ffi::AnyBuffer>()      // lengths
+                                  .Arg<ffi::AnyBuffer>()      // poisoned out, aliased to the result
+                                  .Ret<ffi::AnyBuffer>()      // out
+                                  .Ret<ffi::AnyBuffer>()      // workspace
+                                  .Attr<int64_t>("layer"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxllm

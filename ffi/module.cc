@@ -6,9 +6,13 @@
 namespace jaxllm {
 extern "C" XLA_FFI_Error* W8A16MatmulCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCpuHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* W8A16MatmulCpuInto(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* DecodeAttentionCpuIntoHandler(XLA_FFI_CallFrame*);
 #ifdef JAXLLM_WITH_CUDA
 extern "C" XLA_FFI_Error* W8A16MatmulCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCudaHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* W8A16MatmulCudaInto(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* DecodeAttentionCudaIntoHandler(XLA_FFI_CallFrame*);
 #endif
 }  // namespace jaxllm
 
@@ -25,6 +29,8 @@ PYBIND11_MODULE(_ffi, m) {
     pybind11::dict d;
     d["jaxllm_w8a16"] = Capsule(jaxllm::W8A16MatmulCpu);
     d["jaxllm_decode_attention"] = Capsule(jaxllm::DecodeAttentionCpuHandler);
+    d["jaxllm_w8a16_into"] = Capsule(jaxllm::W8A16MatmulCpuInto);
+    d["jaxllm_decode_attention_into"] = Capsule(jaxllm::DecodeAttentionCpuIntoHandler);
     return d;
   });
   m.def("cuda_targets", [] {
@@ -32,6 +38,8 @@ PYBIND11_MODULE(_ffi, m) {
 #ifdef JAXLLM_WITH_CUDA
     d["jaxllm_w8a16"] = Capsule(jaxllm::W8A16MatmulCuda);
     d["jaxllm_decode_attention"] = Capsule(jaxllm::DecodeAttentionCudaHandler);
+    d["jaxllm_w8a16_into"] = Capsule(jaxllm::W8A16MatmulCudaInto);
+    d["jaxllm_decode_attention_into"] = Capsule(jaxllm::DecodeAttentionCudaIntoHandler);
 #endif
     return d;
   });

@@ -7,6 +7,7 @@ Public API:
   SamplingParams, DecodeState, KVCache, Weights, Config, Tokenizer
   DEMO_MODELS, fetch_demo_model, random_weights
 """
+from jaxllm import graphs
 from jaxllm.cache import KVCache, create_cache
 from jaxllm.config import Config
 from jaxllm.decode import DecodeState, decode_step, prefill, sequence_logits

@@ -165,6 +165,27 @@ class Engine:
     return DecodeState(cache=KVCache(k=kv, v=kv), tokens=vec, pos=vec,
                        key=jax.ShapeDtypeStruct((2,), jnp.uint32))
 
+  def graph_state(self, params: SamplingParams = SamplingParams(), dump_dir: str | None = None) -> dict:
+    """What XLA actually did with the decode step: compiles it once more with a dump and reads it.
+
+    Returns a dict with "state" ("on" | "off" | "unknown"), "requested", the command-buffer count and
+    the share of the step's work thunks they hold ("coverage"), and the user's XLA_FLAGS setting if any.
+    `dump_dir` keeps XLA's dump there (default: a temporary directory).
+    """
+    info = {"requested": self.graphs_requested, "xla_flags_setting": graphs.user_xla_flag(),
+            "backend": jax.default_backend(), "kernels": self.kernels}
+    if jax.default_backend() != "gpu":
+      info.update(state="off", reason="XLA command buffers (CUDA graphs) exist only on the GPU backend")
+      return info
+    import tempfile
+    fn = functools.partial(decode_step, self.config, params=params, kernels=self.kernels)
+    with tempfile.TemporaryDirectory(prefix="jaxllm-dump-") as tmp:
+      target = dump_dir or tmp
+      options = dict(self.compiler_options, xla_dump_to=target)
+      jax.jit(fn, donate_argnums=(1,), compiler_options=options).lower(self.weights, self._state_spec()).compile()
+      info.update(graphs.read_dump(target))
+    return info
+
   def warmup(self, prompt_len: int, params: SamplingParams = SamplingParams()) -> None:
     """Compiles what generate() will run for this prompt length, outside any timing."""
     self.prefill_fn(prompt_bucket(prompt_len, self.max_context), params)

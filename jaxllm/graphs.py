@@ -34,3 +34,50 @@ def compiler_options(enabled: bool) -> dict[str, str]:
   if user_xla_flag() is not None or enabled:
     return {}
   return {_FLAG: ""}
+
+
+_THUNK = re.compile(r"\bk([A-Z][A-Za-z0-9]+)")
+_CONTAINERS = {"CommandBuffer", "Sequential", "WaitForStreams", "While", "Conditional"}
+
+
+def parse_thunk_sequence(text: str) -> dict:
+  """Reads XLA's thunk-sequence dump: how many command buffers and what share of the work they hold.
+
+  A line naming a thunk kind (kKernel, kGemm, kCustomCall, kCommandBuffer, ...) is one thunk; a thunk
+  indented under a kCommandBuffer line belongs to it. Coverage = work thunks inside command buffers /
+  all work thunks.
+  """
+  entries = []
+  for line in text.splitlines():
+    m = _THUNK.search(line)
+    if m:
+      entries.append((len(line) - len(line.lstrip()), m.group(1)))
+  if not entries:
+    return {"command_buffers": 0, "work_thunks": 0, "captured": 0, "coverage": 0.0, "kinds_outside": {}}
+  top = min(indent for indent, _ in entries)
+  command_buffers, captured, outside = 0, 0, {}
+  inside = False
+  for indent, kind in entries:
+    if indent == top:
+      inside = kind == "CommandBuffer"
+      command_buffers += inside
+      if not inside and kind not in _CONTAINERS:
+        outside[kind] = outside.get(kind, 0) + 1
+    elif inside and kind not in _CONTAINERS:
+      captured += 1
+  work = captured + sum(outside.values())
+  return {"command_buffers": command_buffers, "work_thunks": work, "captured": captured,
+          "coverage": captured / work if work else 0.0, "kinds_outside": outside}
+
+
+def read_dump(dump_dir: str) -> dict:
+  """Graph state from an XLA dump directory (the largest module's thunk sequence)."""
+  import glob
+  files = sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence*.txt")), key=os.path.getsize)
+  if not files:
+    return {"state": "unknown", "reason": f"XLA wrote no thunk-sequence dump into {dump_dir}"}
+  with open(files[-1]) as f:
+    info = parse_thunk_sequence(f.read())
+  info["state"] = "on" if info["command_buffers"] else "off"
+  info["dump_file"] = os.path.basename(files[-1])
+  return info

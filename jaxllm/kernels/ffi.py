@@ -56,6 +56,13 @@ def _check_dtype(name: str, x: jax.Array) -> None:
     raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
 
 
+def _target(name: str, poison: jax.Array | None, n_args: int) -> tuple[str, dict]:
+  """The FFI target to call: the "_into" test variant writes into `poison` (aliased to output 0)."""
+  if poison is None:
+    return name, {}
+  return name + "_into", {"input_output_aliases": {n_args: 0}}
+
+
 @functools.lru_cache(maxsize=None)
 def _matmul_call(layer: int):
   """The FFI matmul for one layer index, batched under vmap by folding into M."""
@@ -79,10 +86,12 @@ def _matmul_call(layer: int):
   return call
 
 
-def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None) -> jax.Array:
+def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
+                 poison: jax.Array | None = None) -> jax.Array:
   """x [..., K] @ dequantize(lin)[layer].T -> [..., N] with jaxllm's kernel (M <= MAX_M rows).
 
   Larger M falls back to the reference (XLA's dot on dequantized weights), which is faster there.
+  `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
   """
   from jaxllm.kernels.linear import linear_reference
   if not lin.quantized:
@@ -101,15 +110,23 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None) -> jax.Arr
     raise ValueError(f"x has K={k} but the weight has K={w.shape[2]}")
   lead = x.shape[:-1]
   m = int(np.prod(lead)) if lead else 1
-  if m > MAX_M:
+  if m > MAX_M and poison is None:
     return linear_reference(x, Linear(w=w, scale=scale), layer)
+  if poison is not None:
+    name, kw = _target("jaxllm_w8a16", poison, 3)
+    out = jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype)
+    y = jax.ffi.ffi_call(name, out, **kw)(x.reshape(m, k), w, scale, poison, layer=np.int64(layer))
+    return y.reshape(*lead, w.shape[1])
   y = _matmul_call(int(layer))(x.reshape(m, k), w.astype(jnp.int8), scale.astype(jnp.float32))
   return y.reshape(*lead, w.shape[1])
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
-                     lengths: jax.Array) -> jax.Array:
-  """jaxllm's decode attention; see attention.decode_attention_reference for the contract."""
+                     lengths: jax.Array, *, poison: jax.Array | None = None) -> jax.Array:
+  """jaxllm's decode attention; see attention.decode_attention_reference for the contract.
+
+  `poison` (tests only): a [B, H, Dh] buffer the kernel writes into, to catch unwritten outputs.
+  """
   _check_dtype("q", q)
   if q.ndim != 3 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
     raise ValueError(f"expected q [B, H, Dh] and caches [L, B, G, S, Dh]; got q {q.shape}, "
@@ -126,6 +143,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
   parts = -(-s // ATTN_CHUNK)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, q.shape[1], parts, dh + 2), jnp.float32))
-  out, _ = jax.ffi.ffi_call("jaxllm_decode_attention", out_types, vmap_method="sequential")(
-      q, k_cache, v_cache, lengths.astype(jnp.int32), layer=np.int64(layer))
+  name, kw = _target("jaxllm_decode_attention", poison, 4)
+  args = (q, k_cache, v_cache, lengths.astype(jnp.int32)) + ((poison,) if poison is not None else ())
+  out, _ = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", **kw)(*args, layer=np.int64(layer))
   return out

@@ -1,0 +1,290 @@
+"""Benchmark: python -m jaxllm.bench MODEL [options]; one JSON line per run (schema in docs/benchmarks.md).
+
+MODEL is a .gguf path, a demo-model name, or a synthetic preset (synthetic:qwen2.5-0.5b, ...) with the
+real shapes and random weights. Compile and warm-up runs are excluded; TTFT and TPOT come from the same
+request. `--ab graphs` runs paired processes (graphs on, off, on, off, ...) and reports per-pair ratios;
+`--sweep` runs each XLA flag set in its own process. Both end with a markdown table and a PNG plot.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+SCHEMA_VERSION = 1
+
+
+def _percentile(xs, q):
+  xs = sorted(xs)
+  return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def _git_commit() -> str | None:
+  try:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          timeout=5).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
+def environment() -> dict:
+  import jax
+  import jaxlib
+  dev = jax.devices()[0]
+  env = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
+         "host": platform.node(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+         "git_commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+  if dev.platform == "gpu":
+    try:
+      out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+      env["driver"] = out.split(",")[0].strip() if out else None
+    except (OSError, subprocess.SubprocessError):
+      env["driver"] = None
+  return env
+
+
+def copy_bandwidth_gb_s() -> float:
+  """Device copy bandwidth (bytes read + written per second), the ceiling for weight streaming."""
+  import jax
+  import jax.numpy as jnp
+  n = (1 << 30) if jax.default_backend() == "gpu" else (1 << 27)
+  x = jnp.ones((n,), jnp.uint8)
+  f = jax.jit(lambda a: a + jnp.uint8(1))
+  f(x).block_until_ready()
+  times = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    f(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n / statistics.median(times) / 1e9
+
+
+def _peak_memory() -> int | None:
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def load_model(model: str, quant: str, seed: int):
+  """(config, weights, tokenizer or None, synthetic?) for a path, demo name or synthetic preset."""
+  from jaxllm.load import default_dtype, load
+  if model.startswith("synthetic:"):
+    from jaxllm.presets import preset
+    from jaxllm.weights import random_weights
+    config = preset(model)
+    return config, random_weights(config, seed=seed, quant=quant, dtype=default_dtype()), None, True
+  config, weights, tok = load(model, quant=quant, progress=False)
+  return config, weights, tok, False
+
+
+def measure(engine, prompt_ids, decode_len: int, repeat: int, warmup: int, pipelined: bool) -> dict:
+  """TTFT and per-token times of `repeat` requests after `warmup` ones."""
+  ttfts, gaps, rates = [], [], []
+  for i in range(warmup + repeat):
+    times = [t for _, t in engine.stream_ids(prompt_ids, decode_len, seed=i, pipelined=pipelined)]
+    if i < warmup:
+      continue
+    ttfts.append(times[0] * 1e3)
+    step = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    gaps += step
+    rates.append((len(times) - 1) / (times[-1] - times[0]))
+  return {"ttft_ms": statistics.median(ttfts), "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(gaps),
+          "tpot_ms_p50": _percentile(gaps, 50), "tpot_ms_p90": _percentile(gaps, 90),
+          "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates}
+
+
+def run(args) -> list[dict]:
+  import numpy as np
+  from jaxllm.engine import Engine
+  from jaxllm.presets import weight_bytes_per_token
+  config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
+  rng = np.random.default_rng(args.seed)
+  prompt_ids = [int(t) for t in rng.integers(0, config.vocab_size, args.prompt_len)]
+  max_context = args.max_context or args.prompt_len + args.decode_len + 8
+  env = environment()
+  bandwidth = copy_bandwidth_gb_s()
+  wbytes = weight_bytes_per_token(weights)
+  graphs_on = {"on": True, "off": False, "env": None}[args.graphs]
+  records = []
+  for kernels in (["ffi", "xla"] if args.kernels == "both" else [args.kernels]):
+    engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on)
+    t0 = time.perf_counter()
+    engine.warmup(len(prompt_ids))
+    compile_s = time.perf_counter() - t0
+    state = engine.graph_state() if args.graph_state else {"state": "not inspected"}
+    for loop in (["pipelined", "streaming"] if args.loop == "both" else [args.loop]):
+      m = measure(engine, prompt_ids, args.decode_len, args.repeat, args.warmup, loop == "pipelined")
+      rec = {"schema_version": SCHEMA_VERSION, "label": args.label, "model": args.model, "synthetic": synthetic,
+             "arch": config.arch, "quant": args.quant, "kernels": engine.kernels,
+             "graphs_requested": engine.graphs_requested, "graph_state": state,
+             "compiler_options": engine.compiler_options, "loop": loop, "batch": 1,
+             "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,
+             "repeat": args.repeat, "compile_s": compile_s, **m,
+             "weight_bytes_per_token": wbytes,
+             "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,
+             "byte_floor_ms": wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None,
+             "copy_gb_s": bandwidth, "peak_memory_bytes": _peak_memory(), "env": env}
+      records.append(rec)
+      print(f"[bench] {args.model} kernels={rec['kernels']} graphs={'on' if rec['graphs_requested'] else 'off'}"
+            f"({state.get('state')}) loop={loop}: TTFT {rec['ttft_ms']:.2f} ms, TPOT {rec['tpot_ms_mean']:.3f} ms "
+            f"(p50 {rec['tpot_ms_p50']:.3f}, p90 {rec['tpot_ms_p90']:.3f}), {rec['decode_tok_s']:.1f} tok/s, "
+            f"weights {rec['weight_gb_s']:.0f} GB/s of {bandwidth:.0f}, floor {rec['byte_floor_ms']:.3f} ms",
+            file=sys.stderr)
+  return records
+
+
+def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
+  cmd = [sys.executable, "-m", "jaxllm.bench", args.model, "--prompt-len", str(args.prompt_len),
+         "--decode-len", str(args.decode_len), "--repeat", str(args.repeat), "--warmup", str(args.warmup),
+         "--kernels", args.kernels, "--loop", args.loop, "--quant", args.quant, "--out", out, *extra]
+  if args.graph_state:
+    cmd.append("--graph-state")
+  subprocess.run(cmd, check=True, env={**os.environ, **env_extra})
+  with open(out) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def ab_graphs(args) -> list[dict]:
+  """Paired processes: graphs on, off, on, off, ...; per-pair ratios of TPOT and TTFT."""
+  import tempfile
+  records = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for pair in range(args.pairs):
+      for mode in ("on", "off"):
+        for r in _child(args, ["--graphs", mode, "--label", f"pair{pair}"], {}, os.path.join(tmp, f"{pair}{mode}.jsonl")):
+          r["pair"] = pair
+          records.append(r)
+  return records
+
+
+def sweep(args) -> list[dict]:
+  import tempfile
+  records = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for i, flags in enumerate(args.sweep):
+      env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
+      for r in _child(args, ["--graphs", "env", "--label", flags or "(default)"], env, os.path.join(tmp, f"{i}.jsonl")):
+        records.append(r)
+  return records
+
+
+def ab_table(records: list[dict]) -> str:
+  """Markdown: per pair and configuration, TPOT/TTFT on vs off and their ratios; medians last."""
+  from collections import defaultdict
+  groups = defaultdict(dict)
+  for r in records:
+    groups[(r["kernels"], r["loop"], r["pair"])][r["graphs_requested"]] = r
+  lines = ["| kernels | loop | pair | TPOT on (ms) | TPOT off (ms) | off/on | TTFT on (ms) | TTFT off (ms) | "
+           "tok/s on | tok/s off |", "|---|---|---|---|---|---|---|---|---|---|"]
+  ratios = defaultdict(list)
+  for (kernels, loop, pair), g in sorted(groups.items()):
+    if True in g and False in g:
+      on, off = g[True], g[False]
+      ratio = off["tpot_ms_mean"] / on["tpot_ms_mean"]
+      ratios[(kernels, loop)].append((on, off, ratio))
+      lines.append(f"| {kernels} | {loop} | {pair} | {on['tpot_ms_mean']:.3f} | {off['tpot_ms_mean']:.3f} | "
+                   f"{ratio:.2f}x | {on['ttft_ms']:.2f} | {off['ttft_ms']:.2f} | {on['decode_tok_s']:.0f} | "
+                   f"{off['decode_tok_s']:.0f} |")
+  for (kernels, loop), rows in sorted(ratios.items()):
+    med = statistics.median
+    lines.append(f"| {kernels} | {loop} | **median** | {med(r[0]['tpot_ms_mean'] for r in rows):.3f} | "
+                 f"{med(r[1]['tpot_ms_mean'] for r in rows):.3f} | **{med(r[2] for r in rows):.2f}x** | "
+                 f"{med(r[0]['ttft_ms'] for r in rows):.2f} | {med(r[1]['ttft_ms'] for r in rows):.2f} | "
+                 f"{med(r[0]['decode_tok_s'] for r in rows):.0f} | {med(r[1]['decode_tok_s'] for r in rows):.0f} |")
+  return "\n".join(lines)
+
+
+def runs_table(records: list[dict]) -> str:
+  lines = ["| label | kernels | graphs | state | loop | TTFT (ms) | TPOT mean/p50/p90 (ms) | tok/s | weight GB/s | floor (ms) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in records:
+    lines.append(f"| {r.get('label') or ''} | {r['kernels']} | {'on' if r['graphs_requested'] else 'off'} | "
+                 f"{r['graph_state'].get('state')} | {r['loop']} | {r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} / "
+                 f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | {r['decode_tok_s']:.1f} | "
+                 f"{r['weight_gb_s']:.0f} | {r['byte_floor_ms']:.3f} |")
+  return "\n".join(lines)
+
+
+def plot(records: list[dict], path: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  labels = [f"{r.get('label') or ''}\n{r['kernels']} {'g-on' if r['graphs_requested'] else 'g-off'} {r['loop'][:4]}"
+            for r in records]
+  fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(records)), 4))
+  ax.bar(range(len(records)), [r["tpot_ms_mean"] for r in records], color="tab:blue")
+  floor = records[0].get("byte_floor_ms")
+  if floor:
+    ax.axhline(floor, color="tab:red", ls="--", label=f"byte floor {floor:.3f} ms")
+    ax.legend()
+  ax.set_xticks(range(len(records)), labels, fontsize=6, rotation=90)
+  ax.set_ylabel("TPOT (ms)")
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def build_parser():
+  p = argparse.ArgumentParser(prog="python -m jaxllm.bench", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("model", help="a .gguf path, a demo name, or synthetic:<preset>")
+  p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--decode-len", type=int, default=128)
+  p.add_argument("--max-context", type=int, default=None)
+  p.add_argument("--repeat", type=int, default=3, help="timed requests per configuration")
+  p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
+  p.add_argument("--kernels", choices=("auto", "ffi", "xla", "both"), default="auto")
+  p.add_argument("--loop", choices=("pipelined", "streaming", "both"), default="both")
+  p.add_argument("--quant", choices=("w8a16", "none"), default="w8a16")
+  p.add_argument("--graphs", choices=("on", "off", "env"), default="env",
+                 help="env = JAXLLM_CUDA_GRAPHS / XLA_FLAGS decide")
+  p.add_argument("--no-graphs", dest="graphs", action="store_const", const="off")
+  p.add_argument("--graph-state", action="store_true", help="verify the graph state from XLA's dump")
+  p.add_argument("--ab", choices=("graphs",), help="paired-process A/B")
+  p.add_argument("--pairs", type=int, default=3)
+  p.add_argument("--sweep", nargs="+", help="XLA flag sets, each run in its own process")
+  p.add_argument("--label", default="")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", help="append JSON lines here (default: stdout)")
+  p.add_argument("--report", help="write a markdown table here and a PNG beside it")
+  return p
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.prompt_len < 1 or args.decode_len < 2 or args.repeat < 1:
+    raise SystemExit("error: need --prompt-len >= 1, --decode-len >= 2, --repeat >= 1")
+  if args.ab:
+    records = ab_graphs(args)
+    table = ab_table(records)
+  elif args.sweep:
+    records = sweep(args)
+    table = runs_table(records)
+  else:
+    records = run(args)
+    table = runs_table(records)
+  lines = "".join(json.dumps(r) + "\n" for r in records)
+  if args.out:
+    with open(args.out, "a") as f:
+      f.write(lines)
+  else:
+    sys.stdout.write(lines)
+  print(table, file=sys.stderr)
+  if args.report:
+    with open(args.report, "w") as f:
+      f.write(table + "\n")
+    plot(records, os.path.splitext(args.report)[0] + ".png", f"{args.model}: {records[0]['env']['device']}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,39 @@
+"""Synthetic models: the real shapes of known models with random weights, for benchmarks (no file needed)."""
+from __future__ import annotations
+
+from jaxllm.config import Config
+from jaxllm.model import Weights
+
+PRESETS = {
+    "qwen2.5-0.5b": Config(arch="qwen2", n_layers=24, d_model=896, n_heads=14, n_kv_heads=2, head_dim=64,
+                           d_ff=4864, vocab_size=151936, rms_eps=1e-6, rope_base=1e6, rope_style="neox",
+                           context_length=32768, tied_embeddings=False, qkv_bias=True),
+    "qwen3-0.6b": Config(arch="qwen3", n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8, head_dim=128,
+                         d_ff=3072, vocab_size=151936, rms_eps=1e-6, rope_base=1e6, rope_style="neox",
+                         context_length=40960, tied_embeddings=True, qk_norm=True),
+    "smollm2-135m": Config(arch="llama", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
+                           d_ff=1536, vocab_size=49152, rms_eps=1e-5, rope_base=1e5, rope_style="normal",
+                           context_length=8192, tied_embeddings=True),
+    "llama-3.2-1b": Config(arch="llama", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, head_dim=64,
+                           d_ff=8192, vocab_size=128256, rms_eps=1e-5, rope_base=5e5, rope_style="normal",
+                           context_length=131072, tied_embeddings=True),
+}
+
+
+def preset(name: str) -> Config:
+  """The Config of a synthetic preset ("qwen2.5-0.5b" or "synthetic:qwen2.5-0.5b")."""
+  key = name.removeprefix("synthetic:")
+  if key not in PRESETS:
+    raise ValueError(f"unknown synthetic preset {name!r}: choose one of "
+                     f"{['synthetic:' + k for k in sorted(PRESETS)]}")
+  return PRESETS[key]
+
+
+def weight_bytes_per_token(weights: Weights) -> int:
+  """Bytes of weights one decode step reads: every matrix and scale except the embedding (one row)."""
+  total = 0
+  for lin in (weights.wqkv, weights.wo, weights.w_gate_up, weights.w_down, weights.head):
+    total += lin.w.size * lin.w.dtype.itemsize
+    if lin.scale is not None:
+      total += lin.scale.size * lin.scale.dtype.itemsize
+  return total

@@ -1,0 +1,88 @@
+"""CUDA graphs (XLA command buffers): the switch, the state in effect, and token parity on vs off.
+
+Parity runs everywhere: on the CPU both settings fall back to the same path; on a GPU (marked tests)
+it runs the Qwen2.5-0.5B shape with synthetic weights and checks the graph state from XLA's dump.
+"""
+import os
+
+import jax
+import pytest
+
+from jaxllm import Engine, GGUFFile, Tokenizer, graphs
+from jaxllm.presets import preset
+from jaxllm.weights import load_weights, random_weights
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def test_switch_reads_env(monkeypatch):
+  monkeypatch.delenv(graphs.ENV_VAR, raising=False)
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert graphs.graphs_requested() and graphs.compiler_options(True) == {}
+  monkeypatch.setenv(graphs.ENV_VAR, "0")
+  assert not graphs.graphs_requested()
+  assert graphs.compiler_options(False) == {"xla_gpu_enable_command_buffer": ""}
+  assert not graphs.graphs_requested(no_graphs=True)
+  monkeypatch.setenv(graphs.ENV_VAR, "maybe")
+  with pytest.raises(ValueError, match="JAXLLM_CUDA_GRAPHS must be 0 or 1, got 'maybe'"):
+    graphs.graphs_requested()
+
+
+def test_user_xla_flags_win(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION --foo=1")
+  assert graphs.user_xla_flag() == "FUSION"
+  assert graphs.compiler_options(False) == {}
+
+
+def _tokens(engine, n):
+  return engine.generate(list(range(3, 19)), n, ignore_eos=True).ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_parity_tiny(tiny_models, arch):
+  gf = GGUFFile(tiny_models[arch])
+  weights = load_weights(gf, progress=False)
+  tok = Tokenizer(gf.metadata)
+  on = Engine(gf.config, weights, tok, max_context=160, graphs_on=True)
+  off = Engine(gf.config, weights, tok, max_context=160, graphs_on=False)
+  assert on.compiler_options == {} and off.compiler_options == {"xla_gpu_enable_command_buffer": ""}
+  a, b = _tokens(on, 128), _tokens(off, 128)
+  assert len(a) == 128 and a == b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["ffi", "xla"])
+def test_parity_qwen_shape_gpu(kernels):
+  config = preset("qwen2.5-0.5b")
+  weights = random_weights(config, seed=0)
+  on = Engine(config, weights, None, max_context=256, kernels=kernels, graphs_on=True)
+  off = Engine(config, weights, None, max_context=256, kernels=kernels, graphs_on=False)
+  a, b = _tokens(on, 128), _tokens(off, 128)
+  assert len(a) == 128 and a == b
+
+
+def test_graph_state_reports_cpu_truthfully():
+  if ON_GPU:
+    pytest.skip("CPU-only statement")
+  config = preset("smollm2-135m").replace(n_layers=1, vocab_size=256)
+  engine = Engine(config, random_weights(config, seed=0), None, max_context=32)
+  state = engine.graph_state()
+  assert state["state"] == "off" and "only on the GPU" in state["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["ffi", "xla"])
+def test_graph_state_gpu(kernels, monkeypatch):
+  """With graphs on, the whole decode step is one command buffer; off, there is none."""
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  config = preset("qwen2.5-0.5b")
+  weights = random_weights(config, seed=0)
+  on = Engine(config, weights, None, max_context=256, kernels=kernels, graphs_on=True).graph_state()
+  print("graphs on:", on)
+  assert on["state"] == "on" and on["command_buffers"] >= 1
+  if kernels == "ffi":
+    assert on["command_buffers"] == 1 and on["coverage"] == 1.0, on
+  monkeypatch.setenv(graphs.ENV_VAR, "0")
+  off = Engine(config, weights, None, max_context=256, kernels=kernels).graph_state()
+  print("graphs off:", off)
+  assert off["state"] == "off" and off["command_buffers"] == 0 and not off["requested"]

@@ -1,0 +1,131 @@
+"""Each FFI kernel against its pure-jnp reference on fresh random inputs, with poisoned outputs.
+
+Runs on whatever backend JAX has: the CPU handlers in CI, the CUDA handlers on a GPU.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels import decode_attention_reference, ffi, linear_reference
+from jaxllm.quant import Linear, quantize_int8
+
+pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None,
+                                reason=f"FFI kernels unavailable: {ffi.unavailable_reason()}")
+ON_GPU = jax.default_backend() == "gpu"
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+# (K, N): Qwen2.5-0.5B (qkv, o, gate+up, down), SmolLM2-135M (qkv, gate+up, down), odd sizes.
+MATMUL_SHAPES = [(896, 1152), (896, 896), (896, 9728), (4864, 896), (576, 960), (576, 3072), (1536, 576),
+                 (64, 1), (64, 7), (128, 33), (192, 1000), (320, 257)]
+if ON_GPU:
+  MATMUL_SHAPES += [(896, 151936), (1024, 151936), (2048, 8192)]
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def _quantized(rng, layers, n, k):
+  q, s = quantize_int8(rng.standard_normal((layers, n, k)).astype(np.float32))
+  return Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
+
+
+@pytest.mark.parametrize("k, n", MATMUL_SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_w8a16_matches_reference(k, n, dtype):
+  rng = np.random.default_rng(k * 7919 + n)
+  lin = _quantized(rng, 2, n, k)
+  for m in (1, 2, 3, 5, 8, 11, 16):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    poison = jnp.full((m, n), jnp.nan, dtype)
+    got = jax.jit(lambda x, w, s, p: ffi.w8a16_matmul(x, Linear(w, s), 1, poison=p))(x, lin.w, lin.scale, poison)
+    ref = linear_reference(x.astype(jnp.float32), lin, 1)
+    assert not np.isnan(np.asarray(got, np.float32)).any(), f"unwritten outputs at M={m}"
+    assert _rel(got, ref) < TOL[dtype], (m, _rel(got, ref))
+
+
+def test_w8a16_unstacked_and_leading_dims():
+  rng = np.random.default_rng(1)
+  lin = _quantized(rng, 1, 96, 128)
+  flat = Linear(w=lin.w[0], scale=lin.scale[0])
+  x = jnp.asarray(rng.standard_normal((2, 3, 128)), jnp.float32)
+  got = ffi.w8a16_matmul(x, flat)
+  assert got.shape == (2, 3, 96) and _rel(got, linear_reference(x, flat)) < 2e-5
+
+
+def test_w8a16_large_m_falls_back_to_xla():
+  rng = np.random.default_rng(2)
+  lin = _quantized(rng, 1, 64, 128)
+  x = jnp.asarray(rng.standard_normal((40, 128)), jnp.float32)
+  text = jax.jit(lambda x: ffi.w8a16_matmul(x, lin, 0)).lower(x).as_text()
+  assert "jaxllm_w8a16" not in text
+  assert _rel(ffi.w8a16_matmul(x, lin, 0), linear_reference(x, lin, 0)) < 2e-5
+
+
+def test_w8a16_under_vmap_folds_into_m():
+  rng = np.random.default_rng(3)
+  lin = _quantized(rng, 3, 200, 192)
+  xs = jnp.asarray(rng.standard_normal((4, 3, 192)), jnp.float32)
+  fn = jax.vmap(lambda x: ffi.w8a16_matmul(x, lin, 2))
+  assert _rel(fn(xs), jax.vmap(lambda x: linear_reference(x, lin, 2))(xs)) < 2e-5
+  assert jax.jit(fn).lower(xs).as_text().count("jaxllm_w8a16") == 1   # one call for the whole batch
+
+
+def test_w8a16_rejects_bad_input():
+  rng = np.random.default_rng(4)
+  lin = _quantized(rng, 2, 32, 128)
+  with pytest.raises(ValueError, match="x has K=64 but the weight has K=128"):
+    ffi.w8a16_matmul(jnp.ones((1, 64)), lin, 0)
+  with pytest.raises(ValueError, match="layer must index the 2 stacked weights, got 5"):
+    ffi.w8a16_matmul(jnp.ones((1, 128)), lin, 5)
+  with pytest.raises(ValueError, match="x must be float32 or bfloat16, got int32"):
+    ffi.w8a16_matmul(jnp.ones((1, 128), jnp.int32), lin, 0)
+  with pytest.raises(ValueError, match="needs int8 weights"):
+    ffi.w8a16_matmul(jnp.ones((1, 128)), Linear(w=jnp.ones((32, 128))), 0)
+
+
+# (B, H, G, S, Dh): Qwen2.5-0.5B, SmolLM2, Qwen3-0.6B / Llama-3.2-1B-like, odd sizes.
+ATTN_SHAPES = [(1, 14, 2, 4096, 64), (2, 9, 3, 300, 64), (3, 16, 8, 513, 128), (1, 32, 8, 1024, 128),
+               (4, 4, 4, 17, 64), (1, 16, 1, 2000, 128)]
+
+
+@pytest.mark.parametrize("b, h, g, s, d", ATTN_SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_matches_reference(b, h, g, s, d, dtype):
+  rng = np.random.default_rng(b * 1000 + s)
+  layers = 2
+  k = jnp.asarray(rng.standard_normal((layers, b, g, s, d)), dtype)
+  v = jnp.asarray(rng.standard_normal((layers, b, g, s, d)), dtype)
+  call = jax.jit(lambda q, k, v, n, p: ffi.decode_attention(q, k, v, 1, n, poison=p))
+  for lens in ([1] * b, [s] * b, list(rng.integers(1, s + 1, b)), [min(s, 256)] * b, [min(s, 257)] * b):
+    q = jnp.asarray(rng.standard_normal((b, h, d)), dtype)
+    n = jnp.asarray(lens, jnp.int32)
+    got = call(q, k, v, n, jnp.full((b, h, d), jnp.nan, dtype))
+    ref = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1, n)
+    assert not np.isnan(np.asarray(got, np.float32)).any(), f"unwritten outputs for lengths {lens}"
+    assert _rel(got, ref) < TOL[dtype] * 2, (lens, _rel(got, ref))
+
+
+def test_decode_attention_ignores_stale_cache():
+  """Positions past the visible length must not matter: fill them with huge values."""
+  rng = np.random.default_rng(5)
+  k = rng.standard_normal((1, 2, 2, 600, 64)).astype(np.float32)
+  v = rng.standard_normal((1, 2, 2, 600, 64)).astype(np.float32)
+  lens = jnp.asarray([100, 300], jnp.int32)
+  q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+  clean = ffi.decode_attention(q, jnp.asarray(k), jnp.asarray(v), 0, lens)
+  k[0, 0, :, 100:] = 1e4
+  v[0, 1, :, 300:] = -1e4
+  dirty = ffi.decode_attention(q, jnp.asarray(k), jnp.asarray(v), 0, lens)
+  np.testing.assert_array_equal(np.asarray(clean), np.asarray(dirty))
+
+
+def test_decode_attention_rejects_bad_input():
+  q = jnp.ones((2, 6, 64))
+  cache = jnp.ones((1, 2, 4, 32, 64))
+  with pytest.raises(ValueError, match="does not fit caches"):
+    ffi.decode_attention(q, cache, cache, 0, jnp.ones((2,), jnp.int32))
+  with pytest.raises(ValueError, match="layer must be in"):
+    ffi.decode_attention(jnp.ones((2, 8, 64)), cache, cache, 3, jnp.ones((2,), jnp.int32))
