@@ -244,6 +244,28 @@ class Engine:
     finally:
       self._cache = state.cache
 
+  def burst_step_ms(self, prompt_ids: Sequence[int], steps: int,
+                    params: SamplingParams = SamplingParams()) -> float:
+    """Mean ms per decode step when `steps` steps are dispatched back to back and read once at the end:
+    the device-bound step time when host dispatch keeps ahead of the device."""
+    n = len(prompt_ids)
+    bucket = prompt_bucket(n, self.max_context)
+    steps = min(steps, self.max_context - n)
+    tokens = np.zeros((self.batch, bucket), np.int32)
+    tokens[:, :n] = prompt_ids
+    state = self.prefill_fn(bucket, params)(self.weights, self._take_cache(), jnp.asarray(tokens),
+                                            jnp.full((self.batch,), n, jnp.int32), jax.random.PRNGKey(0))
+    step = self.step_fn(params)
+    state = step(self.weights, state)
+    state.tokens.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(steps - 1):
+      state = step(self.weights, state)
+    state.tokens.block_until_ready()
+    elapsed = time.perf_counter() - t0
+    self._cache = state.cache
+    return elapsed / max(1, steps - 1) * 1e3
+
   def generate(self, prompt_ids: Sequence[int], max_tokens: int = 32, params: SamplingParams = SamplingParams(),
                seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False, pipelined: bool = True,
                on_text: Callable[[str], None] | None = None) -> GenerationResult:

@@ -12,6 +12,13 @@ from jaxllm.quant import Linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None,
                                 reason=f"FFI kernels unavailable: {ffi.unavailable_reason()}")
+
+
+@pytest.fixture(autouse=True)
+def _exact_reference():
+  """XLA's GPU dots default to TF32 for f32 inputs; the references must be full f32."""
+  with jax.default_matmul_precision("highest"):
+    yield
 ON_GPU = jax.default_backend() == "gpu"
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
@@ -37,7 +44,7 @@ def _quantized(rng, layers, n, k):
 def test_w8a16_matches_reference(k, n, dtype):
   rng = np.random.default_rng(k * 7919 + n)
   lin = _quantized(rng, 2, n, k)
-  for m in (1, 2, 3, 5, 8, 11, 16):
+  for m in (1, 5, 16):
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     poison = jnp.full((m, n), jnp.nan, dtype)
     got = jax.jit(lambda x, w, s, p: ffi.w8a16_matmul(x, Linear(w, s), 1, poison=p))(x, lin.w, lin.scale, poison)
