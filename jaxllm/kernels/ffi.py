@@ -51,6 +51,12 @@ def unavailable_reason() -> str | None:
   return _register()
 
 
+def _ensure_registered() -> None:
+  reason = _register()
+  if reason is not None:
+    raise RuntimeError(f"jaxllm's FFI kernels are unavailable: {reason}")
+
+
 def _check_dtype(name: str, x: jax.Array) -> None:
   if x.dtype not in _DTYPES:
     raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
@@ -94,6 +100,7 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
   `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
   """
   from jaxllm.kernels.linear import linear_reference
+  _ensure_registered()
   if not lin.quantized:
     raise ValueError("w8a16_matmul needs int8 weights with scales (quant='w8a16')")
   _check_dtype("x", x)
@@ -127,6 +134,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
 
   `poison` (tests only): a [B, H, Dh] buffer the kernel writes into, to catch unwritten outputs.
   """
+  _ensure_registered()
   _check_dtype("q", q)
   if q.ndim != 3 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
     raise ValueError(f"expected q [B, H, Dh] and caches [L, B, G, S, Dh]; got q {q.shape}, "
