@@ -158,82 +158,89 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 
 // ---- decode attention ------------------------------------------------------------------------------
 
-constexpr int kChunk = 256;       // cache positions per split block
-constexpr int kAttnThreads = 128;
-constexpr int kMaxRep = 16;       // query heads per kv head (H / G) at most
+constexpr int kChunk = 64;        // cache positions per split block
+constexpr int kAttnThreads = 128; // 4 warps
 
-// Split pass: block (p, g, b) attends the `rep` query heads of kv head g over positions
-// [p * kChunk, min((p + 1) * kChunk, len[b])) and writes unnormalized partials to the workspace:
+// Split pass: block (p, h, b) attends query head h over positions [p * kChunk, min((p + 1) * kChunk,
+// len[b])) of its kv head h / (H / G), and writes unnormalized partials to the workspace:
 // ws[b, h, p, 0:D] = sum_j exp(s_j - m) v_j, ws[.., D] = m, ws[.., D + 1] = sum_j exp(s_j - m).
-// Blocks past the visible length return at once: cost follows the visible length, not S.
+// Blocks past the visible length return at once: cost follows the visible length, not S. One block per
+// query head (not per kv head) keeps the grid wide at short lengths; the repeated K/V reads of a GQA
+// group hit L2.
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) AttnSplitKernel(const T* __restrict__ q, const T* __restrict__ k,
                                                                 const T* __restrict__ v,
                                                                 const int32_t* __restrict__ lengths,
                                                                 float* __restrict__ ws, int layer, int B, int H,
                                                                 int G, int S, int P) {
-  const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+  constexpr int kPerLane = D / 32;
+  const int p = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int len = min(max(lengths[b], 1), S);
   const int s0 = p * kChunk;
   if (s0 >= len) return;
   const int n = min(kChunk, len - s0);
-  const int rep = H / G;
-  __shared__ float q_s[kMaxRep][D];
-  __shared__ float p_s[kMaxRep][kChunk];
-  __shared__ float red[kMaxRep][2];
+  const int g = h / (H / G);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ float p_s[kChunk];
+  __shared__ float acc_s[kAttnThreads / 32][D];
   const float scale = rsqrtf(float(D));
-  for (int i = threadIdx.x; i < rep * D; i += kAttnThreads)
-    q_s[i / D][i % D] = ToF32(q[(size_t(b) * H + g * rep + i / D) * D + i % D]) * scale;
-  __syncthreads();
+  float qv[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) qv[i] = ToF32(q[(size_t(b) * H + h) * D + lane * kPerLane + i]) * scale;
   const size_t base = ((size_t(layer) * B + b) * G + g) * size_t(S) * D + size_t(s0) * D;
 
-  // Scores: one thread per position, its key row read once for all rep query heads.
-  for (int j = threadIdx.x; j < n; j += kAttnThreads) {
-    float kr[D];
-    const T* kp = k + base + size_t(j) * D;
+  // Scores: a warp per position, lanes across the head dim (coalesced row reads), shuffle-reduced.
+  for (int j = warp; j < n; j += kAttnThreads / 32) {
+    const T* kp = k + base + size_t(j) * D + lane * kPerLane;
+    float dot = 0.f;
 #pragma unroll
-    for (int d = 0; d < D; ++d) kr[d] = ToF32(kp[d]);
-    for (int r = 0; r < rep; ++r) {
-      float dot = 0.f;
+    for (int i = 0; i < kPerLane; ++i) dot = fmaf(qv[i], ToF32(kp[i]), dot);
 #pragma unroll
-      for (int d = 0; d < D; ++d) dot = fmaf(q_s[r][d], kr[d], dot);
-      p_s[r][j] = dot;
-    }
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    if (lane == 0) p_s[j] = dot;
   }
   __syncthreads();
-  // Max and exp-sum per head: warp w handles heads w, w + 4, ...
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int r = warp; r < rep; r += kAttnThreads / 32) {
+  // Max and exp-sum over the chunk (n <= 64): warp 0.
+  __shared__ float m_s, l_s;
+  if (warp == 0) {
     float m = -INFINITY;
-    for (int j = lane; j < n; j += 32) m = fmaxf(m, p_s[r][j]);
+    for (int j = lane; j < n; j += 32) m = fmaxf(m, p_s[j]);
+#pragma unroll
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     float l = 0.f;
     for (int j = lane; j < n; j += 32) {
-      const float e = __expf(p_s[r][j] - m);
-      p_s[r][j] = e;
+      const float e = __expf(p_s[j] - m);
+      p_s[j] = e;
       l += e;
     }
+#pragma unroll
     for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-    if (lane == 0) { red[r][0] = m; red[r][1] = l; }
+    if (lane == 0) { m_s = m; l_s = l; }
   }
   __syncthreads();
-  // Weighted values: thread t owns dims t, t + 128, ... of every head; v rows are read coalesced.
-  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
-    float acc[kMaxRep];
+  // Weighted values: warp w takes positions w, w + 4, ...; lanes across the head dim; warps summed.
+  float acc[kPerLane];
 #pragma unroll
-    for (int r = 0; r < kMaxRep; ++r) acc[r] = 0.f;
-    for (int j = 0; j < n; ++j) {
-      const float vv = ToF32(v[base + size_t(j) * D + d]);
+  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
+  for (int j = warp; j < n; j += kAttnThreads / 32) {
+    const T* vp = v + base + size_t(j) * D + lane * kPerLane;
+    const float pj = p_s[j];
 #pragma unroll
-      for (int r = 0; r < kMaxRep; ++r)
-        if (r < rep) acc[r] = fmaf(p_s[r][j], vv, acc[r]);
-    }
-    for (int r = 0; r < rep; ++r) ws[((size_t(b) * H + g * rep + r) * P + p) * (D + 2) + d] = acc[r];
+    for (int i = 0; i < kPerLane; ++i) acc[i] = fmaf(pj, ToF32(vp[i]), acc[i]);
   }
-  if (threadIdx.x < rep) {
-    float* w = ws + ((size_t(b) * H + g * rep + threadIdx.x) * P + p) * (D + 2);
-    w[D] = red[threadIdx.x][0];
-    w[D + 1] = red[threadIdx.x][1];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) acc_s[warp][lane * kPerLane + i] = acc[i];
+  __syncthreads();
+  float* w = ws + ((size_t(b) * H + h) * P + p) * (D + 2);
+  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kAttnThreads / 32; ++i) sum += acc_s[i][d];
+    w[d] = sum;
+  }
+  if (threadIdx.x == 0) {
+    w[D] = m_s;
+    w[D + 1] = l_s;
   }
 }
 
@@ -260,7 +267,7 @@ template <typename T, int D>
 cudaError_t LaunchAttention(cudaStream_t stream, const AttentionShape& s, const ffi::AnyBuffer& q,
                             const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const int32_t* lengths, float* ws,
                             void* out, int P) {
-  AttnSplitKernel<T, D><<<dim3(P, s.g, s.b), kAttnThreads, 0, stream>>>(
+  AttnSplitKernel<T, D><<<dim3(P, s.h, s.b), kAttnThreads, 0, stream>>>(
       static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
       static_cast<const T*>(v.untyped_data()), lengths, ws, int(s.layer), int(s.b), int(s.h), int(s.g), int(s.s), P);
   cudaError_t e = cudaGetLastError();
@@ -280,9 +287,6 @@ ffi::Error DecodeAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
       wd[3] != s.d + 2)
     return ffi::Error::InvalidArgument("jaxllm_decode_attention: workspace must be f32 [B, H, ceil(S / " +
                                        std::to_string(kChunk) + "), Dh + 2], got " + DimsString(wd));
-  if (s.h / s.g > kMaxRep)
-    return ffi::Error::InvalidArgument("jaxllm_decode_attention: at most " + std::to_string(kMaxRep) +
-                                       " query heads per kv head");
   const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
   float* ws = static_cast<float*>(workspace->untyped_data());
   const bool bf16 = q.element_type() == ffi::BF16;

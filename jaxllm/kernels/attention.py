@@ -36,8 +36,12 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
                      lengths: jax.Array, *, kernels: str = "xla") -> jax.Array:
-  """Decode attention through the selected implementation (see jaxllm.kernels)."""
-  if kernels == "ffi":
-    from jaxllm.kernels import ffi
+  """Decode attention through the selected implementation (see jaxllm.kernels).
+
+  Geometries the FFI kernel is not built for (see ffi.attention_supported) run the reference.
+  """
+  from jaxllm.kernels import ffi, select
+  if (kernels == "ffi" and "attention" in select.ffi_ops()
+      and ffi.attention_supported(q.shape[-1], q.shape[1], k_cache.shape[2])):
     return ffi.decode_attention(q, k_cache, v_cache, layer, lengths)
   return decode_attention_reference(q, k_cache, v_cache, layer, lengths)

@@ -18,7 +18,7 @@ import numpy as np
 from jaxllm.quant import Linear
 
 MAX_M = 16          # rows of x the matmul kernel takes; larger M (prefill) uses XLA's dot
-ATTN_CHUNK = 256    # cache positions per split block of the CUDA attention (kChunk in cuda_kernels.cu)
+ATTN_CHUNK = 64     # cache positions per split block of the CUDA attention (kChunk in cuda_kernels.cu)
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -126,6 +126,15 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
     return y.reshape(*lead, w.shape[1])
   y = _matmul_call(int(layer))(x.reshape(m, k), w.astype(jnp.int8), scale.astype(jnp.float32))
   return y.reshape(*lead, w.shape[1])
+
+
+CUDA_HEAD_DIMS = (64, 128)   # head dims the CUDA attention kernel is built for
+
+
+def attention_supported(head_dim: int, n_heads: int, n_kv_heads: int) -> bool:
+  """Whether the FFI attention takes this geometry on the default backend (the CPU handler takes any)."""
+  del n_heads, n_kv_heads   # any GQA grouping
+  return jax.default_backend() != "gpu" or head_dim in CUDA_HEAD_DIMS
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
