@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -86,6 +87,16 @@ class _StopText:
     return out
 
 
+def _compile(fn, donate: int, options: dict, args) -> Callable:
+  """jit + lower + compile with per-executable XLA options."""
+  return jax.jit(fn, donate_argnums=(donate,), compiler_options=options or None).lower(*args).compile()
+
+
+def _trial_args(args):
+  """Zero-filled device arrays standing in for abstract arguments (for a first, throw-away run)."""
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, args)
+
+
 def _snapshot(x: jax.Array) -> jax.Array:
   return jnp.copy(x)
 
@@ -116,6 +127,7 @@ class Engine:
     self.kernels = resolve_kernels(kernels)
     self.graphs_requested = graphs.graphs_requested() if graphs_on is None else bool(graphs_on)
     self.compiler_options = graphs.compiler_options(self.graphs_requested)
+    self.graphs_fallback: str | None = None   # why command buffers were dropped, if they were
     self.dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
     self._cache: KVCache | None = None
     self._prefill: dict[tuple, Callable] = {}
@@ -124,8 +136,31 @@ class Engine:
 
   # ---- compilation ---------------------------------------------------------------------------
 
-  def _jit(self, fn, donate: int):
-    return jax.jit(fn, donate_argnums=(donate,), compiler_options=self.compiler_options or None)
+  def _build(self, fn, donate: int, args) -> Callable:
+    """Compiles fn; with command buffers on, also runs it once on zeros. If either fails, warns once with
+    the reason, turns command buffers off for this engine, and compiles again without them."""
+    t0 = time.perf_counter()
+    try:
+      compiled = _compile(fn, donate, self.compiler_options, args)
+      if self.graphs_requested and self.graphs_fallback is None and jax.default_backend() == "gpu":
+        jax.block_until_ready(compiled(*_trial_args(args)))
+    except Exception as e:  # XLA reports command-buffer failures as assorted runtime errors
+      if not self.graphs_requested or self.graphs_fallback is not None:
+        raise
+      self.graphs_fallback = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+      warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) failed, running without them: "
+                    f"{self.graphs_fallback}", RuntimeWarning, stacklevel=3)
+      self.compiler_options = graphs.compiler_options(False)
+      self._prefill.clear()
+      self._step.clear()
+      compiled = _compile(fn, donate, self.compiler_options, args)
+    self.compile_seconds += time.perf_counter() - t0
+    return compiled
+
+  @property
+  def graphs_active(self) -> bool:
+    """Command buffers requested and not dropped by a fallback (whether XLA used them: graph_state())."""
+    return self.graphs_requested and self.graphs_fallback is None
 
   def _take_cache(self) -> KVCache:
     cache = self._cache
@@ -139,23 +174,18 @@ class Engine:
     key = (bucket, params)
     if key not in self._prefill:
       fn = functools.partial(prefill, self.config, params=params, kernels=self.kernels)
-      jitted = self._jit(fn, donate=1)                                  # (weights, cache, ...)
-      t0 = time.perf_counter()
-      cache = create_cache(self.config, self.batch, self.max_context, self.dtype)
-      self._prefill[key] = jitted.lower(
-          self.weights, cache, jax.ShapeDtypeStruct((self.batch, bucket), jnp.int32),
-          jax.ShapeDtypeStruct((self.batch,), jnp.int32), jax.random.PRNGKey(0)).compile()
-      self.compile_seconds += time.perf_counter() - t0
+      c = self.config
+      kv = jax.ShapeDtypeStruct((c.n_layers, self.batch, c.n_kv_heads, self.max_context, c.head_dim), self.dtype)
+      args = (self.weights, KVCache(k=kv, v=kv), jax.ShapeDtypeStruct((self.batch, bucket), jnp.int32),
+              jnp.ones((self.batch,), jnp.int32), jax.random.PRNGKey(0))
+      self._prefill[key] = self._build(fn, 1, args)                      # (weights, cache, ...)
     return self._prefill[key]
 
   def step_fn(self, params: SamplingParams) -> Callable:
     """Compiled decode_step(weights, state) -> state, the state donated."""
     if params not in self._step:
       fn = functools.partial(decode_step, self.config, params=params, kernels=self.kernels)
-      jitted = self._jit(fn, donate=1)                                  # (weights, state)
-      t0 = time.perf_counter()
-      self._step[params] = jitted.lower(self.weights, self._state_spec()).compile()
-      self.compile_seconds += time.perf_counter() - t0
+      self._step[params] = self._build(fn, 1, (self.weights, self._state_spec()))   # (weights, state)
     return self._step[params]
 
   def _state_spec(self) -> DecodeState:
@@ -172,7 +202,8 @@ class Engine:
     the share of the step's work thunks they hold ("coverage"), and the user's XLA_FLAGS setting if any.
     `dump_dir` keeps XLA's dump there (default: a temporary directory).
     """
-    info = {"requested": self.graphs_requested, "xla_flags_setting": graphs.user_xla_flag(),
+    info = {"requested": self.graphs_requested, "fallback": self.graphs_fallback,
+            "xla_flags_setting": graphs.user_xla_flag(),
             "backend": jax.default_backend(), "kernels": self.kernels}
     if jax.default_backend() != "gpu":
       info.update(state="off", reason="XLA command buffers (CUDA graphs) exist only on the GPU backend")

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-context", type=int, default=None,
                  help=f"KV cache length (default: prompt + max tokens rounded up to {CONTEXT_ROUND})")
   p.add_argument("--no-graphs", action="store_true", help="turn CUDA graphs (XLA command buffers) off")
+  p.add_argument("--show-graph-state", action="store_true",
+                 help="report whether the decode step compiled into CUDA graphs and their coverage (from XLA's dump)")
   p.add_argument("--loop", choices=("pipelined", "streaming"), default="pipelined",
                  help="pipelined dispatches step i+1 before reading token i; streaming waits for each")
   p.add_argument("--show-tokens", action="store_true", help="print token ids as well as text")
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   engine.warmup(len(prompt_ids), params)
   compile_s = time.perf_counter() - t0
+  graph_state = engine.graph_state(params) if args.show_graph_state else None
+  if graph_state is not None:
+    print("[jaxllm] graph state: " + json.dumps(graph_state), file=sys.stderr)
 
   def show(piece: str) -> None:
     sys.stdout.write(piece)
@@ -99,13 +104,14 @@ def main(argv=None) -> int:
                            ignore_eos=args.ignore_eos, pipelined=args.loop == "pipelined",
                            on_text=None if args.json else show)
   summary = (f"[jaxllm] {model} quant={args.quant} kernels={engine.kernels} "
-             f"graphs={'on' if engine.graphs_requested else 'off'} | prompt {len(prompt_ids)} tok, "
+             f"graphs={'on' if engine.graphs_active else 'off'} | prompt {len(prompt_ids)} tok, "
              f"{len(result.ids)} new ({result.finish_reason}) | TTFT {result.ttft_ms:.1f} ms, "
              f"TPOT {result.tpot_ms:.2f} ms, decode {result.tok_per_s:.1f} tok/s | compile {compile_s:.1f} s")
   if args.json:
     out = result.to_json()
-    out.update(model=model, quant=args.quant, kernels=engine.kernels, graphs=engine.graphs_requested,
-               max_context=max_context, compile_s=compile_s)
+    out.update(model=model, quant=args.quant, kernels=engine.kernels, graphs=engine.graphs_active,
+               graphs_fallback=engine.graphs_fallback, graph_state=graph_state, max_context=max_context,
+               compile_s=compile_s)
     print(json.dumps(out, ensure_ascii=False))
   else:
     print()

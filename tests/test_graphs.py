@@ -86,3 +86,26 @@ def test_graph_state_gpu(kernels, monkeypatch):
   off = Engine(config, weights, None, max_context=256, kernels=kernels).graph_state()
   print("graphs off:", off)
   assert off["state"] == "off" and off["command_buffers"] == 0 and not off["requested"]
+
+
+def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
+  """A failure compiling with command buffers warns once, turns them off, and gives the same tokens."""
+  import jaxllm.engine as engine_mod
+  real = engine_mod._compile
+
+  def failing(fn, donate, options, args):
+    if "xla_gpu_enable_command_buffer" not in options:
+      raise RuntimeError("INTERNAL: simulated command buffer failure")
+    return real(fn, donate, options, args)
+
+  gf = GGUFFile(tiny_models["qwen2"])
+  weights = load_weights(gf, progress=False)
+  tok = Tokenizer(gf.metadata)
+  reference = _tokens(Engine(gf.config, weights, tok, max_context=64, graphs_on=False), 24)
+  monkeypatch.setattr(engine_mod, "_compile", failing)
+  engine = Engine(gf.config, weights, tok, max_context=64, graphs_on=True)
+  with pytest.warns(RuntimeWarning, match="CUDA graphs .* failed, running without them: RuntimeError: INTERNAL"):
+    got = _tokens(engine, 24)
+  assert got == reference
+  assert not engine.graphs_active and "simulated" in engine.graphs_fallback
+  assert engine.compiler_options == {"xla_gpu_enable_command_buffer": ""}

@@ -41,7 +41,11 @@ LONG_TEXT = (
     "bound by memory bandwidth rather than arithmetic. Engines therefore quantize weights to eight or "
     "four bits, fuse small operations into larger kernels, and capture the whole decode step in a graph "
     "so the processor does not wait for the host between launches. 人工智能的发展离不开硬件的进步。"
-    "def softmax(x):\n    m = max(x)\n    e = [math.exp(v - m) for v in x]\n    return [v / sum(e) for v in e]\n")
+    "def softmax(x):\n    m = max(x)\n    e = [math.exp(v - m) for v in x]\n    return [v / sum(e) for v in e]\n"
+    "Rivers shape the land they cross. Over thousands of years a river carves a valley, deposits silt on "
+    "its floodplain and builds a delta where it meets the sea. Farmers settled along such rivers because "
+    "the soil was rich and water was close, and the first cities grew from those settlements. Trade moved "
+    "along the water as well: boats carried grain, timber and stone far more cheaply than carts could.")
 GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", None]  # None: chat template
 CHAT = "Write a haiku about GPUs."
 NEW_TOKENS = 24

@@ -76,6 +76,16 @@ def test_cli_json(model, capsys):
   assert out["text"] == tok.decode(out["ids"])
   for key in ("ttft_ms", "tpot_ms", "tok_per_s"):
     assert out[key] > 0
+  assert out["kernels"] in ("ffi", "xla") and out["graph_state"] is None
+
+
+def test_cli_show_graph_state(model, capsys, monkeypatch):
+  path, _, _ = model
+  monkeypatch.setenv("JAXLLM_CUDA_GRAPHS", "0")
+  cli_main([path, "--prompt", "the", "--max-tokens", "2", "--json", "--show-graph-state"])
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["graph_state"]["requested"] is False and out["graphs"] is False
+  assert out["graph_state"]["state"] in ("on", "off")
 
 
 def test_cli_chat_streams_text(model, capsys):
