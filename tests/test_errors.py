@@ -42,46 +42,35 @@ def test_unsupported_architecture(tmp_path):
     GGUFFile(p)
 
 
-def test_unsupported_tensor_type(tmp_path):
-  """A tensor type that gguf cannot dequantize (I32 here) fails at load time, naming the tensor."""
-  path = write_tiny_model(tmp_path / "ok.gguf", "llama")
-  r = gguf.GGUFReader(path)
-  bad = tmp_path / "bad.gguf"
-  w = gguf.GGUFWriter(str(bad), "llama")
-  for k, f in r.fields.items():
-    if k.startswith("GGUF.") or k == "general.architecture":
-      continue
-    value = f.contents()
-    vtype = f.types[0]
-    if vtype == gguf.GGUFValueType.ARRAY:
-      w.add_key_value(k, value, vtype, sub_type=f.types[-1])
-    else:
-      w.add_key_value(k, value, vtype)
-  for t in r.tensors:
-    data = np.asarray(t.data)
-    if t.name == "blk.0.ffn_up.weight":
-      w.add_tensor(t.name, data.astype(np.int32))
-    else:
-      w.add_tensor(t.name, data)
-  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-  with pytest.raises(GGUFError, match=r"tensor 'blk.0.ffn_up.weight' has type I32, which jaxllm cannot dequantize"):
-    GGUFFile(bad)
-
-
-def test_missing_tensor(tmp_path):
-  path = write_tiny_model(tmp_path / "ok.gguf", "qwen3")
-  r = gguf.GGUFReader(path)
-  bad = tmp_path / "bad.gguf"
-  w = gguf.GGUFWriter(str(bad), "qwen3")
+def _rewrite(src: str, dst, arch: str, tensor=lambda name, data: data) -> None:
+  """Copies a GGUF file's metadata and tensors to dst; tensor(name, data) may change or drop (None) one."""
+  r = gguf.GGUFReader(src)
+  w = gguf.GGUFWriter(str(dst), arch)
   for k, f in r.fields.items():
     if k.startswith("GGUF.") or k == "general.architecture":
       continue
     vtype = f.types[0]
     w.add_key_value(k, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
   for t in r.tensors:
-    if t.name != "blk.1.attn_k_norm.weight":
-      w.add_tensor(t.name, np.asarray(t.data))
+    data = tensor(t.name, np.asarray(t.data))
+    if data is not None:
+      w.add_tensor(t.name, data)
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def test_unsupported_tensor_type(tmp_path):
+  """A tensor type that gguf cannot dequantize (I32 here) fails at load time, naming the tensor."""
+  bad = tmp_path / "bad.gguf"
+  _rewrite(write_tiny_model(tmp_path / "ok.gguf", "llama"), bad, "llama",
+           lambda name, data: data.astype(np.int32) if name == "blk.0.ffn_up.weight" else data)
+  with pytest.raises(GGUFError, match=r"tensor 'blk.0.ffn_up.weight' has type I32, which jaxllm cannot dequantize"):
+    GGUFFile(bad)
+
+
+def test_missing_tensor(tmp_path):
+  bad = tmp_path / "bad.gguf"
+  _rewrite(write_tiny_model(tmp_path / "ok.gguf", "qwen3"), bad, "qwen3",
+           lambda name, data: None if name == "blk.1.attn_k_norm.weight" else data)
   with pytest.raises(GGUFError, match=r"lacks tensors a qwen3 model needs: \['blk.1.attn_k_norm.weight'\]"):
     GGUFFile(bad)
 

@@ -1,0 +1,77 @@
+"""llama.cpp baseline through llama-cpp-python, on the same GGUF files, same JSONL schema as jaxllm.bench.
+
+  python bench/peers/llama_cpp.py smollm2-135m --prompt-len 128 --decode-len 128 --out results.jsonl
+
+Greedy decoding of a random prompt, one warm-up request, then --repeat timed ones; TTFT and the time of
+every later token are taken on the host from the token stream, as jaxllm.bench does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from jaxllm.bench import _percentile, environment
+from jaxllm.bench import SCHEMA_VERSION
+from jaxllm.models import resolve_model
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("model")
+  p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--decode-len", type=int, default=128)
+  p.add_argument("--repeat", type=int, default=3)
+  p.add_argument("--threads", type=int, default=os.cpu_count())
+  p.add_argument("--n-gpu-layers", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out")
+  args = p.parse_args(argv)
+  try:
+    import llama_cpp
+  except ImportError:
+    raise SystemExit("llama-cpp-python is not installed (pip install llama-cpp-python)")
+  path = str(resolve_model(args.model))
+  llm = llama_cpp.Llama(model_path=path, n_ctx=args.prompt_len + args.decode_len + 8, n_threads=args.threads,
+                        n_gpu_layers=args.n_gpu_layers, verbose=False, seed=args.seed)
+  rng = np.random.default_rng(args.seed)
+  prompt = [int(t) for t in rng.integers(0, llm.n_vocab(), args.prompt_len)]
+  ttfts, gaps, rates = [], [], []
+  for i in range(1 + args.repeat):
+    llm.reset()
+    t0 = time.perf_counter()
+    times = []
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+      times.append(time.perf_counter() - t0)
+      if len(times) >= args.decode_len:
+        break
+    if i == 0:
+      continue
+    ttfts.append(times[0] * 1e3)
+    gaps += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    rates.append((len(times) - 1) / (times[-1] - times[0]))
+  rec = {"schema_version": SCHEMA_VERSION, "label": "llama.cpp", "model": args.model, "synthetic": False,
+         "engine": f"llama-cpp-python {llama_cpp.__version__}", "threads": args.threads,
+         "n_gpu_layers": args.n_gpu_layers, "quant": os.path.basename(path), "loop": "streaming", "batch": 1,
+         "prompt_len": args.prompt_len, "decode_len": args.decode_len, "repeat": args.repeat,
+         "ttft_ms": statistics.median(ttfts), "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(gaps),
+         "tpot_ms_p50": _percentile(gaps, 50), "tpot_ms_p90": _percentile(gaps, 90),
+         "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates, "env": environment()}
+  line = json.dumps(rec) + "\n"
+  if args.out:
+    with open(args.out, "a") as f:
+      f.write(line)
+  else:
+    sys.stdout.write(line)
+  print(f"[llama.cpp] {args.model}: TTFT {rec['ttft_ms']:.1f} ms, TPOT {rec['tpot_ms_mean']:.2f} ms, "
+        f"{rec['decode_tok_s']:.1f} tok/s ({args.threads} threads)", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
