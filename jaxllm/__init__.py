@@ -3,7 +3,8 @@
 Public API:
   load(model, quant, dtype) -> (Config, Weights, Tokenizer)
   Engine: compiled prefill/decode with a generate loop
-  create_cache, prefill, decode_step, sequence_logits: pure functions for use inside your own jit/vmap/scan
+  create_cache, prefill, decode_step, sequence_logits, continuation_logprobs: pure functions for your own
+    jit/vmap/scan; Engine.generate_batch for several prompts; score() for batched log-likelihoods
   SamplingParams, DecodeState, KVCache, Weights, Config, Tokenizer
   DEMO_MODELS, fetch_demo_model, random_weights
 """
@@ -17,6 +18,7 @@ from jaxllm.load import default_dtype, load
 from jaxllm.model import Weights
 from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS, fetch_demo_model
 from jaxllm.sampling import SamplingParams
+from jaxllm.scoring import continuation_logprobs, score
 from jaxllm.tokenizer import StreamDecoder, Tokenizer
 from jaxllm.weights import random_weights
 
@@ -26,5 +28,5 @@ __all__ = [
     "Config", "DEFAULT_MODEL", "DEMO_MODELS", "DecodeState", "Engine", "GGUFError", "GGUFFile",
     "GenerationResult", "KVCache", "SamplingParams", "StreamDecoder", "Tokenizer", "Weights",
     "create_cache", "decode_step", "default_dtype", "fetch_demo_model", "load", "prefill",
-    "random_weights", "sequence_logits",
+    "random_weights", "score", "continuation_logprobs", "sequence_logits",
 ]

@@ -116,14 +116,13 @@ class Engine:
   """
 
   def __init__(self, config: Config, weights: Weights, tokenizer: Tokenizer | None, max_context: int,
-               kernels: str = "auto", graphs_on: bool | None = None, dtype=None, batch: int = 1):
+               kernels: str = "auto", graphs_on: bool | None = None, dtype=None):
     if not 2 <= max_context:
       raise ValueError(f"max_context must be >= 2, got {max_context!r}")
     self.config = config
     self.weights = weights
     self.tokenizer = tokenizer
     self.max_context = int(max_context)
-    self.batch = batch
     self.kernels = resolve_kernels(kernels)
     self.graphs_requested = graphs.graphs_requested() if graphs_on is None else bool(graphs_on)
     self.compiler_options = graphs.compiler_options(self.graphs_requested)
@@ -162,37 +161,41 @@ class Engine:
     """Command buffers requested and not dropped by a fallback (whether XLA used them: graph_state())."""
     return self.graphs_requested and self.graphs_fallback is None
 
-  def _take_cache(self) -> KVCache:
+  def _take_cache(self, batch: int) -> KVCache:
+    """The engine's cache for `batch` sequences (reused across calls; the old one is given up)."""
     cache = self._cache
-    if cache is None or cache.k.is_deleted():
-      cache = create_cache(self.config, self.batch, self.max_context, self.dtype)
+    if cache is None or cache.k.is_deleted() or cache.batch != batch:
+      cache = None
+      self._cache = None
+      cache = create_cache(self.config, batch, self.max_context, self.dtype)
     self._cache = None
     return cache
 
-  def prefill_fn(self, bucket: int, params: SamplingParams) -> Callable:
+  def _cache_spec(self, batch: int) -> KVCache:
+    c = self.config
+    kv = jax.ShapeDtypeStruct((c.n_layers, batch, c.n_kv_heads, self.max_context, c.head_dim), self.dtype)
+    return KVCache(k=kv, v=kv)
+
+  def prefill_fn(self, bucket: int, params: SamplingParams, batch: int = 1) -> Callable:
     """Compiled prefill(weights, cache, tokens [B, bucket], lengths [B], key) -> DecodeState."""
-    key = (bucket, params)
+    key = (batch, bucket, params)
     if key not in self._prefill:
       fn = functools.partial(prefill, self.config, params=params, kernels=self.kernels)
-      c = self.config
-      kv = jax.ShapeDtypeStruct((c.n_layers, self.batch, c.n_kv_heads, self.max_context, c.head_dim), self.dtype)
-      args = (self.weights, KVCache(k=kv, v=kv), jax.ShapeDtypeStruct((self.batch, bucket), jnp.int32),
-              jnp.ones((self.batch,), jnp.int32), jax.random.PRNGKey(0))
+      args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32),
+              jnp.ones((batch,), jnp.int32), jax.random.PRNGKey(0))
       self._prefill[key] = self._build(fn, 1, args)                      # (weights, cache, ...)
     return self._prefill[key]
 
-  def step_fn(self, params: SamplingParams) -> Callable:
+  def step_fn(self, params: SamplingParams, batch: int = 1) -> Callable:
     """Compiled decode_step(weights, state) -> state, the state donated."""
-    if params not in self._step:
+    if (batch, params) not in self._step:
       fn = functools.partial(decode_step, self.config, params=params, kernels=self.kernels)
-      self._step[params] = self._build(fn, 1, (self.weights, self._state_spec()))   # (weights, state)
-    return self._step[params]
+      self._step[batch, params] = self._build(fn, 1, (self.weights, self._state_spec(batch)))  # (weights, state)
+    return self._step[batch, params]
 
-  def _state_spec(self) -> DecodeState:
-    c, b = self.config, self.batch
-    kv = jax.ShapeDtypeStruct((c.n_layers, b, c.n_kv_heads, self.max_context, c.head_dim), self.dtype)
-    vec = jax.ShapeDtypeStruct((b,), jnp.int32)
-    return DecodeState(cache=KVCache(k=kv, v=kv), tokens=vec, pos=vec,
+  def _state_spec(self, batch: int = 1) -> DecodeState:
+    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return DecodeState(cache=self._cache_spec(batch), tokens=vec, pos=vec,
                        key=jax.ShapeDtypeStruct((2,), jnp.uint32))
 
   def graph_state(self, params: SamplingParams = SamplingParams(), dump_dir: str | None = None) -> dict:
@@ -217,10 +220,10 @@ class Engine:
       info.update(graphs.read_dump(target))
     return info
 
-  def warmup(self, prompt_len: int, params: SamplingParams = SamplingParams()) -> None:
-    """Compiles what generate() will run for this prompt length, outside any timing."""
-    self.prefill_fn(prompt_bucket(prompt_len, self.max_context), params)
-    self.step_fn(params)
+  def warmup(self, prompt_len: int, params: SamplingParams = SamplingParams(), batch: int = 1) -> None:
+    """Compiles what generate() will run for this (longest) prompt length, outside any timing."""
+    self.prefill_fn(prompt_bucket(prompt_len, self.max_context), params, batch)
+    self.step_fn(params, batch)
 
   # ---- generation ----------------------------------------------------------------------------
 
@@ -235,39 +238,40 @@ class Engine:
     if bad:
       raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}), got {bad[:5]}")
 
-  def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
-                 seed: int = 0, pipelined: bool = True) -> Iterator[tuple[int, float]]:
-    """Yields (token id, seconds since the prompt was submitted) for up to max_tokens new tokens.
+  def _prefill_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int):
+    """Validates and pads the prompts, runs prefill; returns (state, lengths)."""
+    for p in prompts:
+      self.check_prompt(p)
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    bucket = prompt_bucket(int(lengths.max()), self.max_context)
+    tokens = np.zeros((len(prompts), bucket), np.int32)
+    for b, p in enumerate(prompts):
+      tokens[b, :len(p)] = p
+    prefill_fn = self.prefill_fn(bucket, params, len(prompts))
+    state = prefill_fn(self.weights, self._take_cache(len(prompts)), jnp.asarray(tokens), jnp.asarray(lengths),
+                       jax.random.PRNGKey(seed))
+    return state, lengths
 
-    The caller decides when to stop (EOS, stop strings) by ceasing to iterate. Generation also ends
-    when the context is full.
-    """
-    if self.batch != 1:
-      raise ValueError("stream_ids runs one sequence; use jaxllm.generate_batch for a batch")
-    self.check_prompt(prompt_ids)
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-      raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    n = len(prompt_ids)
-    bucket = prompt_bucket(n, self.max_context)
-    prefill_fn, step = self.prefill_fn(bucket, params), self.step_fn(params)
-    max_tokens = min(max_tokens, self.max_context - n + 1)
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, :n] = prompt_ids
-
+  def _stream(self, prompts: Sequence[Sequence[int]], steps: int, params: SamplingParams, seed: int,
+              pipelined: bool) -> Iterator[tuple[np.ndarray, float]]:
+    """Yields (tokens [B], seconds since submission) for `steps` decode positions: the prefill's token,
+    then one per decode step. Pipelined: step i+1 is dispatched before token i is read."""
+    if not isinstance(steps, int) or steps < 1:
+      raise ValueError(f"max_tokens must be an integer >= 1, got {steps!r}")
     t0 = time.perf_counter()
-    state = prefill_fn(self.weights, self._take_cache(), jnp.asarray(tokens),
-                       jnp.asarray([n], jnp.int32), jax.random.PRNGKey(seed))
+    state, _ = self._prefill_batch(prompts, params, seed)
+    step = self.step_fn(params, len(prompts))
     pending = [_snapshot_jit(state.tokens)]
     produced = 0
     try:
       while pending:
-        if pipelined and produced + len(pending) < max_tokens:
+        if pipelined and produced + len(pending) < steps:
           state = step(self.weights, state)              # dispatch ahead, then read the older token
           pending.append(_snapshot_jit(state.tokens))
-        token = int(np.asarray(pending.pop(0))[0])
+        tokens = np.asarray(pending.pop(0))
         produced += 1
-        yield token, time.perf_counter() - t0
-        if produced >= max_tokens:
+        yield tokens, time.perf_counter() - t0
+        if produced >= steps:
           break
         if not pipelined:
           state = step(self.weights, state)
@@ -275,17 +279,25 @@ class Engine:
     finally:
       self._cache = state.cache
 
+  def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
+                 seed: int = 0, pipelined: bool = True) -> Iterator[tuple[int, float]]:
+    """Yields (token id, seconds since the prompt was submitted) for up to max_tokens new tokens.
+
+    The caller decides when to stop (EOS, stop strings) by ceasing to iterate. Generation also ends
+    when the context is full.
+    """
+    self.check_prompt(prompt_ids)
+    if isinstance(max_tokens, int) and max_tokens >= 1:
+      max_tokens = min(max_tokens, self.max_context - len(prompt_ids) + 1)
+    for tokens, t in self._stream([prompt_ids], max_tokens, params, seed, pipelined):
+      yield int(tokens[0]), t
+
   def burst_step_ms(self, prompt_ids: Sequence[int], steps: int,
                     params: SamplingParams = SamplingParams()) -> float:
     """Mean ms per decode step when `steps` steps are dispatched back to back and read once at the end:
     the device-bound step time when host dispatch keeps ahead of the device."""
-    n = len(prompt_ids)
-    bucket = prompt_bucket(n, self.max_context)
-    steps = min(steps, self.max_context - n)
-    tokens = np.zeros((self.batch, bucket), np.int32)
-    tokens[:, :n] = prompt_ids
-    state = self.prefill_fn(bucket, params)(self.weights, self._take_cache(), jnp.asarray(tokens),
-                                            jnp.full((self.batch,), n, jnp.int32), jax.random.PRNGKey(0))
+    steps = min(steps, self.max_context - len(prompt_ids))
+    state, _ = self._prefill_batch([prompt_ids], params, 0)
     step = self.step_fn(params)
     state = step(self.weights, state)
     state.tokens.block_until_ready()
@@ -301,37 +313,81 @@ class Engine:
                seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False, pipelined: bool = True,
                on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """Generates from token ids; `on_text` receives text as it becomes final (for streaming)."""
-    tok = self.tokenizer
-    if tok is None and stop:
+    return self.generate_batch([prompt_ids], max_tokens, params, seed, stop, ignore_eos, pipelined,
+                               on_text=None if on_text is None else (lambda b, piece: on_text(piece)))[0]
+
+  def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32,
+                     params: SamplingParams = SamplingParams(), seed: int = 0, stop: Sequence[str] = (),
+                     ignore_eos: bool = False, pipelined: bool = True,
+                     on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
+    """Generates for several prompts of any lengths at once, each stopping on its own.
+
+    Each sequence has its own positions and visible length on the device, so its padding never reaches
+    attention, and greedy output equals running it alone. `on_text(b, text)` streams sequence b's text.
+    """
+    if self.tokenizer is None and stop:
       raise ValueError("stop strings need a tokenizer")
-    eog = frozenset() if ignore_eos or tok is None else tok.eog_ids
-    stream = StreamDecoder(tok) if tok is not None else None
-    stops = _StopText(stop)
-    ids, times, finish = [], [], "length"
-    for token, t in self.stream_ids(prompt_ids, max_tokens, params, seed, pipelined):
-      times.append(t * 1e3)
-      if token in eog:
-        finish = "eos"
-        break
-      ids.append(token)
-      if stream is not None:
-        piece, hit = stops.push(stream.push(token))
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+      raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if not prompts:
+      raise ValueError("no prompts given")
+    for p in prompts:
+      self.check_prompt(p)
+    eog = frozenset() if ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
+    seqs = [_Sequence(list(p), min(max_tokens, self.max_context - len(p) + 1), max_tokens, self.tokenizer,
+                      stop, eog) for p in prompts]
+    steps = max(s.limit for s in seqs) if seqs else 0
+    for tokens, t in self._stream([s.prompt_ids for s in seqs], steps, params, seed, pipelined):
+      for b, s in enumerate(seqs):
+        piece = s.push(int(tokens[b]), t * 1e3)
         if on_text and piece:
-          on_text(piece)
-        if hit:
-          finish = "stop"
-          break
-    else:
-      if len(ids) < max_tokens:
-        finish = "context"
-    if stream is not None and finish != "stop":
-      piece, _ = stops.push(stream.flush())
-      piece += stops.flush()
-      if on_text and piece:
-        on_text(piece)
-    text = stops.text if stream is not None else ""
-    decode_ms = times[-1] - times[0] if len(times) > 1 else 0.0
-    tpot = decode_ms / (len(times) - 1) if len(times) > 1 else 0.0
-    return GenerationResult(prompt_ids=list(prompt_ids), ids=ids, text=text, finish_reason=finish,
-                            ttft_ms=times[0] if times else 0.0, tpot_ms=tpot,
-                            tok_per_s=1e3 / tpot if tpot > 0 else 0.0, token_times_ms=times)
+          on_text(b, piece)
+      if all(s.finish for s in seqs):
+        break
+    return [s.result() for s in seqs]
+
+
+class _Sequence:
+  """Host-side state of one sequence in generate_batch: ids, text, stop conditions, token times."""
+
+  def __init__(self, prompt_ids, limit, max_tokens, tokenizer, stop, eog):
+    self.prompt_ids, self.limit, self.max_tokens, self.eog = prompt_ids, limit, max_tokens, eog
+    self.stream = StreamDecoder(tokenizer) if tokenizer is not None else None
+    self.stops = _StopText(stop)
+    self.ids: list[int] = []
+    self.times: list[float] = []
+    self.finish: str | None = None
+
+  def push(self, token: int, t_ms: float) -> str:
+    """Takes the next sampled token; returns the text it makes final ("" when finished or held back)."""
+    if self.finish:
+      return ""
+    self.times.append(t_ms)
+    if token in self.eog:
+      self.finish = "eos"
+      return self._flush()
+    self.ids.append(token)
+    piece = ""
+    if self.stream is not None:
+      piece, hit = self.stops.push(self.stream.push(token))
+      if hit:
+        self.finish = "stop"
+        return piece
+    if len(self.times) >= self.limit:
+      self.finish = "length" if self.limit >= self.max_tokens else "context"
+      piece += self._flush()
+    return piece
+
+  def _flush(self) -> str:
+    if self.stream is None:
+      return ""
+    piece, _ = self.stops.push(self.stream.flush())
+    return piece + self.stops.flush()
+
+  def result(self) -> GenerationResult:
+    times = self.times
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return GenerationResult(prompt_ids=self.prompt_ids, ids=self.ids,
+                            text=self.stops.text if self.stream is not None else "",
+                            finish_reason=self.finish or "length", ttft_ms=times[0] if times else 0.0,
+                            tpot_ms=tpot, tok_per_s=1e3 / tpot if tpot > 0 else 0.0, token_times_ms=times)

@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"a .gguf path or one of {sorted(DEMO_MODELS)}")
   p.add_argument("--model", "-m", help="same as MODEL")
-  p.add_argument("--prompt", "-p", required=True, help="the prompt text")
+  p.add_argument("--prompt", "-p", action="append", default=[],
+                 help="the prompt text; repeat for a batch generated together")
+  p.add_argument("--prompts-file", help="a file with one prompt per line (added to --prompt)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
   p.add_argument("--system", help="system message for --chat (else the template's default)")
   p.add_argument("--max-tokens", "-n", type=int, default=64, help="new tokens at most (default 64)")
@@ -61,6 +63,15 @@ def main(argv=None) -> int:
     raise SystemExit(f"error: --max-tokens must be >= 1, got {args.max_tokens}")
   if args.system and not args.chat:
     raise SystemExit("error: --system needs --chat")
+  texts = list(args.prompt)
+  if args.prompts_file:
+    try:
+      with open(args.prompts_file, encoding="utf-8") as f:
+        texts += [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+      raise SystemExit(f"error: cannot read --prompts-file: {e}") from None
+  if not texts:
+    raise SystemExit("error: give a prompt (--prompt TEXT, repeatable, or --prompts-file FILE)")
 
   from jaxllm.sampling import SamplingParams  # imports jax: after argument errors
   try:
@@ -75,22 +86,25 @@ def main(argv=None) -> int:
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise SystemExit(f"error: {e}") from None
 
-  text = args.prompt
-  if args.chat:
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-               [{"role": "user", "content": args.prompt}]
-    text = tok.apply_chat_template(messages)
-  prompt_ids = tok.encode(text)
+  def render(text: str) -> str:
+    if not args.chat:
+      return text
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return tok.apply_chat_template(system + [{"role": "user", "content": text}])
+
+  all_ids = [tok.encode(render(t)) for t in texts]
+  prompt_ids = max(all_ids, key=len)
   max_context = args.max_context or _default_context(len(prompt_ids), args.max_tokens, config.context_length)
   try:
     engine = Engine(config, weights, tok, max_context=max_context, kernels=args.kernels,
                     graphs_on=False if args.no_graphs else None)
-    engine.check_prompt(prompt_ids)
+    for ids in all_ids:
+      engine.check_prompt(ids)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
   t0 = time.perf_counter()
-  engine.warmup(len(prompt_ids), params)
+  engine.warmup(len(prompt_ids), params, batch=len(all_ids))
   compile_s = time.perf_counter() - t0
   graph_state = engine.graph_state(params) if args.show_graph_state else None
   if graph_state is not None:
@@ -100,6 +114,9 @@ def main(argv=None) -> int:
     sys.stdout.write(piece)
     sys.stdout.flush()
 
+  if len(all_ids) > 1:
+    return _main_batch(args, engine, all_ids, params, model, max_context, compile_s, graph_state)
+  prompt_ids = all_ids[0]
   result = engine.generate(prompt_ids, args.max_tokens, params, seed=args.seed, stop=args.stop,
                            ignore_eos=args.ignore_eos, pipelined=args.loop == "pipelined",
                            on_text=None if args.json else show)
@@ -119,6 +136,30 @@ def main(argv=None) -> int:
       print(f"prompt ids: {result.prompt_ids}")
       print(f"new ids:    {result.ids}")
   print(summary, file=sys.stderr)
+  return 0
+
+
+def _main_batch(args, engine, all_ids, params, model, max_context, compile_s, graph_state) -> int:
+  """Several prompts generated together; each one's text printed once it is done."""
+  results = engine.generate_batch(all_ids, args.max_tokens, params, seed=args.seed, stop=args.stop,
+                                  ignore_eos=args.ignore_eos, pipelined=args.loop == "pipelined")
+  total = sum(len(r.ids) for r in results)
+  span_ms = max(r.token_times_ms[-1] for r in results if r.token_times_ms) - \
+      min(r.token_times_ms[0] for r in results if r.token_times_ms)
+  if args.json:
+    print(json.dumps({"results": [r.to_json() for r in results], "model": model, "quant": args.quant,
+                      "kernels": engine.kernels, "graphs": engine.graphs_active, "graph_state": graph_state,
+                      "max_context": max_context, "compile_s": compile_s,
+                      "total_tok_per_s": total / span_ms * 1e3 if span_ms > 0 else 0.0}, ensure_ascii=False))
+  else:
+    for b, r in enumerate(results):
+      print(f"--- [{b}] ({len(r.ids)} tokens, {r.finish_reason})")
+      print(r.text)
+      if args.show_tokens:
+        print(f"prompt ids: {r.prompt_ids}\nnew ids:    {r.ids}")
+  print(f"[jaxllm] {model} batch {len(results)} kernels={engine.kernels} graphs={'on' if engine.graphs_active else 'off'}"
+        f" | {total} new tokens, {total / span_ms * 1e3 if span_ms > 0 else 0.0:.1f} tok/s in total"
+        f" | compile {compile_s:.1f} s", file=sys.stderr)
   return 0
 
 

@@ -96,3 +96,16 @@ def test_cli_chat_streams_text(model, capsys):
   assert "prompt ids: " + str(tok.encode(tok.apply_chat_template(
       [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))) in captured.out
   assert "TTFT" in captured.err and "TPOT" in captured.err and "tok/s" in captured.err
+
+
+def test_cli_batch_of_prompts(model, capsys, tmp_path):
+  path, engine, tok = model
+  f = tmp_path / "prompts.txt"
+  f.write_text("second prompt\n\nthird one here\n", encoding="utf-8")
+  cli_main([path, "--prompt", "first", "--prompts-file", str(f), "--max-tokens", "6", "--ignore-eos", "--json"])
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert [r["prompt_ids"] for r in out["results"]] == [tok.encode(s) for s in ("first", "second prompt", "third one here")]
+  for r in out["results"]:
+    assert r["ids"] == engine.generate(r["prompt_ids"], 6, ignore_eos=True).ids
+  with pytest.raises(SystemExit, match="give a prompt"):
+    cli_main([path])

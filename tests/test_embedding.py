@@ -1,0 +1,90 @@
+"""The functional API inside user jit/vmap/scan, batched generation, and scoring."""
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from tiny import numpy_forward
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "embedding.md"
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_models):
+  config, weights, tok = jaxllm.load(tiny_models["qwen2"], quant="none", dtype=jnp.float32, progress=False)
+  return tiny_models["qwen2"], config, weights, tok
+
+
+def test_embedding_doc_runs(tiny_models):
+  """Every python block of docs/embedding.md, in order, in one namespace."""
+  blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+  assert len(blocks) >= 5
+  ns = {"MODEL": tiny_models["llama"]}
+  for block in blocks:
+    exec(compile(block, str(DOC), "exec"), ns)
+  engine_ids = [r.ids for r in ns["results"]]
+  np.testing.assert_array_equal(np.asarray(ns["ids"]), np.asarray(engine_ids))   # jit+scan == engine
+  np.testing.assert_array_equal(np.asarray(ns["firsts"]), np.asarray(ns["ids"])[:, 0])   # vmap == batch
+  assert ns["logp"].shape == (2,) and np.all(ns["logp"] < 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_batched_greedy_equals_alone(tiny_models, arch):
+  config, weights, tok = jaxllm.load(tiny_models[arch], progress=False)
+  engine = jaxllm.Engine(config, weights, tok, max_context=96, kernels="auto")
+  prompts = [tok.encode(s) for s in ("hi", "the quick brown fox jumps", "一二三四五六七八九十 the end", "x")]
+  batch = engine.generate_batch(prompts, 24, ignore_eos=True)
+  for p, r in zip(prompts, batch):
+    assert r.ids == engine.generate(p, 24, ignore_eos=True).ids
+
+
+def test_batched_stops_per_sequence(qwen2):
+  _, config, weights, tok = qwen2
+  engine = jaxllm.Engine(config, weights, tok, max_context=64)
+  prompts = [tok.encode("ab"), tok.encode("hello there")]
+  full = engine.generate_batch(prompts, 12, ignore_eos=True)
+  stop = full[0].text[2:4]
+  cut = engine.generate_batch(prompts, 12, ignore_eos=True, stop=[stop])
+  assert cut[0].finish_reason == "stop" and cut[0].text == full[0].text[: full[0].text.index(stop)]
+  assert cut[1].ids == full[1].ids or stop in full[1].text
+
+
+def test_score_matches_float64_reference(qwen2):
+  path, config, weights, tok = qwen2
+  prompts = [tok.encode("the cat"), tok.encode("x"), tok.encode("一二三 and more words here")]
+  conts = [tok.encode(" sat on the mat"), tok.encode("yz"), tok.encode(" 四")]
+  got = jaxllm.score(config, weights, prompts, conts)
+  for p, c, g in zip(prompts, conts, got):
+    logits = numpy_forward(path, p + c)                            # [T, V] float64
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = sum(logp[len(p) - 1 + i, tok_id] for i, tok_id in enumerate(c))
+    assert abs(g - want) < 1e-3 * max(1.0, abs(want)), (g, want)
+
+
+def test_score_rejects_bad_input(qwen2):
+  _, config, weights, _ = qwen2
+  with pytest.raises(ValueError, match="need as many prompts as continuations"):
+    jaxllm.score(config, weights, [[1]], [[2], [3]])
+  with pytest.raises(ValueError, match="needs >= 1 token"):
+    jaxllm.score(config, weights, [[1]], [[]])
+
+
+def test_decode_step_under_vmap_matches_batch(qwen2):
+  """vmap of a batch-1 decode over independent states equals one batched decode step."""
+  _, config, weights, _ = qwen2
+  tokens = jnp.asarray([[5, 6, 7, 0], [9, 10, 11, 12]], jnp.int32)
+  lengths = jnp.asarray([3, 4], jnp.int32)
+  batched = jaxllm.prefill(config, weights, jaxllm.create_cache(config, 2, 16), tokens, lengths,
+                           jax.random.PRNGKey(0))
+  batched = jaxllm.decode_step(config, weights, batched)
+
+  def one(t, n):
+    s = jaxllm.prefill(config, weights, jaxllm.create_cache(config, 1, 16), t[None], n[None], jax.random.PRNGKey(0))
+    return jaxllm.decode_step(config, weights, s).tokens[0]
+
+  np.testing.assert_array_equal(np.asarray(jax.vmap(one)(tokens, lengths)), np.asarray(batched.tokens))
