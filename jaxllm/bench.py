@@ -86,18 +86,19 @@ def load_model(model: str, quant: str, seed: int):
   return config, weights, tok, False
 
 
-def measure(engine, prompt_ids, decode_len: int, repeat: int, warmup: int, pipelined: bool) -> dict:
-  """TTFT and per-token times of `repeat` requests after `warmup` ones."""
+def measure(engine, prompts, decode_len: int, repeat: int, warmup: int, pipelined: bool) -> dict:
+  """TTFT and per-step times of `repeat` requests (each a batch of `prompts`) after `warmup` ones."""
+  from jaxllm.sampling import SamplingParams
   ttfts, gaps, rates = [], [], []
   for i in range(warmup + repeat):
-    times = [t for _, t in engine.stream_ids(prompt_ids, decode_len, seed=i, pipelined=pipelined)]
+    times = [t for _, t in engine._stream(prompts, decode_len, SamplingParams(), i, pipelined)]
     if i < warmup:
       continue
     ttfts.append(times[0] * 1e3)
     step = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
     gaps += step
     rates.append((len(times) - 1) / (times[-1] - times[0]))
-  burst = engine.burst_step_ms(prompt_ids, min(decode_len, 64))
+  burst = engine.burst_step_ms(prompts[0], min(decode_len, 64)) if len(prompts) == 1 else None
   return {"step_ms_burst": burst, "ttft_ms": statistics.median(ttfts), "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(gaps),
           "tpot_ms_p50": _percentile(gaps, 50), "tpot_ms_p90": _percentile(gaps, 90),
           "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates}
@@ -109,7 +110,7 @@ def run(args) -> list[dict]:
   from jaxllm.presets import weight_bytes_per_token
   config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
   rng = np.random.default_rng(args.seed)
-  prompt_ids = [int(t) for t in rng.integers(0, config.vocab_size, args.prompt_len)]
+  prompts = [[int(t) for t in rng.integers(0, config.vocab_size, args.prompt_len)] for _ in range(args.batch)]
   max_context = args.max_context or args.prompt_len + args.decode_len + 8
   env = environment()
   bandwidth = copy_bandwidth_gb_s()
@@ -119,33 +120,34 @@ def run(args) -> list[dict]:
   for kernels in (["ffi", "xla"] if args.kernels == "both" else [args.kernels]):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on)
     t0 = time.perf_counter()
-    engine.warmup(len(prompt_ids))
+    engine.warmup(args.prompt_len, batch=args.batch)
     compile_s = time.perf_counter() - t0
     state = engine.graph_state() if args.graph_state else {"state": "not inspected"}
     for loop in (["pipelined", "streaming"] if args.loop == "both" else [args.loop]):
-      m = measure(engine, prompt_ids, args.decode_len, args.repeat, args.warmup, loop == "pipelined")
+      m = measure(engine, prompts, args.decode_len, args.repeat, args.warmup, loop == "pipelined")
+      m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch
       rec = {"schema_version": SCHEMA_VERSION, "label": args.label, "model": args.model, "synthetic": synthetic,
              "arch": config.arch, "quant": args.quant, "kernels": engine.kernels,
              "graphs_requested": engine.graphs_requested, "graph_state": state,
-             "compiler_options": engine.compiler_options, "loop": loop, "batch": 1,
+             "compiler_options": engine.compiler_options, "loop": loop, "batch": args.batch,
              "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,
              "repeat": args.repeat, "compile_s": compile_s, **m,
              "weight_bytes_per_token": wbytes,
-             "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,
+             "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,   # one weight pass per step, whatever the batch
              "byte_floor_ms": wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None,
              "copy_gb_s": bandwidth, "peak_memory_bytes": _peak_memory(), "env": env}
       records.append(rec)
       print(f"[bench] {args.model} kernels={rec['kernels']} graphs={'on' if rec['graphs_requested'] else 'off'}"
             f"({state.get('state')}) loop={loop}: TTFT {rec['ttft_ms']:.2f} ms, TPOT {rec['tpot_ms_mean']:.3f} ms "
-            f"(p50 {rec['tpot_ms_p50']:.3f}, p90 {rec['tpot_ms_p90']:.3f}), burst step {rec['step_ms_burst']:.3f} ms, "
-            f"{rec['decode_tok_s']:.1f} tok/s, "
+            f"(p50 {rec['tpot_ms_p50']:.3f}, p90 {rec['tpot_ms_p90']:.3f}), burst step {rec['step_ms_burst'] or 0:.3f} ms, "
+            f"batch {args.batch}: {rec['decode_tok_s']:.1f} tok/s per sequence, {rec['decode_tok_s_total']:.1f} total, "
             f"weights {rec['weight_gb_s']:.0f} GB/s of {bandwidth:.0f}, floor {rec['byte_floor_ms']:.3f} ms",
             file=sys.stderr)
   return records
 
 
 def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
-  cmd = [sys.executable, "-m", "jaxllm.bench", args.model, "--prompt-len", str(args.prompt_len),
+  cmd = [sys.executable, "-m", "jaxllm.bench", args.model, "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
          "--decode-len", str(args.decode_len), "--repeat", str(args.repeat), "--warmup", str(args.warmup),
          "--kernels", args.kernels, "--loop", args.loop, "--quant", args.quant, "--out", out, *extra]
   if args.graph_state:
@@ -242,6 +244,7 @@ def build_parser():
   p.add_argument("--prompt-len", type=int, default=128)
   p.add_argument("--decode-len", type=int, default=128)
   p.add_argument("--max-context", type=int, default=None)
+  p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
   p.add_argument("--repeat", type=int, default=3, help="timed requests per configuration")
   p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
   p.add_argument("--kernels", choices=("auto", "ffi", "xla", "both"), default="auto")
@@ -263,8 +266,8 @@ def build_parser():
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  if args.prompt_len < 1 or args.decode_len < 2 or args.repeat < 1:
-    raise SystemExit("error: need --prompt-len >= 1, --decode-len >= 2, --repeat >= 1")
+  if args.prompt_len < 1 or args.decode_len < 2 or args.repeat < 1 or args.batch < 1:
+    raise SystemExit("error: need --prompt-len >= 1, --decode-len >= 2, --repeat >= 1, --batch >= 1")
   if args.ab:
     records = ab_graphs(args)
     table = ab_table(records)

@@ -163,12 +163,9 @@ class Engine:
 
   def _take_cache(self, batch: int) -> KVCache:
     """The engine's cache for `batch` sequences (reused across calls; the old one is given up)."""
-    cache = self._cache
+    cache, self._cache = self._cache, None
     if cache is None or cache.k.is_deleted() or cache.batch != batch:
-      cache = None
-      self._cache = None
       cache = create_cache(self.config, batch, self.max_context, self.dtype)
-    self._cache = None
     return cache
 
   def _cache_spec(self, batch: int) -> KVCache:

@@ -88,3 +88,14 @@ def test_decode_step_under_vmap_matches_batch(qwen2):
     return jaxllm.decode_step(config, weights, s).tokens[0]
 
   np.testing.assert_array_equal(np.asarray(jax.vmap(one)(tokens, lengths)), np.asarray(batched.tokens))
+
+
+def test_batched_greedy_equals_alone_smollm2():
+  """The real SmolLM2-135M (W8A16, the default kernels): a batch of prompts of different lengths."""
+  config, weights, tok = jaxllm.load("smollm2-135m", progress=False)
+  engine = jaxllm.Engine(config, weights, tok, max_context=96)
+  prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])),
+             tok.encode("The capital of France is"), tok.encode("def fibonacci(n):"), tok.encode("Once")]
+  batch = engine.generate_batch(prompts, 16, ignore_eos=True)
+  for p, r in zip(prompts, batch):
+    assert r.ids == engine.generate(p, 16, ignore_eos=True).ids

@@ -1,6 +1,6 @@
 """llama.cpp baseline through llama-cpp-python, on the same GGUF files, same JSONL schema as jaxllm.bench.
 
-  python bench/peers/llama_cpp.py smollm2-135m --prompt-len 128 --decode-len 128 --out results.jsonl
+  python bench/peers/llamacpp_bench.py smollm2-135m --prompt-len 128 --decode-len 128 --out results.jsonl
 
 Greedy decoding of a random prompt, one warm-up request, then --repeat timed ones; TTFT and the time of
 every later token are taken on the host from the token stream, as jaxllm.bench does.

@@ -1,0 +1,32 @@
+"""A small CPU smoke run of the bench that checks the JSONL schema."""
+import json
+
+from jaxllm.bench import SCHEMA_VERSION, main
+
+FIELDS = {"schema_version", "label", "model", "synthetic", "arch", "quant", "kernels", "graphs_requested",
+          "graph_state", "compiler_options", "loop", "batch", "prompt_len", "decode_len", "max_context",
+          "repeat", "compile_s", "ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p90", "decode_tok_s",
+          "decode_tok_s_total", "step_ms_burst", "weight_bytes_per_token", "weight_gb_s", "byte_floor_ms",
+          "copy_gb_s", "peak_memory_bytes", "env"}
+
+
+def test_bench_smoke_schema(tmp_path, monkeypatch):
+  import jaxllm.presets as presets
+  tiny = presets.PRESETS["smollm2-135m"].replace(n_layers=2, vocab_size=512)
+  monkeypatch.setitem(presets.PRESETS, "tiny-test", tiny)
+  out, report = tmp_path / "r.jsonl", tmp_path / "r.md"
+  assert main(["synthetic:tiny-test", "--prompt-len", "8", "--decode-len", "4", "--repeat", "1",
+               "--kernels", "both", "--loop", "both", "--graph-state", "--out", str(out),
+               "--report", str(report)]) == 0
+  assert main(["synthetic:tiny-test", "--prompt-len", "5", "--decode-len", "3", "--repeat", "1", "--batch", "3",
+               "--loop", "pipelined", "--out", str(out)]) == 0
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert len(records) == 5
+  for r in records:
+    assert FIELDS <= set(r), FIELDS - set(r)
+    assert r["schema_version"] == SCHEMA_VERSION and r["kernels"] in ("ffi", "xla")
+    assert r["tpot_ms_mean"] > 0 and r["decode_tok_s"] > 0 and r["weight_bytes_per_token"] > 0
+    assert {"device", "jax", "jaxlib", "date"} <= set(r["env"])
+  assert records[0]["graph_state"]["state"] == "off"        # CPU: no command buffers, said so
+  assert records[-1]["batch"] == 3 and records[-1]["decode_tok_s_total"] == 3 * records[-1]["decode_tok_s"]
+  assert report.exists() and report.with_suffix(".png").exists()
