@@ -1,7 +1,8 @@
 """The engine: compiles prefill (per length bucket) and the decode step, and runs the generate loop.
 
 The decode step donates its whole DecodeState, so every output aliases an input and buffer addresses
-stay fixed from step to step (XLA command buffers then replay without re-recording). The loop is
+stay fixed from step to step: the condition for XLA to replay a recorded command buffer unchanged
+(docs/cuda-graphs.md says what was measured about it). The loop is
 pipelined: step i+1 is dispatched before token i is read on the host, so the device never waits for the
 host; `pipelined=False` reads every token before the next dispatch (the streaming baseline).
 """
