@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -82,6 +83,41 @@ inline ffi::Error CheckAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
                                        " out of range");
   *shape = s;
   return ffi::Error::Success();
+}
+
+// The handlers' signatures, shared by the CPU and CUDA handlers; Ctx is the backend's context
+// (ffi::ThreadPool on the CPU, the CUDA stream on the GPU). The "Into" variants, for tests, take one more
+// argument: a poisoned buffer that the caller aliases to the first result, so unwritten outputs show.
+template <typename Ctx>
+auto BindW8A16() {
+  return ffi::Ffi::Bind()
+      .template Ctx<Ctx>()                 // backend context
+      .template Arg<ffi::AnyBuffer>()      // x [M, K] f32|bf16
+      .template Arg<ffi::AnyBuffer>()      // w [L, N, K] int8
+      .template Arg<ffi::AnyBuffer>();     // scale [L, N, G] f32
+}
+
+template <typename Binding>
+auto FinishW8A16(Binding b) {
+  return std::move(b).template Ret<ffi::AnyBuffer>()   // y [M, N] x's dtype
+      .template Attr<int64_t>("layer");       // which of the L stacked weights
+}
+
+template <typename Ctx>
+auto BindAttention() {
+  return ffi::Ffi::Bind()
+      .template Ctx<Ctx>()                 // backend context
+      .template Arg<ffi::AnyBuffer>()      // q [B, H, Dh]
+      .template Arg<ffi::AnyBuffer>()      // k cache [L, B, G, S, Dh]
+      .template Arg<ffi::AnyBuffer>()      // v cache [L, B, G, S, Dh]
+      .template Arg<ffi::AnyBuffer>();     // lengths [B] int32 (visible), read on the device
+}
+
+template <typename Binding>
+auto FinishAttention(Binding b) {
+  return std::move(b).template Ret<ffi::AnyBuffer>()   // out [B, H, Dh]
+      .template Ret<ffi::AnyBuffer>()          // workspace [B, H, P, Dh + 2] f32 (CUDA splits)
+      .template Attr<int64_t>("layer");       // which layer of the cache
 }
 
 }  // namespace jaxllm

@@ -169,46 +169,12 @@ ffi::Error DecodeAttentionCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCpu, W8A16Cpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()     // XLA's intra-op pool
-                                  .Arg<ffi::AnyBuffer>()      // x [M, K] f32|bf16
-                                  .Arg<ffi::AnyBuffer>()      // w [L, N, K] int8
-                                  .Arg<ffi::AnyBuffer>()      // scale [L, N, G] f32
-                                  .Ret<ffi::AnyBuffer>()      // y [M, N] x's dtype
-                                  .Attr<int64_t>("layer"));   // which of the L stacked weights
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCpuHandler, DecodeAttentionCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()     // XLA's intra-op pool
-                                  .Arg<ffi::AnyBuffer>()      // q [B, H, Dh]
-                                  .Arg<ffi::AnyBuffer>()      // k cache [L, B, G, S, Dh]
-                                  .Arg<ffi::AnyBuffer>()      // v cache [L, B, G, S, Dh]
-                                  .Arg<ffi::AnyBuffer>()      // lengths [B] int32 (visible)
-                                  .Ret<ffi::AnyBuffer>()      // out [B, H, Dh]
-                                  .Ret<ffi::AnyBuffer>()      // workspace [B, H, P, Dh + 2] f32 (unused here)
-                                  .Attr<int64_t>("layer"));   // which layer of the cache
-
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCpu, W8A16Cpu, FinishW8A16(BindW8A16<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCpuHandler, DecodeAttentionCpu, FinishAttention(BindAttention<ffi::ThreadPool>()));
+// Test variants: one more argument, the poisoned output buffer aliased to the result.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCpuInto, W8A16CpuInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()      // x
-                                  .Arg<ffi::AnyBuffer>()      // w
-                                  .Arg<ffi::AnyBuffer>()      // scale
-                                  .Arg<ffi::AnyBuffer>()      // poisoned y, aliased to the result
-                                  .Ret<ffi::AnyBuffer>()      // y
-                                  .Attr<int64_t>("layer"));
-
+                              FinishW8A16(BindW8A16<ffi::ThreadPool>().Arg<ffi::AnyBuffer>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCpuIntoHandler, DecodeAttentionCpuInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()      // q
-                                  .Arg<ffi::AnyBuffer>()      // k cache
-                                  .Arg<ffi::AnyBuffer>()      // v cache
-                                  .Arg<ffi::AnyBuffer>()      // lengths
-                                  .Arg<ffi::AnyBuffer>()      // poisoned out, aliased to the result
-                                  .Ret<ffi::AnyBuffer>()      // out
-                                  .Ret<ffi::AnyBuffer>()      // workspace
-                                  .Attr<int64_t>("layer"));
+                              FinishAttention(BindAttention<ffi::ThreadPool>().Arg<ffi::AnyBuffer>()));
 
 }  // namespace jaxllm

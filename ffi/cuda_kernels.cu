@@ -319,50 +319,16 @@ ffi::Error DecodeAttentionCudaInto(cudaStream_t stream, ffi::AnyBuffer q, ffi::A
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCuda, W8A16Cuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                  .Arg<ffi::AnyBuffer>()      // x [M, K] f32|bf16
-                                  .Arg<ffi::AnyBuffer>()      // w [L, N, K] int8
-                                  .Arg<ffi::AnyBuffer>()      // scale [L, N, G] f32
-                                  .Ret<ffi::AnyBuffer>()      // y [M, N] x's dtype
-                                  .Attr<int64_t>("layer"),    // which of the L stacked weights
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCuda, W8A16Cuda, FinishW8A16(BindW8A16<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaHandler, DecodeAttentionCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
-                                  .Arg<ffi::AnyBuffer>()      // q [B, H, Dh]
-                                  .Arg<ffi::AnyBuffer>()      // k cache [L, B, G, S, Dh]
-                                  .Arg<ffi::AnyBuffer>()      // v cache [L, B, G, S, Dh]
-                                  .Arg<ffi::AnyBuffer>()      // lengths [B] int32, read on the device
-                                  .Ret<ffi::AnyBuffer>()      // out [B, H, Dh]
-                                  .Ret<ffi::AnyBuffer>()      // workspace [B, H, P, Dh + 2] f32
-                                  .Attr<int64_t>("layer"),    // which layer of the cache
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaHandler, DecodeAttentionCuda, FinishAttention(BindAttention<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-
+// Test variants: one more argument, the poisoned output buffer aliased to the result.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCudaInto, W8A16CudaInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()      // x
-                                  .Arg<ffi::AnyBuffer>()      // w
-                                  .Arg<ffi::AnyBuffer>()      // scale
-                                  .Arg<ffi::AnyBuffer>()      // poisoned y, aliased to the result
-                                  .Ret<ffi::AnyBuffer>()      // y
-                                  .Attr<int64_t>("layer"),
+                              FinishW8A16(BindW8A16<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaIntoHandler, DecodeAttentionCudaInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()      // q
-                                  .Arg<ffi::AnyBuffer>()      // k cache
-                                  .Arg<ffi::AnyBuffer>()      // v cache
-                                  .Arg<ffi::AnyBuffer>()      // lengths
-                                  .Arg<ffi::AnyBuffer>()      // poisoned out, aliased to the result
-                                  .Ret<ffi::AnyBuffer>()      // out
-                                  .Ret<ffi::AnyBuffer>()      // workspace
-                                  .Attr<int64_t>("layer"),
+                              FinishAttention(BindAttention<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxllm
