@@ -214,7 +214,7 @@ class Engine:
     with tempfile.TemporaryDirectory(prefix="jaxllm-dump-") as tmp:
       target = dump_dir or tmp
       options = dict(self.compiler_options, xla_dump_to=target)
-      jax.jit(fn, donate_argnums=(1,), compiler_options=options).lower(self.weights, self._state_spec()).compile()
+      _compile(fn, 1, options, (self.weights, self._state_spec()))
       info.update(graphs.read_dump(target))
     return info
 

@@ -6,6 +6,7 @@ setting wins and is reported.
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 
@@ -72,7 +73,6 @@ def parse_thunk_sequence(text: str) -> dict:
 
 def read_dump(dump_dir: str) -> dict:
   """Graph state from an XLA dump directory (the largest module's thunk sequence)."""
-  import glob
   files = sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence*.txt")), key=os.path.getsize)
   if not files:
     return {"state": "unknown", "reason": f"XLA wrote no thunk-sequence dump into {dump_dir}"}

@@ -33,10 +33,6 @@ class Linear:
   def quantized(self) -> bool:
     return self.scale is not None
 
-  @property
-  def group(self) -> int:
-    return self.w.shape[-1] // self.scale.shape[-1]
-
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """Float weight [..., N, K]."""
     if self.scale is None:

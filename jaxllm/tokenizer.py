@@ -127,9 +127,6 @@ class Tokenizer:
     data = b"".join(self._bytes[i] for i in ids if not (skip_special and i in self._special))
     return data.decode("utf-8", errors="replace")
 
-  def is_special(self, token_id: int) -> bool:
-    return token_id in self._special
-
   def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
     """Renders `messages` ([{"role": ..., "content": ...}]) with the model's template."""
     if not self.chat_template:
