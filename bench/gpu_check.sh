@@ -20,3 +20,5 @@ stage ${T_TESTS:-240} python3 -m pytest -q -rA -s ${TESTS:-tests/test_kernels.py
 stage ${T_E2E:-150} python3 -m jaxllm.bench synthetic:qwen2.5-0.5b --kernels both --loop both --graph-state \
   --repeat 3 --out "$OUT/e2e.jsonl" --report "$OUT/e2e.md" 2>&1 | tail -12
 stage ${T_KERNELS:-200} python3 bench/kernels.py ${KERNEL_ARGS:---m 1} --out "$OUT/kernels.jsonl" --report "$OUT/kernels.md" 2>&1 | tail -40
+stage ${T_PEERS:-300} bash -c "python3 bench/peers/hf_torch.py synthetic:qwen2.5-0.5b --mode graph --out $OUT/peers.jsonl; \
+  python3 bench/peers/hf_torch.py synthetic:qwen2.5-0.5b --mode compile --out $OUT/peers.jsonl" 2>&1 | grep "^\[torch"
