@@ -86,22 +86,34 @@ def load_model(model: str, quant: str, seed: int):
   return config, weights, tok, False
 
 
+def timing_stats(requests: list[list[float]]) -> dict:
+  """The schema's timing fields from each timed request's token arrival times (seconds since submission):
+  TTFT (median), TPOT over all gaps between consecutive tokens (mean, p50, p90), decode tok/s (median)."""
+  ttfts = [times[0] * 1e3 for times in requests]
+  gaps = [(b - a) * 1e3 for times in requests for a, b in zip(times, times[1:])]
+  rates = [(len(times) - 1) / (times[-1] - times[0]) for times in requests]
+  return {"ttft_ms": statistics.median(ttfts), "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(gaps),
+          "tpot_ms_p50": _percentile(gaps, 50), "tpot_ms_p90": _percentile(gaps, 90),
+          "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates}
+
+
+def write_records(records: list[dict], out: str | None) -> None:
+  """Appends the records as JSON lines to `out`, or writes them to stdout."""
+  lines = "".join(json.dumps(r) + "\n" for r in records)
+  if out:
+    with open(out, "a") as f:
+      f.write(lines)
+  else:
+    sys.stdout.write(lines)
+
+
 def measure(engine, prompts, decode_len: int, repeat: int, warmup: int, pipelined: bool) -> dict:
   """TTFT and per-step times of `repeat` requests (each a batch of `prompts`) after `warmup` ones."""
   from jaxllm.sampling import SamplingParams
-  ttfts, gaps, rates = [], [], []
-  for i in range(warmup + repeat):
-    times = [t for _, t in engine._stream(prompts, decode_len, SamplingParams(), i, pipelined)]
-    if i < warmup:
-      continue
-    ttfts.append(times[0] * 1e3)
-    step = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
-    gaps += step
-    rates.append((len(times) - 1) / (times[-1] - times[0]))
+  requests = [[t for _, t in engine._stream(prompts, decode_len, SamplingParams(), i, pipelined)]
+              for i in range(warmup + repeat)][warmup:]
   burst = engine.burst_step_ms(prompts[0], min(decode_len, 64)) if len(prompts) == 1 else None
-  return {"step_ms_burst": burst, "ttft_ms": statistics.median(ttfts), "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(gaps),
-          "tpot_ms_p50": _percentile(gaps, 50), "tpot_ms_p90": _percentile(gaps, 90),
-          "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates}
+  return {"step_ms_burst": burst, **timing_stats(requests)}
 
 
 def run(args) -> list[dict]:
@@ -277,12 +289,7 @@ def main(argv=None) -> int:
   else:
     records = run(args)
     table = runs_table(records)
-  lines = "".join(json.dumps(r) + "\n" for r in records)
-  if args.out:
-    with open(args.out, "a") as f:
-      f.write(lines)
-  else:
-    sys.stdout.write(lines)
+  write_records(records, args.out)
   print(table, file=sys.stderr)
   if args.report:
     with open(args.report, "w") as f:

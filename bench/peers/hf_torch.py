@@ -13,14 +13,12 @@ time are taken on the host after a device sync, as jaxllm.bench does.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 
 import numpy as np
 
-from jaxllm.bench import SCHEMA_VERSION, _percentile, environment
+from jaxllm.bench import SCHEMA_VERSION, environment, timing_stats, write_records
 
 
 def _hf_config(cfg):
@@ -67,17 +65,20 @@ def run(args) -> dict:
   def step(ids, pos):
     return model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits[:, -1:]
 
-  ttfts, gaps, rates = [], [], []
+  def prefill():
+    """Resets the cache and runs the prompt: (first token, next position, t0, [TTFT in s])."""
+    cache.reset()
+    t0 = time.perf_counter()
+    pos = torch.arange(args.prompt_len, device=device)
+    nxt = step(prompt, pos).argmax(-1)
+    sync()
+    return nxt, pos[-1:] + 1, t0, [time.perf_counter() - t0]
+
+  requests = []
   graph = static_ids = static_pos = static_logits = None
   with torch.no_grad():
     for i in range(1 + args.repeat):
-      cache.reset()
-      t0 = time.perf_counter()
-      pos = torch.arange(args.prompt_len, device=device)
-      nxt = step(prompt, pos).argmax(-1)
-      pos = pos[-1:] + 1
-      sync()
-      times = [time.perf_counter() - t0]
+      nxt, pos, t0, times = prefill()
       if args.mode == "graph" and graph is None:      # capture once, after the first prefill (seed 001)
         static_ids, static_pos = nxt.clone(), pos.clone()
         s = torch.cuda.Stream()
@@ -89,13 +90,7 @@ def run(args) -> dict:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
           static_logits = step(static_ids, static_pos)
-        cache.reset()                                  # same buffers, so the graph stays valid
-        t0 = time.perf_counter()
-        pos = torch.arange(args.prompt_len, device=device)
-        nxt = step(prompt, pos).argmax(-1)
-        pos = pos[-1:] + 1
-        sync()
-        times = [time.perf_counter() - t0]
+        nxt, pos, t0, times = prefill()               # cache.reset keeps the buffers: the graph stays valid
       for _ in range(args.decode_len - 1):
         if graph is not None:
           static_ids.copy_(nxt)
@@ -107,18 +102,12 @@ def run(args) -> dict:
         pos = pos + 1
         int(nxt[0, 0])                                 # the host reads every token, as a streaming loop does
         times.append(time.perf_counter() - t0)
-      if i == 0:
-        continue
-      ttfts.append(times[0] * 1e3)
-      gaps += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
-      rates.append((len(times) - 1) / (times[-1] - times[0]))
+      if i > 0:                                        # the first request warms up
+        requests.append(times)
   return {"schema_version": SCHEMA_VERSION, "label": f"torch-{args.mode}", "model": args.model,
           "synthetic": args.model.startswith("synthetic:"), "engine": f"torch {torch.__version__}",
           "kernels": f"torch-{args.mode}", "loop": "streaming", "batch": 1, "prompt_len": args.prompt_len,
-          "decode_len": args.decode_len, "repeat": args.repeat, "ttft_ms": statistics.median(ttfts),
-          "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(gaps), "tpot_ms_p50": _percentile(gaps, 50),
-          "tpot_ms_p90": _percentile(gaps, 90), "decode_tok_s": statistics.median(rates),
-          "decode_tok_s_all": rates, "env": environment()}
+          "decode_len": args.decode_len, "repeat": args.repeat, **timing_stats(requests), "env": environment()}
 
 
 def main(argv=None) -> int:
@@ -135,12 +124,7 @@ def main(argv=None) -> int:
   if args.mode == "graph" and args.device != "cuda":
     raise SystemExit("--mode graph captures a CUDA graph: it needs --device cuda")
   rec = run(args)
-  line = json.dumps(rec) + "\n"
-  if args.out:
-    with open(args.out, "a") as f:
-      f.write(line)
-  else:
-    sys.stdout.write(line)
+  write_records([rec], args.out)
   print(f"[torch-{args.mode}] {args.model}: TTFT {rec['ttft_ms']:.2f} ms, TPOT {rec['tpot_ms_mean']:.3f} ms, "
         f"{rec['decode_tok_s']:.1f} tok/s", file=sys.stderr)
   return 0

@@ -8,16 +8,13 @@ every later token are taken on the host from the token stream, as jaxllm.bench d
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
 
-from jaxllm.bench import _percentile, environment
-from jaxllm.bench import SCHEMA_VERSION
+from jaxllm.bench import SCHEMA_VERSION, environment, timing_stats, write_records
 from jaxllm.models import resolve_model
 
 
@@ -41,7 +38,7 @@ def main(argv=None) -> int:
                         n_gpu_layers=args.n_gpu_layers, verbose=False, seed=args.seed)
   rng = np.random.default_rng(args.seed)
   prompt = [int(t) for t in rng.integers(0, llm.n_vocab(), args.prompt_len)]
-  ttfts, gaps, rates = [], [], []
+  requests = []
   for i in range(1 + args.repeat):
     llm.reset()
     t0 = time.perf_counter()
@@ -50,24 +47,14 @@ def main(argv=None) -> int:
       times.append(time.perf_counter() - t0)
       if len(times) >= args.decode_len:
         break
-    if i == 0:
-      continue
-    ttfts.append(times[0] * 1e3)
-    gaps += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
-    rates.append((len(times) - 1) / (times[-1] - times[0]))
+    if i > 0:                                          # the first request warms up
+      requests.append(times)
   rec = {"schema_version": SCHEMA_VERSION, "label": "llama.cpp", "model": args.model, "synthetic": False,
          "engine": f"llama-cpp-python {llama_cpp.__version__}", "threads": args.threads,
          "n_gpu_layers": args.n_gpu_layers, "quant": os.path.basename(path), "loop": "streaming", "batch": 1,
          "prompt_len": args.prompt_len, "decode_len": args.decode_len, "repeat": args.repeat,
-         "ttft_ms": statistics.median(ttfts), "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(gaps),
-         "tpot_ms_p50": _percentile(gaps, 50), "tpot_ms_p90": _percentile(gaps, 90),
-         "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates, "env": environment()}
-  line = json.dumps(rec) + "\n"
-  if args.out:
-    with open(args.out, "a") as f:
-      f.write(line)
-  else:
-    sys.stdout.write(line)
+         **timing_stats(requests), "env": environment()}
+  write_records([rec], args.out)
   print(f"[llama.cpp] {args.model}: TTFT {rec['ttft_ms']:.1f} ms, TPOT {rec['tpot_ms_mean']:.2f} ms, "
         f"{rec['decode_tok_s']:.1f} tok/s ({args.threads} threads)", file=sys.stderr)
   return 0
