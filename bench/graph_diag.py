@@ -1,38 +1,119 @@
-"""Diagnoses command-buffer behaviour for FFI calls: run with TF_CPP_VMODULE set, e.g.
+"""Does a command-buffer replay need a graph update? Counts XLA's own log lines per execution.
 
-  TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=3 TF_CPP_MIN_LOG_LEVEL=0 \
-      python bench/graph_diag.py 2> diag.log
+  python bench/graph_diag.py [--model synthetic:qwen2.5-0.5b] [--steps 64] [--json out.json] [--log out.log]
 
-It executes one program of 64 W8A16 calls (donated outputs, so addresses are stable) 10 times after
-warm-up, printing a marker line before each execution so the log shows what XLA does per execution.
+Runs itself again as a child with TF_CPP_VMODULE=command_buffer_thunk=3, where XLA logs
+"Execute command buffer" for every replay and "Update command buffer ... updated_allocs=N" whenever a
+buffer address the graph was recorded with has changed (the graph is then re-recorded: host work that
+the donated, address-stable design exists to avoid). The child runs, each after a warm-up and between
+marker lines:
+
+  decode-step    the engine's compiled decode step, state donated, `--steps` times back to back;
+  engine-loop    the engine's real pipelined loop (prefill, then steps interleaved with token reads);
+  aliased-64     64 W8A16 calls whose outputs are written into donated inputs (keep_unused=True);
+  unaliased-64   the same program with the donated outputs unused, so jit prunes them: fresh output
+                 buffers every execution (this is what bench/kernels.py first measured).
+
+The parent prints, per segment, executions and updates, and exits 1 if the decode step needed any.
 """
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
+from jaxllm.graphs import count_log_segments
 
-from jaxllm.kernels import ffi
-from jaxllm.quant import GROUP, Linear
-
-copies, n, k = 64, 1152, 896
-w8 = jax.random.randint(jax.random.PRNGKey(0), (copies, n, k), -127, 128, jnp.int32).astype(jnp.int8)
-scale = jnp.full((copies, n, k // GROUP), 0.01, jnp.float32)
-x = jax.random.normal(jax.random.PRNGKey(1), (1, k), jnp.bfloat16)
+MARK = "=== jaxllm-graph-diag segment "
+SEGMENTS = ("decode-step", "engine-loop", "aliased-64", "unaliased-64")
 
 
-def body(x, w8, scale, outs):
-  return [ffi.w8a16_matmul(x, Linear(w8, scale), i) for i in range(copies)]
+def child(model: str, steps: int) -> None:
+  import jax
+  import jax.numpy as jnp
 
+  from jaxllm.bench import load_model
+  from jaxllm.engine import Engine
+  from jaxllm.kernels import ffi
+  from jaxllm.quant import GROUP, Linear
+  from jaxllm.sampling import SamplingParams
 
-for graphs in (True, False):
-  fn = jax.jit(body, donate_argnums=(3,),
-               compiler_options=None if graphs else {"xla_gpu_enable_command_buffer": ""})
-  outs = [jnp.zeros((1, n), jnp.bfloat16) for _ in range(copies)]
-  for i in range(12):
-    print(f"=== graphs={graphs} execution {i}", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    outs = fn(x, w8, scale, outs)
+  def mark(name):
+    print(MARK + name, file=sys.stderr, flush=True)
+
+  config, weights, _, _ = load_model(model, "w8a16", 0)
+  engine = Engine(config, weights, None, max_context=64 + 2 * steps, kernels="ffi", graphs_on=True)
+  prompt = list(range(1, 33))
+  engine.burst_step_ms(prompt, 4)                     # compile, record, first replays
+  state, _ = engine._prefill_batch([prompt], SamplingParams(), 0)
+  step = engine.step_fn(SamplingParams())
+  state = step(engine.weights, state)
+  jax.block_until_ready(state)
+  mark("decode-step")
+  for _ in range(steps):
+    state = step(engine.weights, state)
+  jax.block_until_ready(state)
+  engine._cache = state.cache
+  list(engine._stream([prompt], steps, SamplingParams(), 0, True))   # warm the loop once
+  mark("engine-loop")
+  list(engine._stream([prompt], steps, SamplingParams(), 0, True))
+
+  copies, n, k = 64, 1152, 896
+  w8 = jax.random.randint(jax.random.PRNGKey(0), (copies, n, k), -127, 128, jnp.int32).astype(jnp.int8)
+  scale = jnp.full((copies, n, k // GROUP), 0.01, jnp.float32)
+  x = jax.random.normal(jax.random.PRNGKey(1), (1, k), jnp.bfloat16)
+
+  def body(x, w8, scale, outs):
+    return [ffi.w8a16_matmul(x, Linear(w8, scale), i) for i in range(copies)]
+
+  for name, keep in (("aliased-64", True), ("unaliased-64", False)):
+    fn = jax.jit(body, donate_argnums=(3,), keep_unused=keep)
+    outs = [jnp.zeros((1, n), jnp.bfloat16) for _ in range(copies)]
+    for _ in range(3):
+      outs = fn(x, w8, scale, outs)
     jax.block_until_ready(outs)
-    print(f"=== graphs={graphs} execution {i}: {(time.perf_counter() - t0) * 1e6 / copies:.2f} us per call",
-          file=sys.stderr, flush=True)
+    mark(name)
+    for _ in range(10):
+      outs = fn(x, w8, scale, outs)
+    jax.block_until_ready(outs)
+  mark("end")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="synthetic:qwen2.5-0.5b")
+  p.add_argument("--steps", type=int, default=64)
+  p.add_argument("--json", help="write the counts here")
+  p.add_argument("--log", help="keep the child's full log here")
+  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.child:
+    child(args.model, args.steps)
+    return 0
+  env = dict(os.environ, TF_CPP_VMODULE="command_buffer_thunk=3", TF_CPP_MIN_LOG_LEVEL="0")
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model", args.model,
+                         "--steps", str(args.steps)], env=env, capture_output=True, text=True)
+  if args.log:
+    with open(args.log, "w") as f:
+      f.write(proc.stderr)
+  if proc.returncode != 0:
+    sys.stderr.write(proc.stderr[-4000:])
+    raise SystemExit(f"graph_diag child failed with exit code {proc.returncode}")
+  counts = count_log_segments(proc.stderr, MARK)
+  counts.pop("end", None)
+  result = {"model": args.model, "steps": args.steps, "segments": counts}
+  print(json.dumps(result, indent=1))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  decode = counts.get("decode-step", {})
+  if not decode.get("executions"):
+    print("no command-buffer executions were logged (no GPU, or graphs off)", file=sys.stderr)
+    return 2
+  return 1 if decode["updates"] else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

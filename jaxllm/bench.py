@@ -26,6 +26,9 @@ def _percentile(xs, q):
 
 
 def _git_commit() -> str | None:
+  """The checkout's commit, or JAXLLM_GIT_COMMIT where the tree has no .git (a copy on another machine)."""
+  if os.environ.get("JAXLLM_GIT_COMMIT"):
+    return os.environ["JAXLLM_GIT_COMMIT"]
   try:
     here = os.path.dirname(os.path.abspath(__file__))
     return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

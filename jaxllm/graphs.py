@@ -81,3 +81,27 @@ def read_dump(dump_dir: str) -> dict:
   info["state"] = "on" if info["command_buffers"] else "off"
   info["dump_file"] = os.path.basename(files[-1])
   return info
+
+
+def count_log_segments(log: str, marker: str) -> dict:
+  """Command-buffer replays and updates per segment of an XLA log taken with
+  TF_CPP_VMODULE=command_buffer_thunk=3; a line starting with `marker` opens the segment named by the
+  rest of the line. XLA logs "Execute command buffer" for every replay and "Update command buffer ...
+  updated_allocs=N" when a recorded buffer address changed and the graph had to be re-recorded.
+
+  Returns {segment: {"executions": n, "updates": n, "updated_allocs": [N, ...]}}.
+  """
+  out, current = {}, None
+  for line in log.splitlines():
+    if line.startswith(marker):
+      current = line[len(marker):].strip()
+      out[current] = {"executions": 0, "updates": 0, "updated_allocs": []}
+    elif current is None:
+      continue
+    elif "Execute command buffer on device" in line:
+      out[current]["executions"] += 1
+    elif "Update command buffer on device" in line:
+      out[current]["updates"] += 1
+      m = re.search(r"updated_allocs=(\d+)", line)
+      out[current]["updated_allocs"].append(int(m.group(1)) if m else None)
+  return out

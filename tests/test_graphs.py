@@ -88,6 +88,42 @@ def test_graph_state_gpu(kernels, monkeypatch):
   assert off["state"] == "off" and off["command_buffers"] == 0 and not off["requested"]
 
 
+def test_count_log_segments():
+  log = "\n".join([
+      "I0000 prologue Execute command buffer on device #0; num_executions=1",   # before any marker: ignored
+      "== seg decode",
+      "I0001 command_buffer_thunk.cc:1] Execute command buffer on device #0; num_executions=2",
+      "I0002 command_buffer_thunk.cc:1] Update command buffer on device #0 by recoding command buffer cmd "
+      "sequence after 2 executions since last update; num_commands=64; updated_allocs=3",
+      "I0003 command_buffer_thunk.cc:1] Updated command buffer in 80 us; num_commands=64",
+      "I0004 command_buffer_thunk.cc:1] Execute command buffer on device #0; num_executions=1",
+      "== seg other",
+  ])
+  got = graphs.count_log_segments(log, "== seg ")
+  assert got == {"decode": {"executions": 2, "updates": 1, "updated_allocs": [3]},
+                 "other": {"executions": 0, "updates": 0, "updated_allocs": []}}
+
+
+@pytest.mark.gpu
+def test_replay_needs_no_update_gpu(tmp_path):
+  """XLA's own log: the donated decode step replays its recorded graph with no update, step after step."""
+  import json
+  import subprocess
+  import sys
+  script = os.path.join(os.path.dirname(__file__), "..", "bench", "graph_diag.py")
+  out = tmp_path / "diag.json"
+  proc = subprocess.run([sys.executable, script, "--steps", "32", "--json", str(out)], capture_output=True,
+                        text=True, timeout=600)
+  assert out.exists(), proc.stderr[-3000:]
+  seg = json.loads(out.read_text())["segments"]
+  print(seg)
+  assert seg["decode-step"]["executions"] == 32 and seg["decode-step"]["updates"] == 0, seg
+  # A new request's prefill writes fresh token/position buffers that its first decode step takes over:
+  # at most one update each for prefill and step per request, none after.
+  assert seg["engine-loop"]["executions"] >= 31 and seg["engine-loop"]["updates"] <= 2, seg
+  assert seg["aliased-64"]["executions"] == 10 and seg["aliased-64"]["updates"] == 0, seg
+
+
 def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   """A failure compiling with command buffers warns once, turns them off, and gives the same tokens."""
   import jaxllm.engine as engine_mod

@@ -74,6 +74,9 @@ def run(args) -> dict:
     sync()
     return nxt, pos[-1:] + 1, t0, [time.perf_counter() - t0]
 
+  embed = model.get_input_embeddings().weight
+  weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or
+                     model.config.tie_word_embeddings)   # the embedding is read one row a token, unless it is the head
   requests = []
   graph = static_ids = static_pos = static_logits = None
   with torch.no_grad():
@@ -107,7 +110,8 @@ def run(args) -> dict:
   return {"schema_version": SCHEMA_VERSION, "label": f"torch-{args.mode}", "model": args.model,
           "synthetic": args.model.startswith("synthetic:"), "engine": f"torch {torch.__version__}",
           "kernels": f"torch-{args.mode}", "loop": "streaming", "batch": 1, "prompt_len": args.prompt_len,
-          "decode_len": args.decode_len, "repeat": args.repeat, **timing_stats(requests), "env": environment()}
+          "decode_len": args.decode_len, "repeat": args.repeat, **timing_stats(requests),
+          "weight_bytes_per_token": weight_bytes, "env": environment()}
 
 
 def main(argv=None) -> int:
