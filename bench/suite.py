@@ -53,7 +53,7 @@ def stages(target: str, d: str, pairs: int, model: str) -> dict[str, tuple[int, 
   return {
       "parity": (300, [_script("path_parity.py", "--model", model, "--json", j("parity.json"))], ["parity.json"]),
       # graph_diag exits 1 when it saw updates: a finding the report shows, not a failed stage
-      "replay": (300, [_script("graph_diag.py", "--model", model, "--json", j("replay.json"))], ["replay.json"]),
+      "replay": (300, [_script("graph_diag.py", "--model", model, "--json", j("replay.json"), "--log", j("replay-xla.log"))], ["replay.json"]),
       "kernels": (420, [_script("kernels.py", "--naive", "--out", j("kernels.jsonl"), "--report", j("kernels.md"))],
                   ["kernels.jsonl", "kernels.md"]),
       "ab": (1800, [_bench(model, "--ab", "graphs", "--pairs", str(pairs), "--kernels", "both", "--loop", "both",

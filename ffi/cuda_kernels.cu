@@ -157,109 +157,194 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 }
 
 // ---- decode attention ------------------------------------------------------------------------------
+//
+// Flash-decoding in two kernels. The split kernel gives each block one (sequence b, kv head g, split p):
+// all R = H / G query heads of the group at once, so each key/value row is read from memory once. The
+// block walks the cache chunks c = p, p + P, p + 2P, ... below the visible length (read on the device),
+// staging each chunk's keys and values in shared memory, with an online softmax per query head; it writes
+// unnormalized partials ws[b, h, p] = (sum_j exp(s_j - m) v_j [Dh], m, sum_j exp(s_j - m)). The combine
+// kernel merges the splits that the visible length reached. Cost follows the visible length, not S. The
+// number of splits P is the workspace's dim 2, chosen by the Python wrapper to fill the GPU.
 
-constexpr int kChunk = 64;        // cache positions per split block
-constexpr int kAttnThreads = 128; // 4 warps
+constexpr int kAttnThreads = 128;   // split kernel: 4 warps
+constexpr int kCombineThreads = 256;
+constexpr int kMaxSplits = 64;
+constexpr int kMaxGroup = 16;       // query heads per kv head
 
-// Split pass: block (p, h, b) attends query head h over positions [p * kChunk, min((p + 1) * kChunk,
-// len[b])) of its kv head h / (H / G), and writes unnormalized partials to the workspace:
-// ws[b, h, p, 0:D] = sum_j exp(s_j - m) v_j, ws[.., D] = m, ws[.., D + 1] = sum_j exp(s_j - m).
-// Blocks past the visible length return at once: cost follows the visible length, not S. One block per
-// query head (not per kv head) keeps the grid wide at short lengths; the repeated K/V reads of a GQA
-// group hit L2.
+template <typename T> __host__ __device__ constexpr int ChunkOf() { return sizeof(T) == 2 ? 64 : 32; }   // positions per chunk
+
+// Shared memory of the split kernel, in 4-byte words: q [R][D] f32, scores/probabilities [R][C] f32,
+// keys and values [C][row] with row = D * sizeof(T) / 4 + 1 words (the odd stride keeps column reads by
+// consecutive rows conflict-free), then m, l, alpha [R].
+template <typename T, int D>
+__host__ __device__ constexpr int RowWords() { return D * int(sizeof(T)) / 4 + 1; }
+template <typename T, int D>
+size_t SplitSmemBytes(int r) {
+  return 4 * (size_t(r) * D + size_t(r) * ChunkOf<T>() + 2 * size_t(ChunkOf<T>()) * RowWords<T, D>() + 3 * r);
+}
+
+__device__ __forceinline__ float WordElem(const uint32_t* row, int d, float) { return __uint_as_float(row[d]); }
+__device__ __forceinline__ float WordElem(const uint32_t* row, int d, __nv_bfloat16) {
+  const uint32_t w = row[d >> 1];
+  return __uint_as_float((d & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) AttnSplitKernel(const T* __restrict__ q, const T* __restrict__ k,
                                                                 const T* __restrict__ v,
                                                                 const int32_t* __restrict__ lengths,
                                                                 float* __restrict__ ws, int layer, int B, int H,
                                                                 int G, int S, int P) {
-  constexpr int kPerLane = D / 32;
-  const int p = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  constexpr int C = ChunkOf<T>(), W = RowWords<T, D>(), kVec = 16 / int(sizeof(T));   // elements per 16 B
+  constexpr int kPairs = kMaxGroup * D / kAttnThreads;                                  // (head, d) per thread
+  const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+  const int R = H / G;
   const int len = min(max(lengths[b], 1), S);
-  const int s0 = p * kChunk;
-  if (s0 >= len) return;
-  const int n = min(kChunk, len - s0);
-  const int g = h / (H / G);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __shared__ float p_s[kChunk];
-  __shared__ float acc_s[kAttnThreads / 32][D];
+  if (p * C >= len) return;
+  extern __shared__ float smem[];
+  float* q_s = smem;                                                     // [R][D]
+  float* p_s = q_s + R * D;                                              // [R][C]
+  uint32_t* k_s = reinterpret_cast<uint32_t*>(p_s + R * C);              // [C][W]
+  uint32_t* v_s = k_s + C * W;                                           // [C][W]
+  float* m_s = reinterpret_cast<float*>(v_s + C * W);                    // [R]
+  float* l_s = m_s + R;
+  float* a_s = l_s + R;
   const float scale = rsqrtf(float(D));
-  float qv[kPerLane];
+  for (int i = t; i < R * D; i += kAttnThreads)
+    q_s[i] = ToF32(q[(size_t(b) * H + g * R) * D + i]) * scale;
+  for (int r = t; r < R; r += kAttnThreads) { m_s[r] = -INFINITY; l_s[r] = 0.f; }
+  float acc[kPairs];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) qv[i] = ToF32(q[(size_t(b) * H + h) * D + lane * kPerLane + i]) * scale;
-  const size_t base = ((size_t(layer) * B + b) * G + g) * size_t(S) * D + size_t(s0) * D;
+  for (int i = 0; i < kPairs; ++i) acc[i] = 0.f;
+  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;   // cache[layer, b, g, 0, 0]
+  const int lane = t & 31, warp = t >> 5;
 
-  // Scores: a warp per position, lanes across the head dim (coalesced row reads), shuffle-reduced.
-  for (int j = warp; j < n; j += kAttnThreads / 32) {
-    const T* kp = k + base + size_t(j) * D + lane * kPerLane;
-    float dot = 0.f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) dot = fmaf(qv[i], ToF32(kp[i]), dot);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    if (lane == 0) p_s[j] = dot;
-  }
-  __syncthreads();
-  // Max and exp-sum over the chunk (n <= 64): warp 0.
-  __shared__ float m_s, l_s;
-  if (warp == 0) {
-    float m = -INFINITY;
-    for (int j = lane; j < n; j += 32) m = fmaxf(m, p_s[j]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    float l = 0.f;
-    for (int j = lane; j < n; j += 32) {
-      const float e = __expf(p_s[j] - m);
-      p_s[j] = e;
-      l += e;
+  for (int c0 = p * C; c0 < len; c0 += P * C) {
+    const int n = min(C, len - c0);
+    // Stage the chunk's keys and values: 16-byte global loads, 4-byte shared stores (padded rows).
+    for (int i = t; i < n * (D / kVec); i += kAttnThreads) {
+      const int j = i / (D / kVec), e = (i % (D / kVec)) * kVec;
+      const uint4 kv = __ldg(reinterpret_cast<const uint4*>(k + head + size_t(c0 + j) * D + e));
+      const uint4 vv = __ldg(reinterpret_cast<const uint4*>(v + head + size_t(c0 + j) * D + e));
+      uint32_t* kd = k_s + j * W + e * int(sizeof(T)) / 4;
+      uint32_t* vd = v_s + j * W + e * int(sizeof(T)) / 4;
+      kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
+      vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
     }
+    __syncthreads();
+    // Scores: one (head, position) per thread and round; a warp shares its head (q broadcast).
+    for (int i = t; i < R * C; i += kAttnThreads) {
+      const int r = i / C, j = i % C;
+      float dot = -INFINITY;
+      if (j < n) {
+        const uint32_t* row = k_s + j * W;
+        const float* qr = q_s + r * D;
+        dot = 0.f;
+#pragma unroll 16
+        for (int d = 0; d < D; ++d) dot = fmaf(qr[d], WordElem(row, d, T()), dot);
+      }
+      p_s[i] = dot;
+    }
+    __syncthreads();
+    // Online softmax: a warp per head.
+    for (int r = warp; r < R; r += kAttnThreads / 32) {
+      float mx = -INFINITY;
+      for (int j = lane; j < n; j += 32) mx = fmaxf(mx, p_s[r * C + j]);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-    if (lane == 0) { m_s = m; l_s = l; }
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = m_s[r], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int j = lane; j < C; j += 32) {
+        const float e = j < n ? __expf(p_s[r * C + j] - m_new) : 0.f;
+        p_s[r * C + j] = e;
+        sum += e;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane == 0) {
+        const float alpha = __expf(m_old - m_new);   // 0 on the first chunk (m_old = -inf)
+        a_s[r] = alpha;
+        m_s[r] = m_new;
+        l_s[r] = l_s[r] * alpha + sum;
+      }
+    }
+    __syncthreads();
+    // Values: thread owns (head, d) pairs t, t + 128, ...; consecutive threads take consecutive d.
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      const int idx = t + i * kAttnThreads;
+      if (idx < R * D) {
+        const int r = idx / D, d = idx % D;
+        const float* pr = p_s + r * C;
+        float a = acc[i] * a_s[r];
+        for (int j = 0; j < n; ++j) a = fmaf(pr[j], WordElem(v_s + j * W, d, T()), a);
+        acc[i] = a;
+      }
+    }
+    __syncthreads();   // the next chunk overwrites k_s, v_s, p_s
   }
-  __syncthreads();
-  // Weighted values: warp w takes positions w, w + 4, ...; lanes across the head dim; warps summed.
-  float acc[kPerLane];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
-  for (int j = warp; j < n; j += kAttnThreads / 32) {
-    const T* vp = v + base + size_t(j) * D + lane * kPerLane;
-    const float pj = p_s[j];
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) acc[i] = fmaf(pj, ToF32(vp[i]), acc[i]);
-  }
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) acc_s[warp][lane * kPerLane + i] = acc[i];
-  __syncthreads();
-  float* w = ws + ((size_t(b) * H + h) * P + p) * (D + 2);
-  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < kAttnThreads / 32; ++i) sum += acc_s[i][d];
-    w[d] = sum;
-  }
-  if (threadIdx.x == 0) {
-    w[D] = m_s;
-    w[D + 1] = l_s;
+  for (int i = 0; i < kPairs; ++i) {
+    const int idx = t + i * kAttnThreads;
+    if (idx < R * D) {
+      const int r = idx / D, d = idx % D;
+      float* w = ws + ((size_t(b) * H + g * R + r) * P + p) * (D + 2);
+      w[d] = acc[i];
+      if (d == 0) { w[D] = m_s[r]; w[D + 1] = l_s[r]; }
+    }
   }
 }
 
-// Combine pass: block (b, h) merges the partials of the splits that the visible length reached.
+// Block-wide reduction over kCombineThreads threads (max when is_max, else sum).
+__device__ __forceinline__ float BlockReduce(float x, bool is_max, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, x, off);
+    x = is_max ? fmaxf(x, o) : x + o;
+  }
+  __syncthreads();   // red may still be read by an earlier call
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float r = red[0];
+  for (int i = 1; i < kCombineThreads / 32; ++i) r = is_max ? fmaxf(r, red[i]) : r + red[i];
+  return r;
+}
+
+// Combine: block (b, h) merges the partials of the splits that the visible length reached.
 template <typename T, int D>
-__global__ void AttnCombineKernel(const float* __restrict__ ws, const int32_t* __restrict__ lengths,
-                                  T* __restrict__ out, int H, int S, int P) {
-  const int b = blockIdx.x / H, h = blockIdx.x % H;
+__global__ void __launch_bounds__(kCombineThreads) AttnCombineKernel(const float* __restrict__ ws,
+                                                                     const int32_t* __restrict__ lengths,
+                                                                     T* __restrict__ out, int H, int S, int P) {
+  constexpr int C = ChunkOf<T>(), kParts = kCombineThreads / D;
+  __shared__ float f_s[kMaxSplits];
+  __shared__ float red[kCombineThreads / 32];
+  __shared__ float part_s[kParts][D];
+  const int b = blockIdx.x / H, t = threadIdx.x;
   const int len = min(max(lengths[b], 1), S);
-  const int used = (len + kChunk - 1) / kChunk;
-  const float* w = ws + (size_t(b) * H + h) * P * (D + 2);
+  const int used = min(P, (len + C - 1) / C);
+  const float* w = ws + size_t(blockIdx.x) * P * (D + 2);
   float m = -INFINITY;
-  for (int p = 0; p < used; ++p) m = fmaxf(m, w[p * (D + 2) + D]);
+  for (int p = t; p < used; p += kCombineThreads) m = fmaxf(m, w[p * (D + 2) + D]);
+  m = BlockReduce(m, true, red);
   float l = 0.f;
-  for (int p = 0; p < used; ++p) l += w[p * (D + 2) + D + 1] * __expf(w[p * (D + 2) + D] - m);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.f;
-    for (int p = 0; p < used; ++p) acc += w[p * (D + 2) + d] * __expf(w[p * (D + 2) + D] - m);
-    out[(size_t(b) * H + h) * D + d] = FromF32<T>(acc / l);
+  for (int p = t; p < used; p += kCombineThreads) {
+    const float f = __expf(w[p * (D + 2) + D] - m);
+    f_s[p] = f;
+    l += w[p * (D + 2) + D + 1] * f;
+  }
+  l = BlockReduce(l, false, red);   // its barriers also publish f_s
+  const int d = t % D, part = t / D;
+  float acc = 0.f;
+#pragma unroll 4
+  for (int p = part; p < used; p += kParts) acc = fmaf(f_s[p], w[p * (D + 2) + d], acc);
+  part_s[part][d] = acc;
+  __syncthreads();
+  if (t < D) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kParts; ++i) sum += part_s[i][t];
+    out[size_t(blockIdx.x) * D + t] = FromF32<T>(sum / l);
   }
 }
 
@@ -267,12 +352,14 @@ template <typename T, int D>
 cudaError_t LaunchAttention(cudaStream_t stream, const AttentionShape& s, const ffi::AnyBuffer& q,
                             const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const int32_t* lengths, float* ws,
                             void* out, int P) {
-  AttnSplitKernel<T, D><<<dim3(P, s.h, s.b), kAttnThreads, 0, stream>>>(
+  const size_t smem = SplitSmemBytes<T, D>(int(s.h / s.g));   // at most 46 KB (kMaxGroup, D 128): no opt-in needed
+  AttnSplitKernel<T, D><<<dim3(P, s.g, s.b), kAttnThreads, smem, stream>>>(
       static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
       static_cast<const T*>(v.untyped_data()), lengths, ws, int(s.layer), int(s.b), int(s.h), int(s.g), int(s.s), P);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  AttnCombineKernel<T, D><<<s.b * s.h, D, 0, stream>>>(ws, lengths, static_cast<T*>(out), int(s.h), int(s.s), P);
+  AttnCombineKernel<T, D><<<s.b * s.h, kCombineThreads, 0, stream>>>(ws, lengths, static_cast<T*>(out), int(s.h),
+                                                                     int(s.s), P);
   return cudaGetLastError();
 }
 
@@ -281,12 +368,15 @@ ffi::Error DecodeAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::Result<ffi::AnyBuffer> workspace, int64_t layer) {
   AttentionShape s;
   if (auto err = CheckAttention(q, k, v, lengths, *out, layer, &s); err.failure()) return err;
-  const int P = int((s.s + kChunk - 1) / kChunk);
   auto wd = workspace->dimensions();
-  if (workspace->element_type() != ffi::F32 || wd.size() != 4 || wd[0] != s.b || wd[1] != s.h || wd[2] != P ||
-      wd[3] != s.d + 2)
-    return ffi::Error::InvalidArgument("jaxllm_decode_attention: workspace must be f32 [B, H, ceil(S / " +
-                                       std::to_string(kChunk) + "), Dh + 2], got " + DimsString(wd));
+  const int P = wd.size() == 4 ? int(wd[2]) : 0;
+  if (workspace->element_type() != ffi::F32 || wd.size() != 4 || wd[0] != s.b || wd[1] != s.h || P < 1 ||
+      P > kMaxSplits || wd[3] != s.d + 2)
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention: workspace must be f32 [B, H, P, Dh + 2] with 1 <= P "
+                                       "<= " + std::to_string(kMaxSplits) + ", got " + DimsString(wd));
+  if (s.h / s.g > kMaxGroup)
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention: at most " + std::to_string(kMaxGroup) +
+                                       " query heads per kv head, got " + std::to_string(s.h / s.g));
   const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
   float* ws = static_cast<float*>(workspace->untyped_data());
   const bool bf16 = q.element_type() == ffi::BF16;

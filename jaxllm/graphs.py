@@ -84,24 +84,27 @@ def read_dump(dump_dir: str) -> dict:
 
 
 def count_log_segments(log: str, marker: str) -> dict:
-  """Command-buffer replays and updates per segment of an XLA log taken with
-  TF_CPP_VMODULE=command_buffer_thunk=3; a line starting with `marker` opens the segment named by the
-  rest of the line. XLA logs "Execute command buffer" for every replay and "Update command buffer ...
-  updated_allocs=N" when a recorded buffer address changed and the graph had to be re-recorded.
+  """Command-buffer updates per segment of an XLA log taken with TF_CPP_VMODULE=command_buffer_thunk=3.
 
-  Returns {segment: {"executions": n, "updates": n, "updated_allocs": [N, ...]}}.
+  A line `<marker><name> <executions>` opens a segment (the program's own count of the executions that
+  follow). XLA logs "[Create/]Update command buffer ... updated_allocs=N" whenever a buffer address the
+  graph was recorded with has changed and the graph is re-recorded, and (in some versions) "Execute
+  command buffer" for every replay.
+
+  Returns {name: {"executions": n, "updates": n, "updated_allocs": [N, ...], "logged_executions": n}}.
   """
   out, current = {}, None
   for line in log.splitlines():
     if line.startswith(marker):
-      current = line[len(marker):].strip()
-      out[current] = {"executions": 0, "updates": 0, "updated_allocs": []}
+      name, _, count = line[len(marker):].strip().partition(" ")
+      current = out[name] = {"executions": int(count) if count.strip().isdigit() else None, "updates": 0,
+                             "updated_allocs": [], "logged_executions": 0}
     elif current is None:
       continue
-    elif "Execute command buffer on device" in line:
-      out[current]["executions"] += 1
-    elif "Update command buffer on device" in line:
-      out[current]["updates"] += 1
+    elif "Execute command buffer" in line:
+      current["logged_executions"] += 1
+    elif re.search(r"\bUpdate command buffer", line):
+      current["updates"] += 1
       m = re.search(r"updated_allocs=(\d+)", line)
-      out[current]["updated_allocs"].append(int(m.group(1)) if m else None)
+      current["updated_allocs"].append(int(m.group(1)) if m else None)
   return out

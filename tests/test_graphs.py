@@ -90,18 +90,18 @@ def test_graph_state_gpu(kernels, monkeypatch):
 
 def test_count_log_segments():
   log = "\n".join([
-      "I0000 prologue Execute command buffer on device #0; num_executions=1",   # before any marker: ignored
-      "== seg decode",
-      "I0001 command_buffer_thunk.cc:1] Execute command buffer on device #0; num_executions=2",
-      "I0002 command_buffer_thunk.cc:1] Update command buffer on device #0 by recoding command buffer cmd "
-      "sequence after 2 executions since last update; num_commands=64; updated_allocs=3",
-      "I0003 command_buffer_thunk.cc:1] Updated command buffer in 80 us; num_commands=64",
-      "I0004 command_buffer_thunk.cc:1] Execute command buffer on device #0; num_executions=1",
-      "== seg other",
+      "I1129 command_buffer_thunk.cc:336] [0] Create/Update command buffer by recoding ...",   # before a marker
+      "== seg decode 2",
+      "I1129 command_buffer_thunk.cc:336] [0] Create/Update command buffer by recoding command buffer cmd "
+      "sequence after 1 executions since last update; num_commands=64; updated_allocs=3; needs_update=true",
+      "I1129 command_buffer_thunk.cc:362] [0] Updated command buffer in 92 us; num_commands=64",
+      "I1129 command_buffer_thunk.cc:380] Execute command buffer on device #0; num_executions=1",
+      "== seg other 5",
+      "I1129 command_buffer_thunk.cc:330] Update command buffer on device #0 by recoding; updated_allocs=1",
   ])
   got = graphs.count_log_segments(log, "== seg ")
-  assert got == {"decode": {"executions": 2, "updates": 1, "updated_allocs": [3]},
-                 "other": {"executions": 0, "updates": 0, "updated_allocs": []}}
+  assert got == {"decode": {"executions": 2, "updates": 1, "updated_allocs": [3], "logged_executions": 1},
+                 "other": {"executions": 5, "updates": 1, "updated_allocs": [1], "logged_executions": 0}}
 
 
 @pytest.mark.gpu
@@ -117,11 +117,14 @@ def test_replay_needs_no_update_gpu(tmp_path):
   assert out.exists(), proc.stderr[-3000:]
   seg = json.loads(out.read_text())["segments"]
   print(seg)
+  # The control: outputs not aliased to inputs get fresh addresses, and XLA logs updates. This shows the
+  # log is on and read right, so the zeros below mean no updates, not no logging.
+  assert seg["unaliased-64"]["updates"] >= 5, seg
   assert seg["decode-step"]["executions"] == 32 and seg["decode-step"]["updates"] == 0, seg
+  assert seg["aliased-64"]["updates"] == 0, seg
   # A new request's prefill writes fresh token/position buffers that its first decode step takes over:
   # at most one update each for prefill and step per request, none after.
-  assert seg["engine-loop"]["executions"] >= 31 and seg["engine-loop"]["updates"] <= 2, seg
-  assert seg["aliased-64"]["executions"] == 10 and seg["aliased-64"]["updates"] == 0, seg
+  assert seg["engine-loop"]["updates"] <= 2, seg
 
 
 def test_fallback_when_graphs_fail(tiny_models, monkeypatch):

@@ -18,7 +18,9 @@ import numpy as np
 from jaxllm.quant import Linear
 
 MAX_M = 16          # rows of x the matmul kernel takes; larger M (prefill) uses XLA's dot
-ATTN_CHUNK = 64     # cache positions per split block of the CUDA attention (kChunk in cuda_kernels.cu)
+ATTN_CHUNK = 64          # cache positions per chunk of the CUDA attention (bf16; ChunkOf in cuda_kernels.cu)
+ATTN_MAX_SPLITS = 64     # kMaxSplits in cuda_kernels.cu
+ATTN_TARGET_BLOCKS = 128 # split blocks wanted across the GPU (one (sequence, kv head, split) each)
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -137,6 +139,12 @@ def attention_supported(head_dim: int, n_heads: int, n_kv_heads: int) -> bool:
   return jax.default_backend() != "gpu" or head_dim in CUDA_HEAD_DIMS
 
 
+def attention_splits(b: int, g: int, s: int) -> int:
+  """How many splits the CUDA attention cuts each sequence into: enough (sequence, kv head, split) blocks
+  to fill the GPU, no more chunks than the cache has, at most ATTN_MAX_SPLITS (the workspace's dim 2)."""
+  return max(1, min(-(-s // ATTN_CHUNK), ATTN_MAX_SPLITS, -(-ATTN_TARGET_BLOCKS // (b * g))))
+
+
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
                      lengths: jax.Array, *, poison: jax.Array | None = None) -> jax.Array:
   """jaxllm's decode attention; see attention.decode_attention_reference for the contract.
@@ -157,9 +165,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     raise ValueError(f"lengths must be [B]={b}, got {lengths.shape}")
   if not 0 <= layer < n_layers:
     raise ValueError(f"layer must be in [0, {n_layers}), got {layer!r}")
-  parts = -(-s // ATTN_CHUNK)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((b, q.shape[1], parts, dh + 2), jnp.float32))
+               jax.ShapeDtypeStruct((b, q.shape[1], attention_splits(b, g, s), dh + 2), jnp.float32))
   name, kw = _target("jaxllm_decode_attention", poison, 4)
   args = (q, k_cache, v_cache, lengths.astype(jnp.int32)) + ((poison,) if poison is not None else ())
   out, _ = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", **kw)(*args, layer=np.int64(layer))
