@@ -59,7 +59,7 @@ def stages(target: str, d: str, pairs: int, model: str) -> dict[str, tuple[int, 
       "ab": (1800, [_bench(model, "--ab", "graphs", "--pairs", str(pairs), "--kernels", "both", "--loop", "both",
                            "--repeat", "3", "--graph-state", "--out", j("ab.jsonl"))], ["ab.jsonl"]),
       "peers": (600, [_script("peers/hf_torch.py", model, "--mode", mode, "--out", j("peers.jsonl"))
-                      for mode in ("eager", "graph", "compile")], ["peers.jsonl"]),
+                      for mode in ("graph", "compile")], ["peers.jsonl"]),
       "batch": (900, [_bench(model, "--batch", str(b), "--kernels", "both", "--loop", "pipelined", "--repeat", "3",
                              "--label", f"batch {b}", "--out", j("batch.jsonl")) for b in BATCHES], ["batch.jsonl"]),
   }
