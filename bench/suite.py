@@ -82,7 +82,8 @@ def run_stage(name: str, limit: int, commands: list[list[str]], files: list[str]
         break
       if rc != 0 and not (rc == 1 and name == "replay"):
         status = f"exit code {rc} from {os.path.basename(cmd[1]) if cmd[1] != '-m' else cmd[2]}"
-  return {"stage": name, "status": status, "seconds": round(time.perf_counter() - t0, 1)}
+  from jaxllm.bench import _git_commit
+  return {"stage": name, "status": status, "seconds": round(time.perf_counter() - t0, 1), "commit": _git_commit()}
 
 
 # ---- report ------------------------------------------------------------------------------------------
@@ -146,6 +147,13 @@ def section_ab(records: list[dict], d: str, png: str) -> list[str]:
   return out
 
 
+def _name(r: dict) -> str:
+  """A row's engine/path: its label, else jaxllm's kernel path, else the peer's name."""
+  if r.get("label"):
+    return r["label"]
+  return f"jaxllm {r['kernels']}" if r["kernels"] in ("ffi", "xla") else r["kernels"]
+
+
 def _weight_note(r: dict) -> str:
   wb = r.get("weight_bytes_per_token")
   return f"{wb / 1e6:.0f} MB" if wb else "-"
@@ -156,15 +164,16 @@ def section_compare(records: list[dict], d: str, png: str, title: str, intro: st
          "| engine / path | graphs | loop | TTFT (ms) | TPOT mean / p50 / p90 (ms) | decode tok/s | weights read per token | byte floor (ms) |",
          "|---|---|---|---|---|---|---|---|"]
   for r in records:
-    graphs = {True: "on", False: "off"}.get(r.get("graphs_requested"), "-")
+    on_gpu = r["env"].get("platform") == "gpu"
+    graphs = {True: "on", False: "off"}.get(r.get("graphs_requested"), "-") if on_gpu else "-"
     floor = f"{r['byte_floor_ms']:.3f}" if r.get("byte_floor_ms") else "-"
-    out.append(f"| {r.get('label') or r['kernels']} | {graphs} | {r['loop']} | {r['ttft_ms']:.2f} | "
+    out.append(f"| {_name(r)} | {graphs} | {r['loop']} | {r['ttft_ms']:.2f} | "
                f"{r['tpot_ms_mean']:.3f} / {r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | {r['decode_tok_s']:.1f} | "
                f"{_weight_note(r)} | {floor} |")
   plt = _plt()
   fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(records)), 4))
   ax.bar(range(len(records)), [r["decode_tok_s"] for r in records], color="tab:green")
-  ax.set_xticks(range(len(records)), [f"{r.get('label') or r['kernels']}\n{r['loop']}" for r in records],
+  ax.set_xticks(range(len(records)), [f"{_name(r)}\n{r['loop']}" for r in records],
                 fontsize=7, rotation=30, ha="right")
   ax.set_ylabel("decode tok/s (batch 1)")
   ax.set_title(title.lstrip("# "), fontsize=9)
@@ -249,6 +258,7 @@ def section_parity(res: dict) -> list[str]:
 
 def render(target: str, d: str, status: list[dict]) -> str:
   j = lambda name: os.path.join(d, name)
+  status_of = {s["stage"]: s["status"] for s in status}
   anything = _jsonl(j("ab.jsonl")) or _jsonl(j("cpu.jsonl")) or _jsonl(j("batch.jsonl")) or _jsonl(j("kernels.jsonl"))
   env = anything[0]["env"] if anything else (_json(j("parity.json")) or {}).get("env", {})
   lines = [f"# Benchmark suite: {target.upper()}, {env.get('date', '')[:10]}", "",
@@ -258,13 +268,15 @@ def render(target: str, d: str, status: list[dict]) -> str:
            f"{env.get('jaxlib')}, Python {env.get('python')}, XLA_FLAGS `{env.get('xla_flags') or ''}`, "
            f"commit `{env.get('git_commit')}`.", ""]
   if status:
-    lines += ["| stage | status | seconds |", "|---|---|---|"]
-    lines += [f"| {s['stage']} | {s['status']} | {s['seconds']} |" for s in status] + [""]
+    lines += ["| stage | status | seconds | commit |", "|---|---|---|---|"]
+    lines += [f"| {s['stage']} | {s['status']} | {s['seconds']} | `{s.get('commit')}` |" for s in status] + [""]
   if target == "cpu":
     recs = _jsonl(j("cpu.jsonl"))
     if recs:
       lines += section_compare(recs, d, "cpu.png", f"## {recs[0]['model']}: jaxllm vs llama.cpp (CPU)",
-                               "jaxllm re-quantizes the file to W8A16; llama.cpp runs the file's own quantization.")
+                               "jaxllm re-quantizes the file to W8A16; llama.cpp runs the file's own quantization. The "
+                               "byte floor uses the bench's copy bandwidth, XLA's own elementwise add, which "
+                               "under-reads this machine's memory bandwidth (the FFI matmul reads faster).")
     return "\n".join(lines) + "\n"
   parity, replay = _json(j("parity.json")), _json(j("replay.json"))
   if parity:
@@ -286,6 +298,10 @@ def render(target: str, d: str, status: list[dict]) -> str:
                              "PyTorch runs the same shapes in bf16 (twice the weight bytes of W8A16) and reads "
                              "every token on the host (streaming); `peers.jsonl`. jaxllm rows: the median "
                              "graphs-on process of the A/B.")
+    missing = sorted({"torch-graph", "torch-compile"} - {r["kernels"] for r in peers})
+    if missing:
+      lines += [f"No record from {', '.join(missing)}: the run failed ({status_of.get('peers', 'not run')}); "
+                "`peers.log` holds its output.", ""]
   batch = _jsonl(j("batch.jsonl"))
   if batch:
     lines += section_batch(batch, d, "batch.png")
