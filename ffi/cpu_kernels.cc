@@ -74,6 +74,25 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
 }
 
 constexpr int64_t kRowsPerChunk = 64;
+constexpr int64_t kGroup = 64;   // jaxllm.quant.GROUP: the layout every jaxllm weight has
+
+// Decode (M = 1) with 64-wide groups: one pass over the row, int8 widened inside the multiply-add, the
+// group's scale folded into the weight, 64 independent accumulator lanes reduced once per row.
+float RowDot64(const float* __restrict x, const int8_t* __restrict row, const float* __restrict scales,
+               int64_t groups) {
+  alignas(64) float acc[kGroup] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const float sc = scales[g];
+    const int8_t* wg = row + g * kGroup;
+    const float* xg = x + g * kGroup;
+#pragma omp simd aligned(acc : 64)
+    for (int64_t j = 0; j < kGroup; ++j) acc[j] += xg[j] * (sc * float(wg[j]));
+  }
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < kGroup; ++j) sum += acc[j];
+  return sum;
+}
 
 ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                     ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
@@ -86,6 +105,14 @@ ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
   void* out = y->untyped_data();
   const int64_t chunks = (s.n + kRowsPerChunk - 1) / kRowsPerChunk;
+  if (s.m == 1 && s.group == kGroup) {
+    ParallelFor(pool, chunks, [&, wl, sl, out](int64_t c) {
+      for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n)
+        StoreF32(out, t, n, RowDot64(xf.data(), wl + n * s.k, sl + n * s.groups, s.groups));
+    });
+    return ffi::Error::Success();
+  }
+  // Small M > 1: each group of a row is widened to f32 once and reused for every row of x.
   ParallelFor(pool, chunks, [&, wl, sl, out](int64_t c) {
     std::vector<float> wf(s.group), acc(s.m);
     for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n) {
