@@ -185,13 +185,31 @@ def ab_graphs(args) -> list[dict]:
   return records
 
 
+def sweep_flag_sets(items: list[str]) -> list[str]:
+  """--sweep arguments -> XLA flag sets. An item is a file (one flag set per line, '#' comments, an empty
+  line or "default" for XLA's defaults) or a flag set; flags may omit the leading "--" (argparse would
+  take a lone "--flag" for an option of its own), and "default" or "" means no extra flags."""
+  raw = []
+  for item in items:
+    if os.path.isfile(item):
+      with open(item) as f:
+        raw += [line.split("#", 1)[0].strip() for line in f if line.split("#", 1)[0].strip() or not line.strip()]
+    else:
+      raw.append(item)
+  sets = []
+  for flags in raw:
+    words = [] if flags.strip() in ("", "default") else flags.split()
+    sets.append(" ".join(w if w.startswith("--") else "--" + w for w in words))
+  return sets
+
+
 def sweep(args) -> list[dict]:
   import tempfile
   records = []
   with tempfile.TemporaryDirectory() as tmp:
-    for i, flags in enumerate(args.sweep):
+    for i, flags in enumerate(sweep_flag_sets(args.sweep)):
       env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
-      for r in _child(args, ["--graphs", "env", "--label", flags or "(default)"], env, os.path.join(tmp, f"{i}.jsonl")):
+      for r in _child(args, ["--graphs", "env", f"--label={flags or '(default)'}"], env, os.path.join(tmp, f"{i}.jsonl")):
         records.append(r)
   return records
 
@@ -271,7 +289,9 @@ def build_parser():
   p.add_argument("--graph-state", action="store_true", help="verify the graph state from XLA's dump")
   p.add_argument("--ab", choices=("graphs",), help="paired-process A/B")
   p.add_argument("--pairs", type=int, default=3)
-  p.add_argument("--sweep", nargs="+", help="XLA flag sets, each run in its own process")
+  p.add_argument("--sweep", nargs="+", metavar="FILE|FLAGS",
+                 help="XLA flag sets, each run in its own process: files with one set per line, or sets such as "
+                      "default 'xla_gpu_enable_command_buffer=FUSION' (leading -- optional)")
   p.add_argument("--label", default="")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="append JSON lines here (default: stdout)")

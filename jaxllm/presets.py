@@ -18,6 +18,8 @@ PRESETS = {
                            d_ff=8192, vocab_size=128256, rms_eps=1e-5, rope_base=5e5, rope_style="normal",
                            context_length=131072, tied_embeddings=True),
 }
+# A two-layer model for smoke runs of the bench and its multi-process modes (seconds, not minutes).
+PRESETS["tiny"] = PRESETS["smollm2-135m"].replace(n_layers=2, vocab_size=512)
 
 
 def preset(name: str) -> Config:

@@ -30,3 +30,29 @@ def test_bench_smoke_schema(tmp_path, monkeypatch):
   assert records[0]["graph_state"]["state"] == "off"        # CPU: no command buffers, said so
   assert records[-1]["batch"] == 3 and records[-1]["decode_tok_s_total"] == 3 * records[-1]["decode_tok_s"]
   assert report.exists() and report.with_suffix(".png").exists()
+
+
+def test_sweep_flag_sets(tmp_path):
+  from jaxllm.bench import sweep_flag_sets
+  f = tmp_path / "flags.txt"
+  f.write_text("# sets to try\ndefault\nxla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=2\n")
+  assert sweep_flag_sets([str(f), "--xla_a=1", ""]) == [
+      "", "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=2", "--xla_a=1", ""]
+
+
+def test_ab_and_sweep_run_each_setting_in_its_own_process(tmp_path):
+  """--ab graphs and --sweep end with a table and a PNG, one process per setting (CPU: tiny preset)."""
+  common = ["synthetic:tiny", "--prompt-len", "8", "--decode-len", "3", "--repeat", "1", "--loop", "pipelined",
+            "--kernels", "ffi"]
+  ab_out, ab_report = tmp_path / "ab.jsonl", tmp_path / "ab.md"
+  assert main([*common, "--ab", "graphs", "--pairs", "1", "--out", str(ab_out), "--report", str(ab_report)]) == 0
+  ab = [json.loads(line) for line in ab_out.read_text().splitlines()]
+  assert [(r["pair"], r["graphs_requested"]) for r in ab] == [(0, True), (0, False)]
+  assert "| ffi | pipelined | **median** |" in ab_report.read_text() and ab_report.with_suffix(".png").exists()
+  sw_out, sw_report = tmp_path / "sw.jsonl", tmp_path / "sw.md"
+  assert main([*common, "--sweep", "default", "xla_cpu_enable_fast_math=false", "--out", str(sw_out),
+               "--report", str(sw_report)]) == 0
+  sw = [json.loads(line) for line in sw_out.read_text().splitlines()]
+  assert [r["env"]["xla_flags"].split()[-1:] for r in sw] == [[], ["--xla_cpu_enable_fast_math=false"]]
+  assert [r["label"] for r in sw] == ["(default)", "--xla_cpu_enable_fast_math=false"]
+  assert sw_report.with_suffix(".png").exists()
