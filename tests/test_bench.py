@@ -56,3 +56,17 @@ def test_ab_and_sweep_run_each_setting_in_its_own_process(tmp_path):
   assert [r["env"]["xla_flags"].split()[-1:] for r in sw] == [[], ["--xla_cpu_enable_fast_math=false"]]
   assert [r["label"] for r in sw] == ["(default)", "--xla_cpu_enable_fast_math=false"]
   assert sw_report.with_suffix(".png").exists()
+
+
+def test_torch_peer_writes_the_schema(tmp_path):
+  """bench/peers/hf_torch.py (HF transformers + StaticCache) on the CPU: same timing fields as jaxllm.bench."""
+  import os
+  import subprocess
+  import sys
+  script = os.path.join(os.path.dirname(__file__), "..", "bench", "peers", "hf_torch.py")
+  out = tmp_path / "peer.jsonl"
+  subprocess.run([sys.executable, script, "synthetic:tiny", "--mode", "eager", "--device", "cpu", "--prompt-len", "8",
+                  "--decode-len", "4", "--repeat", "1", "--out", str(out)], check=True, timeout=300)
+  (r,) = [json.loads(line) for line in out.read_text().splitlines()]
+  assert r["schema_version"] == SCHEMA_VERSION and r["kernels"] == "torch-eager" and r["loop"] == "streaming"
+  assert r["tpot_ms_mean"] > 0 and r["decode_tok_s"] > 0 and r["weight_bytes_per_token"] > 0
