@@ -138,3 +138,13 @@ def test_decode_attention_rejects_bad_input():
     ffi.decode_attention(q, cache, cache, 0, jnp.ones((2,), jnp.int32))
   with pytest.raises(ValueError, match="layer must be in"):
     ffi.decode_attention(jnp.ones((2, 8, 64)), cache, cache, 3, jnp.ones((2,), jnp.int32))
+
+
+def test_attention_supported_on_gpu_geometries(monkeypatch):
+  """The CUDA attention takes head dims 64/128 and up to 16 query heads per kv head; others run the reference."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert ffi.attention_supported(64, 14, 2) and ffi.attention_supported(128, 16, 1)
+  assert not ffi.attention_supported(32, 8, 2)
+  assert not ffi.attention_supported(128, 32, 1)
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  assert ffi.attention_supported(32, 32, 1)

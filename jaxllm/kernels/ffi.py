@@ -131,12 +131,14 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
 
 
 CUDA_HEAD_DIMS = (64, 128)   # head dims the CUDA attention kernel is built for
+CUDA_MAX_GROUP = 16          # query heads per kv head one CUDA block takes (kMaxGroup in cuda_kernels.cu)
 
 
 def attention_supported(head_dim: int, n_heads: int, n_kv_heads: int) -> bool:
   """Whether the FFI attention takes this geometry on the default backend (the CPU handler takes any)."""
-  del n_heads, n_kv_heads   # any GQA grouping
-  return jax.default_backend() != "gpu" or head_dim in CUDA_HEAD_DIMS
+  if jax.default_backend() != "gpu":
+    return True
+  return head_dim in CUDA_HEAD_DIMS and n_heads // n_kv_heads <= CUDA_MAX_GROUP
 
 
 def attention_splits(b: int, g: int, s: int) -> int:
