@@ -268,6 +268,9 @@ def render(target: str, d: str, status: list[dict]) -> str:
            f"{env.get('jaxlib')}, Python {env.get('python')}, XLA_FLAGS `{env.get('xla_flags') or ''}`, "
            f"commit `{env.get('git_commit')}`.", ""]
   if status:
+    if len({s.get("commit") for s in status}) > 1:
+      lines += ["The stages ran separately (`--stages`, e.g. one machine call each) at the commits listed, and "
+                "this report was rendered from the merged folder (`--render`).", ""]
     lines += ["| stage | status | seconds | commit |", "|---|---|---|---|"]
     lines += [f"| {s['stage']} | {s['status']} | {s['seconds']} | `{s.get('commit')}` |" for s in status] + [""]
   if target == "cpu":
