@@ -70,3 +70,23 @@ def test_torch_peer_writes_the_schema(tmp_path):
   (r,) = [json.loads(line) for line in out.read_text().splitlines()]
   assert r["schema_version"] == SCHEMA_VERSION and r["kernels"] == "torch-eager" and r["loop"] == "streaming"
   assert r["tpot_ms_mean"] > 0 and r["decode_tok_s"] > 0 and r["weight_bytes_per_token"] > 0
+
+
+def test_suite_renders_the_committed_h200_results(tmp_path):
+  """bench/suite.py --render rebuilds a report from a results folder (here a copy of the committed one)."""
+  import os
+  import shutil
+  import subprocess
+  import sys
+  root = os.path.join(os.path.dirname(__file__), "..")
+  src = os.path.join(root, "docs", "results", "2026-11-29-h200-suite")
+  d = tmp_path / "suite"
+  shutil.copytree(src, d)
+  subprocess.run([sys.executable, os.path.join(root, "bench", "suite.py"), "gpu", "--dir", str(d), "--render"],
+                 check=True, timeout=120)
+  text = (tmp_path / "suite.md").read_text()
+  for heading in ("## FFI path vs XLA path", "## Does a replay need a graph update?", "## Graphs on vs off",
+                  "## jaxllm beside PyTorch", "## Batched decode", "## Kernel microbenchmarks"):
+    assert heading in text
+  assert "| ffi | pipelined | **median** | 1.099 | 2.891 | **2.64x** |" in text
+  assert (d / "ab.png").exists() and (d / "batch.png").exists()
