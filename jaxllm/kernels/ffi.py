@@ -17,7 +17,16 @@ import numpy as np
 
 from jaxllm.quant import Linear
 
-MAX_M = 16          # rows of x the matmul kernel takes; larger M (prefill) uses XLA's dot
+# Rows of x the matmul kernel takes per backend; larger M (prefill, big batches) uses XLA's dot on
+# dequantized weights. GPU: measured on the H200 (Qwen2.5-0.5B shape, docs/embedding.md), batch 4 ran
+# faster on the kernel (2782 vs 2645 tok/s), batch 16 slower (6275 vs 10279): its M > 1 path re-reads
+# the weights per 8-row tile. CPU: on par with XLA's dot at M = 16, far slower at M = 64.
+MAX_M = {"gpu": 4, "cpu": 16}
+
+
+def max_m() -> int:
+  """Rows of x the FFI matmul takes on the default backend."""
+  return MAX_M.get(jax.default_backend(), 16)
 ATTN_CHUNK = 64          # cache positions per chunk of the CUDA attention (bf16; ChunkOf in cuda_kernels.cu)
 ATTN_MAX_SPLITS = 64     # kMaxSplits in cuda_kernels.cu
 ATTN_TARGET_BLOCKS = 128 # split blocks wanted across the GPU (one (sequence, kv head, split) each)
@@ -96,7 +105,7 @@ def _matmul_call(layer: int):
 
 def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
                  poison: jax.Array | None = None) -> jax.Array:
-  """x [..., K] @ dequantize(lin)[layer].T -> [..., N] with jaxllm's kernel (M <= MAX_M rows).
+  """x [..., K] @ dequantize(lin)[layer].T -> [..., N] with jaxllm's kernel (M <= max_m() rows).
 
   Larger M falls back to the reference (XLA's dot on dequantized weights), which is faster there.
   `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
@@ -119,7 +128,7 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
     raise ValueError(f"x has K={k} but the weight has K={w.shape[2]}")
   lead = x.shape[:-1]
   m = int(np.prod(lead)) if lead else 1
-  if m > MAX_M and poison is None:
+  if m > max_m() and poison is None:
     return linear_reference(x, Linear(w=w, scale=scale), layer)
   if poison is not None:
     name, kw = _target("jaxllm_w8a16", poison, 3)
