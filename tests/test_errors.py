@@ -1,6 +1,5 @@
 """Bad input gets a clear error that says what was expected and what was given."""
 import gguf
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

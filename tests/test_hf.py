@@ -3,7 +3,6 @@ tokens, teacher-forced top-1 agreement; and W8A16 against our float model.
 
 SmolLM2 runs in CI; the Qwen model is opt-in (JAXLLM_TEST_QWEN=1) because of its 0.5 GB download.
 """
-import os
 
 import jax.numpy as jnp
 import numpy as np
