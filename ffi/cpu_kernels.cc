@@ -94,6 +94,43 @@ float RowDot64(const float* __restrict x, const int8_t* __restrict row, const fl
   return sum;
 }
 
+// Small batches (M > 1) with 64-wide groups: each group of the row is widened and scaled once, then
+// multiply-added into MT rows' accumulators (MT <= 4: 16 vector registers); rows of x beyond MT run in
+// further tiles over the same weight row, which is then in L1.
+template <int MT>
+void RowsDot64(const float* __restrict x, int64_t k, const int8_t* __restrict row, const float* __restrict scales,
+               int64_t groups, float* out) {
+  alignas(64) float acc[MT][kGroup] = {};
+  alignas(64) float wsc[kGroup];
+  for (int64_t g = 0; g < groups; ++g) {
+    const float sc = scales[g];
+    const int8_t* wg = row + g * kGroup;
+#pragma omp simd aligned(wsc : 64)
+    for (int64_t j = 0; j < kGroup; ++j) wsc[j] = sc * float(wg[j]);
+    for (int m = 0; m < MT; ++m) {
+      const float* xg = x + m * k + g * kGroup;
+#pragma omp simd aligned(wsc : 64)
+      for (int64_t j = 0; j < kGroup; ++j) acc[m][j] += xg[j] * wsc[j];
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < kGroup; ++j) sum += acc[m][j];
+    out[m] = sum;
+  }
+}
+
+void RowsDot64Any(const float* x, int64_t mt, int64_t k, const int8_t* row, const float* scales, int64_t groups,
+                  float* out) {
+  switch (mt) {
+    case 1: out[0] = RowDot64(x, row, scales, groups); return;
+    case 2: RowsDot64<2>(x, k, row, scales, groups, out); return;
+    case 3: RowsDot64<3>(x, k, row, scales, groups, out); return;
+    default: RowsDot64<4>(x, k, row, scales, groups, out); return;
+  }
+}
+
 ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                     ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
   MatmulShape s;
@@ -105,14 +142,19 @@ ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
   void* out = y->untyped_data();
   const int64_t chunks = (s.n + kRowsPerChunk - 1) / kRowsPerChunk;
-  if (s.m == 1 && s.group == kGroup) {
+  if (s.group == kGroup) {
     ParallelFor(pool, chunks, [&, wl, sl, out](int64_t c) {
+      float tile[4];
       for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n)
-        StoreF32(out, t, n, RowDot64(xf.data(), wl + n * s.k, sl + n * s.groups, s.groups));
+        for (int64_t m0 = 0; m0 < s.m; m0 += 4) {
+          const int64_t mt = std::min<int64_t>(4, s.m - m0);
+          RowsDot64Any(&xf[m0 * s.k], mt, s.k, wl + n * s.k, sl + n * s.groups, s.groups, tile);
+          for (int64_t i = 0; i < mt; ++i) StoreF32(out, t, (m0 + i) * s.n + n, tile[i]);
+        }
     });
     return ffi::Error::Success();
   }
-  // Small M > 1: each group of a row is widened to f32 once and reused for every row of x.
+  // Other group sizes: each group of a row is widened to f32 once and reused for every row of x.
   ParallelFor(pool, chunks, [&, wl, sl, out](int64_t c) {
     std::vector<float> wf(s.group), acc(s.m);
     for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n) {

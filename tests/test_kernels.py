@@ -44,13 +44,25 @@ def _quantized(rng, layers, n, k):
 def test_w8a16_matches_reference(k, n, dtype):
   rng = np.random.default_rng(k * 7919 + n)
   lin = _quantized(rng, 2, n, k)
-  for m in (1, 5, 16):
+  for m in (1, 3, 6, 16):
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     poison = jnp.full((m, n), jnp.nan, dtype)
     got = jax.jit(lambda x, w, s, p: ffi.w8a16_matmul(x, Linear(w, s), 1, poison=p))(x, lin.w, lin.scale, poison)
     ref = linear_reference(x.astype(jnp.float32), lin, 1)
     assert not np.isnan(np.asarray(got, np.float32)).any(), f"unwritten outputs at M={m}"
     assert _rel(got, ref) < TOL[dtype], (m, _rel(got, ref))
+
+
+@pytest.mark.parametrize("group", [16, 32, 128])
+def test_w8a16_other_group_sizes(group):
+  """Scales per 16/32/128 inputs (jaxllm itself writes 64) take the handlers' general path."""
+  rng = np.random.default_rng(group)
+  q, s = quantize_int8(rng.standard_normal((2, 100, 256)).astype(np.float32), group=group)
+  lin = Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
+  for m in (1, 4):
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+    got = ffi.w8a16_matmul(x, lin, 1, poison=jnp.full((m, 100), jnp.nan, jnp.float32))
+    assert _rel(got, linear_reference(x, lin, 1)) < TOL[jnp.float32]
 
 
 def test_w8a16_unstacked_and_leading_dims():
