@@ -42,11 +42,10 @@ def _calls(bytes_per_copy: int) -> int:
   return int(max(MIN_CALLS, math.ceil(ROTATE_BYTES / bytes_per_copy)))
 
 
-def _exec_seconds(build, n: int, args, outs, graphs: bool, batches: int, per_batch: int) -> float:
-  """Median seconds of one execution of a program of n calls (outputs donated back every time)."""
-  options = None if graphs else {"xla_gpu_enable_command_buffer": ""}
-  fn = jax.jit(build(n), donate_argnums=(len(args),), keep_unused=True, compiler_options=options)
-  outs = fn(*args, outs)                       # compile + warm-up run, then the run that records the graph
+def _median_exec_seconds(fn, args, outs, batches: int = 7, per_batch: int = 10) -> float:
+  """Median seconds of one execution of fn(*args, outs), its outputs donated back as the next outs:
+  two untimed runs (warm-up, graph record), then batches of back-to-back executions, one sync each."""
+  outs = fn(*args, outs)
   outs = fn(*args, outs)
   jax.block_until_ready(outs)
   times = []
@@ -57,6 +56,13 @@ def _exec_seconds(build, n: int, args, outs, graphs: bool, batches: int, per_bat
     jax.block_until_ready(outs)
     times.append((time.perf_counter() - t0) / per_batch)
   return statistics.median(times)
+
+
+def _exec_seconds(build, n: int, args, outs, graphs: bool, batches: int, per_batch: int) -> float:
+  """Median seconds of one execution of a program of n calls (outputs donated back every time)."""
+  options = None if graphs else {"xla_gpu_enable_command_buffer": ""}
+  fn = jax.jit(build(n), donate_argnums=(len(args),), keep_unused=True, compiler_options=options)
+  return _median_exec_seconds(fn, args, outs, batches, per_batch)
 
 
 def per_call_us(build, n: int, args, make_outs, graphs: bool = True, batches: int = 7,
@@ -129,19 +135,7 @@ def bench_attention(s_max: int, lengths: list[int], bandwidth: float) -> list[di
     fns = {count: jax.jit(build(count), donate_argnums=(4,), keep_unused=True) for count in (calls, 2 * calls)}
     for length in lengths:
       n = jnp.full((b,), length, jnp.int32)
-      t = {}
-      for count, fn in fns.items():
-        o = fn(q, kc, vc, n, outs(count))
-        o = fn(q, kc, vc, n, o)
-        jax.block_until_ready(o)
-        batch = []
-        for _ in range(7):
-          t0 = time.perf_counter()
-          for _ in range(10):
-            o = fn(q, kc, vc, n, o)
-          jax.block_until_ready(o)
-          batch.append((time.perf_counter() - t0) / 10)
-        t[count] = statistics.median(batch)
+      t = {count: _median_exec_seconds(fn, (q, kc, vc, n), outs(count)) for count, fn in fns.items()}
       times[impl, length] = (t[2 * calls] - t[calls]) / calls * 1e6
   records = []
   for length in lengths:

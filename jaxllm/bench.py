@@ -191,11 +191,14 @@ def sweep_flag_sets(items: list[str]) -> list[str]:
   take a lone "--flag" for an option of its own), and "default" or "" means no extra flags."""
   raw = []
   for item in items:
-    if os.path.isfile(item):
-      with open(item) as f:
-        raw += [line.split("#", 1)[0].strip() for line in f if line.split("#", 1)[0].strip() or not line.strip()]
-    else:
+    if not os.path.isfile(item):
       raw.append(item)
+      continue
+    with open(item) as f:
+      for line in f:
+        flags = line.split("#", 1)[0].strip()
+        if flags or not line.strip():      # comment-only lines are dropped, empty lines mean defaults
+          raw.append(flags)
   sets = []
   for flags in raw:
     words = [] if flags.strip() in ("", "default") else flags.split()

@@ -23,15 +23,15 @@ from jaxllm.quant import Linear
 # the weights per 8-row tile. CPU (SmolLM2 shapes, 2 cores): 30-40% faster than XLA's dot at M = 32, even
 # at 64, 1.8-2.2x slower at 128.
 MAX_M = {"gpu": 4, "cpu": 32}
+ATTN_CHUNK = 64          # cache positions per chunk of the CUDA attention (bf16; ChunkOf in cuda_kernels.cu)
+ATTN_MAX_SPLITS = 64     # kMaxSplits in cuda_kernels.cu
+ATTN_TARGET_BLOCKS = 128 # split blocks wanted across the GPU (one (sequence, kv head, split) each)
+_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def max_m() -> int:
   """Rows of x the FFI matmul takes on the default backend."""
   return MAX_M.get(jax.default_backend(), 16)
-ATTN_CHUNK = 64          # cache positions per chunk of the CUDA attention (bf16; ChunkOf in cuda_kernels.cu)
-ATTN_MAX_SPLITS = 64     # kMaxSplits in cuda_kernels.cu
-ATTN_TARGET_BLOCKS = 128 # split blocks wanted across the GPU (one (sequence, kv head, split) each)
-_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
