@@ -3,7 +3,7 @@
 # tests. Everything lands in $OUT/suite (the suite's files) and $OUT/*.log, then is packed into $OUT/gpu.tgz
 # (the only file left under $OUT: the device tool brings back at most 8 files).
 #   STAGES="parity replay kernels" TESTS="tests/test_kernels.py tests/test_graphs.py" bash bench/gpu_check.sh
-# Knobs: STAGES (suite stages; empty: none), TESTS (empty: none), T_TESTS (s), PAIRS, JAXLLM_GIT_COMMIT.
+# Knobs: GEMV_SWEEP (non-empty: run bench/gemv_sweep.cu), STAGES (suite stages; empty: none), TESTS (empty: none), T_TESTS (s), PAIRS, JAXLLM_GIT_COMMIT.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT/suite"
@@ -21,6 +21,15 @@ timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . \
   -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90-real > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -c "import jax, jaxllm.kernels.ffi as f; print(jax.devices(), 'ffi:', f.unavailable_reason() or 'ok')" | tee -a "$OUT/env.txt"
+if [ -n "${GEMV_SWEEP-}" ]; then
+  # The W8A16 kernel's configurations on the model shapes (bench/gemv_sweep.cu), cuBLAS beside them when
+  # its headers are found (the nvidia-cublas wheel).
+  cb=$(python3 -c "import nvidia.cublas as c, os; print(os.path.dirname(c.__file__))" 2>/dev/null || true)
+  src="-O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep"
+  nvcc $src -DWITH_CUBLAS -I"$cb/include" -L"$cb/lib" -l:libcublas.so.13 -Xlinker -rpath="$cb/lib" \
+    > "$OUT/gemv_build.log" 2>&1 || nvcc $src >> "$OUT/gemv_build.log" 2>&1 || { tail -20 "$OUT/gemv_build.log"; exit 1; }
+  /tmp/gemv_sweep "$OUT/suite/gemv_sweep.jsonl" > "$OUT/gemv_sweep.log" 2>&1; echo "gemv sweep: exit $?"
+fi
 if [ -n "${STAGES-}" ]; then
   python3 bench/suite.py gpu --dir "$OUT/suite" --pairs "${PAIRS:-5}" --stages $STAGES
 fi

@@ -1,0 +1,247 @@
+// Times every configuration of the W8A16 kernel template (ffi/w8a16_cuda.cuh) on the model's matmul shapes,
+// as the decode step uses them: n and 2n launches back to back in one CUDA graph, per-call time the
+// difference over n (launch gaps and graph overhead cancel), weights rotated over copies spanning 2x the L2
+// so every call reads from device memory. Each configuration's output is checked against a plain reference
+// kernel first (relative L2 error, poisoned output). With -DWITH_CUBLAS, cuBLAS's bf16 GEMM of the same
+// shape is timed the same way beside it.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep [-DWITH_CUBLAS -lcublas]
+//   /tmp/gemv_sweep [out.jsonl]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#ifdef WITH_CUBLAS
+#include <cublas_v2.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "w8a16_cuda.cuh"
+
+using bf16 = __nv_bfloat16;
+namespace w = jaxllm::w8a16;
+
+#define CHECK(call)                                                                                  \
+  do {                                                                                               \
+    cudaError_t e_ = (call);                                                                         \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
+      std::exit(1);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+__device__ uint32_t Hash(uint64_t i, uint32_t seed) {
+  uint64_t z = i * 0x9e3779b97f4a7c15ull + seed;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return uint32_t(z ^ (z >> 31));
+}
+__global__ void FillInt8(int8_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = int8_t(Hash(i, seed) % 255 - 127);
+}
+__global__ void FillScale(float* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = 1e-3f + 1e-2f * (Hash(i, seed) % 1000) / 1000.f;
+}
+__global__ void FillBf16(bf16* p, size_t n, uint32_t seed, float lo, float hi) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(lo + (hi - lo) * (Hash(i, seed) % 65536) / 65536.f);
+}
+// Dequantized bf16 copy of the weights, for cuBLAS.
+__global__ void Dequant(const int8_t* q, const float* s, bf16* out, size_t n_rows, int k, int groups) {
+  const size_t total = n_rows * k;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16(float(q[i]) * s[(i / k) * groups + (i % k) / (k / groups)]);
+}
+// Reference: one thread per output, plain loops in f32.
+__global__ void Reference(const bf16* x, const int8_t* q, const float* s, float* y, int m, int n, int k, int groups) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= m * n) return;
+  const int row = i % n, mi = i / n, group = k / groups;
+  float acc = 0.f;
+  for (int g = 0; g < groups; ++g) {
+    float part = 0.f;
+    for (int j = g * group; j < (g + 1) * group; ++j)
+      part += __bfloat162float(x[size_t(mi) * k + j]) * float(q[size_t(row) * k + j]);
+    acc += part * s[size_t(row) * groups + g];
+  }
+  y[i] = acc;
+}
+
+struct Shape {
+  const char* name;
+  int n, k;
+};
+
+using LaunchFn = std::function<cudaError_t(cudaStream_t, const bf16*, const int8_t*, const float*, bf16*, int, int,
+                                           int, int)>;
+struct Config {
+  std::string name;
+  int mt;
+  LaunchFn fn;
+};
+
+template <int MT, int TPR, int ROWS, int U, bool MAGIC>
+Config Make() {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s", MT, TPR, ROWS, U, MAGIC ? "magic" : "i2f");
+  return {buf, MT, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k,
+                      int g) { return w::Launch<bf16, MT, TPR, ROWS, U, MAGIC>(st, x, q, s, y, m, n, k, g); }};
+}
+
+// Median over `reps` replays of a graph of `calls` launches of fn(i) (i = call index).
+float GraphMedianUs(cudaStream_t st, int calls, const std::function<void(int)>& fn, int reps = 15) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < calls; ++i) fn(i);
+  CHECK(cudaStreamEndCapture(st, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, st));
+  std::vector<float> ts;
+  for (int r = 0; r < reps; ++r) {
+    CHECK(cudaEventRecord(a, st));
+    CHECK(cudaGraphLaunch(exec, st));
+    CHECK(cudaEventRecord(b, st));
+    CHECK(cudaEventSynchronize(b));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms * 1e3f);
+  }
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+// Per-call microseconds: (graph of 2n calls - graph of n calls) / n.
+float PerCallUs(cudaStream_t st, int n, const std::function<void(int)>& fn) {
+  const float t1 = GraphMedianUs(st, n, fn), t2 = GraphMedianUs(st, 2 * n, fn);
+  return (t2 - t1) / n;
+}
+
+int main(int argc, char** argv) {
+  FILE* out = argc > 1 ? std::fopen(argv[1], "w") : nullptr;
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  cudaStream_t st;
+  CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const int kGroup = 64;
+  const Shape shapes[] = {{"qkv", 1152, 896}, {"o", 896, 896}, {"gate_up", 9728, 896}, {"down", 896, 4864},
+                          {"lm_head", 151936, 896}};
+  std::vector<Config> configs = {
+      Make<1, 32, 1, 4, false>(), Make<1, 32, 2, 4, false>(), Make<1, 32, 4, 4, false>(),
+      Make<1, 32, 1, 2, true>(),  Make<1, 32, 1, 4, true>(),  Make<1, 32, 2, 2, true>(),  Make<1, 32, 2, 4, true>(),
+      Make<1, 32, 4, 2, true>(),  Make<1, 32, 4, 4, true>(),  Make<1, 64, 1, 1, true>(),  Make<1, 64, 1, 2, true>(),
+      Make<1, 64, 1, 4, true>(),  Make<1, 64, 2, 2, true>(),  Make<1, 64, 2, 4, true>(),  Make<1, 128, 1, 1, true>(),
+      Make<1, 128, 1, 2, true>(), Make<1, 128, 2, 2, true>(), Make<1, 256, 1, 1, true>(), Make<1, 256, 1, 2, true>(),
+      Make<1, 256, 2, 1, true>(), Make<2, 32, 2, 2, true>(),  Make<2, 64, 1, 2, true>(),  Make<4, 32, 2, 2, true>(),
+      Make<4, 64, 1, 2, true>(),  Make<4, 32, 1, 2, true>(),
+  };
+  const int ms[] = {1, 4};
+#ifdef WITH_CUBLAS
+  cublasHandle_t handle;
+  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) { std::fprintf(stderr, "cublasCreate failed\n"); return 1; }
+  cublasSetStream(handle, st);
+  void* cublas_ws;
+  CHECK(cudaMalloc(&cublas_ws, 32 << 20));
+  cublasSetWorkspace(handle, cublas_ws, 32 << 20);
+#endif
+  for (const Shape& sh : shapes) {
+    const size_t wbytes = size_t(sh.n) * sh.k, groups = sh.k / kGroup;
+    const int copies = int(std::min<size_t>(256, std::max<size_t>(2, (2 * size_t(prop.l2CacheSize)) / wbytes + 1)));
+    const int calls = std::max(16, copies);
+    int8_t* q;
+    float* s;
+    bf16 *x, *y;
+    float* ref;
+    CHECK(cudaMalloc(&q, wbytes * copies));
+    CHECK(cudaMalloc(&s, size_t(sh.n) * groups * 4 * copies));
+    CHECK(cudaMalloc(&x, size_t(16) * sh.k * 2));
+    CHECK(cudaMalloc(&y, size_t(16) * sh.n * 2 * copies));
+    CHECK(cudaMalloc(&ref, size_t(16) * sh.n * 4));
+    FillInt8<<<1024, 256, 0, st>>>(q, wbytes * copies, 1);
+    FillScale<<<1024, 256, 0, st>>>(s, size_t(sh.n) * groups * copies, 2);
+    FillBf16<<<64, 256, 0, st>>>(x, size_t(16) * sh.k, 3, -1.f, 1.f);
+    CHECK(cudaGetLastError());
+    for (int m : ms) {
+      Reference<<<(m * sh.n + 255) / 256, 256, 0, st>>>(x, q, s, ref, m, sh.n, sh.k, int(groups));
+      CHECK(cudaGetLastError());
+      std::vector<float> r(size_t(m) * sh.n);
+      CHECK(cudaMemcpyAsync(r.data(), ref, r.size() * 4, cudaMemcpyDeviceToHost, st));
+      CHECK(cudaStreamSynchronize(st));
+      const double floor_us = wbytes / 4.3e6;   // bytes / (4.3 TB/s, the copy bandwidth measured here)
+      std::printf("\n%s N=%d K=%d M=%d: %.2f MB int8, %d copies, %d calls; floor at 4.3 TB/s %.2f us\n", sh.name, sh.n,
+                  sh.k, m, wbytes / 1e6, copies, calls, floor_us);
+      for (const Config& c : configs) {
+        if ((m == 1) != (c.mt == 1)) continue;
+        FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison
+        CHECK(c.fn(st, x, q, s, y, m, sh.n, sh.k, int(groups)));
+        std::vector<bf16> got(size_t(m) * sh.n);
+        CHECK(cudaMemcpyAsync(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost, st));
+        CHECK(cudaStreamSynchronize(st));
+        double num = 0, den = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          const double d = double(__bfloat162float(got[i])) - r[i];
+          num += d * d;
+          den += double(r[i]) * r[i];
+        }
+        const double err = std::sqrt(num / den);   // NaN (unwritten) propagates
+        const float us = PerCallUs(st, calls, [&](int i) {
+          const int j = i % copies;
+          CHECK(c.fn(st, x, q + wbytes * j, s + size_t(sh.n) * groups * j, y + size_t(16) * sh.n * j, m, sh.n, sh.k,
+                     int(groups)));
+        });
+        std::printf("  %-28s %8.2f us %7.0f GB/s  err %.2e%s\n", c.name.c_str(), us, wbytes / us / 1e3, err,
+                    err < 1e-2 ? "" : "  WRONG");
+        if (out)
+          std::fprintf(out, "{\"shape\": \"%s\", \"n\": %d, \"k\": %d, \"m\": %d, \"config\": \"%s\", \"us\": %.3f, "
+                       "\"gbps\": %.1f, \"rel_err\": %.3e, \"floor_us\": %.3f}\n", sh.name, sh.n, sh.k, m,
+                       c.name.c_str(), us, wbytes / us / 1e3, err, floor_us);
+      }
+#ifdef WITH_CUBLAS
+      bf16* wd;
+      CHECK(cudaMalloc(&wd, wbytes * 2 * std::max(2, copies / 2)));
+      const int bcopies = std::max(2, copies / 2);   // bf16 weights are twice the bytes
+      for (int j = 0; j < bcopies; ++j)
+        Dequant<<<1024, 256, 0, st>>>(q + wbytes * j, s + size_t(sh.n) * groups * j, wd + wbytes * j, sh.n, sh.k,
+                                      int(groups));
+      const float one = 1.f, zero = 0.f;
+      const float us = PerCallUs(st, calls, [&](int i) {
+        const int j = i % bcopies;
+        // y^T [N, M] = W [N, K] . x^T [K, M], column-major view: W^T is K x N col-major.
+        if (cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, m, sh.k, &one, wd + wbytes * j, CUDA_R_16BF, sh.k, x,
+                         CUDA_R_16BF, sh.k, &zero, y + size_t(16) * sh.n * (j % copies), CUDA_R_16BF, sh.n,
+                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+          std::fprintf(stderr, "cublasGemmEx failed\n");
+          std::exit(1);
+        }
+      });
+      std::printf("  %-28s %8.2f us %7.0f GB/s (bf16 bytes)\n", "cublas_bf16", us, 2 * wbytes / us / 1e3);
+      if (out)
+        std::fprintf(out, "{\"shape\": \"%s\", \"n\": %d, \"k\": %d, \"m\": %d, \"config\": \"cublas_bf16\", \"us\": "
+                     "%.3f, \"gbps\": %.1f}\n", sh.name, sh.n, sh.k, m, us, 2 * wbytes / us / 1e3);
+      CHECK(cudaFree(wd));
+#endif
+    }
+    CHECK(cudaFree(q));
+    CHECK(cudaFree(s));
+    CHECK(cudaFree(x));
+    CHECK(cudaFree(y));
+    CHECK(cudaFree(ref));
+  }
+  if (out) std::fclose(out);
+  return 0;
+}

@@ -1,0 +1,183 @@
+// The CUDA W8A16 matmul kernel, y[M, N] = x[M, K] . dequant(w[N, K], scale[N, G])^T, as one template
+// that cuda_kernels.cu dispatches by shape and bench/gemv_sweep.cu times over its parameters.
+//
+// Weights stay in the row-major [N, K] int8 layout the rest of the engine uses (the XLA path and the CPU
+// handlers read the same buffers): a row's K bytes are contiguous, so 16-byte loads by consecutive threads
+// are coalesced and every weight byte is read once per call.
+//
+// Work split: a block of kThreads threads holds kThreads / TPR teams; a team of TPR threads computes ROWS
+// output rows for MT rows of x, splitting K between its threads in 16-byte chunks (thread t takes chunks
+// t, t + TPR, ...) with U chunks per row loaded before any is used. Large TPR suits long K and few rows
+// (more loads in flight per row), TPR = 32 suits short K and many rows (no cross-warp reduction).
+//
+// int8 -> f32 without a conversion instruction (those run at a quarter of the FMA rate and bound the
+// large shapes): byte b ^ 0x80 = b + 128 is placed under the exponent of 2^23 with one byte permute,
+// giving the float 2^23 + 128 + b exactly, and one subtraction of 2^23 + 128 leaves b exactly.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jaxllm {
+
+template <typename T> __device__ __forceinline__ float ToF32(T v);
+template <> __device__ __forceinline__ float ToF32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T FromF32(float v);
+template <> __device__ __forceinline__ float FromF32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+
+namespace w8a16 {
+
+constexpr int kThreads = 256;
+
+// Loads 16 consecutive activations x[0..15] as f32 (16-byte loads: 2 for bf16, 4 for f32).
+__device__ __forceinline__ void Load16(const __nv_bfloat16* x, float* out) {
+  const uint4 a = __ldg(reinterpret_cast<const uint4*>(x)), b = __ldg(reinterpret_cast<const uint4*>(x) + 1);
+  const uint32_t words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {   // bf16 -> f32 is a 16-bit shift
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void Load16(const float* x, float* out) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
+    out[4 * i] = f.x; out[4 * i + 1] = f.y; out[4 * i + 2] = f.z; out[4 * i + 3] = f.w;
+  }
+}
+
+// dot(x[0..15], w[0..15]) with w packed as 16 int8 in a uint4. MAGIC: permute + subtract (above);
+// otherwise the int8 -> f32 conversion instruction.
+template <bool MAGIC>
+__device__ __forceinline__ float Dot16(const float* x, uint4 w) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t biased = words[j] ^ 0x80808080u;   // b + 128 per byte
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float q;
+      if constexpr (MAGIC) {
+        q = __uint_as_float(__byte_perm(biased, 0x4b000000u, 0x7650u | i)) - 8388736.f;   // 2^23 + 128
+      } else {
+        q = float(int8_t(words[j] >> (8 * i)));
+      }
+      s = fmaf(x[4 * j + i], q, s);
+    }
+  }
+  return s;
+}
+
+// floor(c / d) for c * d < 2^32 as one multiply-high by magic = ceil(2^32 / d) (d = 1: magic 0).
+__device__ __forceinline__ int DivSmall(int c, uint32_t magic) { return magic ? int(__umulhi(uint32_t(c), magic)) : c; }
+inline uint32_t DivMagic(uint32_t d) { return d == 1 ? 0u : uint32_t(((uint64_t(1) << 32) + d - 1) / d); }
+
+template <typename T, int MT, int TPR, int ROWS, int U, bool MAGIC>
+__global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, const int8_t* __restrict__ w,
+                                                   const float* __restrict__ scale, T* __restrict__ y, int m_total,
+                                                   int n_total, int k_total, int groups, uint32_t chunk_div) {
+  static_assert(TPR % 32 == 0 && kThreads % TPR == 0, "a team is whole warps of one block");
+  constexpr int kTeams = kThreads / TPR, kWarpsPerTeam = TPR / 32;
+  const int t = threadIdx.x % TPR, team = threadIdx.x / TPR;
+  const int n0 = (blockIdx.x * kTeams + team) * ROWS;
+  const int m0 = blockIdx.y * MT;
+  const int chunks = k_total >> 4;
+  const uint4* wrow[ROWS];
+  const float* srow[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int n = min(n0 + r, n_total - 1);   // rows past N repeat the last one; never written
+    wrow[r] = reinterpret_cast<const uint4*>(w + size_t(n) * k_total);
+    srow[r] = scale + size_t(n) * groups;
+  }
+  float acc[MT][ROWS];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.f;
+
+  for (int c0 = t; c0 < chunks; c0 += TPR * U) {
+    uint4 wv[U][ROWS];
+    float sc[U][ROWS];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * TPR;
+      const int g = DivSmall(c, chunk_div);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (c < chunks) {
+          wv[u][r] = __ldg(wrow[r] + c);
+          sc[u][r] = __ldg(srow[r] + g);
+        } else {
+          wv[u][r] = make_uint4(0, 0, 0, 0);
+          sc[u][r] = 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * TPR;
+      if (c >= chunks) break;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m0 + m >= m_total) break;
+        float xv[16];
+        Load16(x + size_t(m0 + m) * k_total + c * 16, xv);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[m][r] = fmaf(Dot16<MAGIC>(xv, wv[u][r]), sc[u][r], acc[m][r]);
+      }
+    }
+  }
+  // Reduce over the team: lanes by shuffles, then (TPR > 32) the team's warps through shared memory.
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
+  const int lane = threadIdx.x & 31;
+  if constexpr (kWarpsPerTeam == 1) {
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+          if (m0 + m < m_total && n0 + r < n_total) y[size_t(m0 + m) * n_total + n0 + r] = FromF32<T>(acc[m][r]);
+  } else {
+    __shared__ float part[kThreads / 32][MT * ROWS];
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) part[warp][m * ROWS + r] = acc[m][r];
+    __syncthreads();
+    if (t < MT * ROWS) {
+      const int m = t / ROWS, r = t % ROWS;
+      float v = 0.f;
+#pragma unroll
+      for (int i = 0; i < kWarpsPerTeam; ++i) v += part[team * kWarpsPerTeam + i][t];
+      if (m0 + m < m_total && n0 + r < n_total) y[size_t(m0 + m) * n_total + n0 + r] = FromF32<T>(v);
+    }
+  }
+}
+
+// Launches one configuration; w and scale point at the layer's [N, K] and [N, G] slices.
+template <typename T, int MT, int TPR, int ROWS, int U, bool MAGIC>
+cudaError_t Launch(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int m, int n, int k,
+                   int groups) {
+  constexpr int kRowsPerBlock = kThreads / TPR * ROWS;
+  const dim3 grid((n + kRowsPerBlock - 1) / kRowsPerBlock, (m + MT - 1) / MT);
+  Kernel<T, MT, TPR, ROWS, U, MAGIC><<<grid, kThreads, 0, stream>>>(x, w, scale, y, m, n, k, groups,
+                                                                   DivMagic(uint32_t(k / groups / 16)));
+  return cudaGetLastError();
+}
+
+}  // namespace w8a16
+}  // namespace jaxllm
