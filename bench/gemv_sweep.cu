@@ -83,16 +83,26 @@ using LaunchFn = std::function<cudaError_t(cudaStream_t, const bf16*, const int8
                                            int, int)>;
 struct Config {
   std::string name;
-  int mt;
+  int mt;           // rows of x the configuration is timed at
+  int max_chunks;   // longest K / 16 it takes (streaming variants: one round per row)
   LaunchFn fn;
 };
 
-template <int MT, int TPR, int ROWS, int U, bool MAGIC>
+template <int MT, int TPR, int ROWS, int U, bool MAGIC, bool HINT = false>
 Config Make() {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s", MT, TPR, ROWS, U, MAGIC ? "magic" : "i2f");
-  return {buf, MT, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k,
-                      int g) { return w::Launch<bf16, MT, TPR, ROWS, U, MAGIC>(st, x, q, s, y, m, n, k, g); }};
+  std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s%s", MT, TPR, ROWS, U, MAGIC ? "magic" : "i2f",
+                HINT ? "_hint" : "");
+  return {buf, MT, 1 << 30, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n,
+                               int k, int g) { return w::Launch<bf16, MT, TPR, ROWS, U, MAGIC, HINT>(st, x, q, s, y, m, n, k, g); }};
+}
+
+template <int ROWS, int U, bool HINT = false>
+Config MakeStream() {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "stream_rows%d_u%d%s", ROWS, U, HINT ? "_hint" : "");
+  return {buf, 1, 32 * U, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int, int n,
+                             int k, int g) { return w::LaunchStream<bf16, ROWS, U, HINT>(st, x, q, s, y, n, k, g); }};
 }
 
 // Median over `reps` replays of a graph of `calls` launches of fn(i) (i = call index).
@@ -142,15 +152,17 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{"qkv", 1152, 896}, {"o", 896, 896}, {"gate_up", 9728, 896}, {"down", 896, 4864},
                           {"lm_head", 151936, 896}};
   std::vector<Config> configs = {
-      Make<1, 32, 1, 4, false>(), Make<1, 32, 2, 4, false>(), Make<1, 32, 4, 4, false>(),
-      Make<1, 32, 1, 2, true>(),  Make<1, 32, 1, 4, true>(),  Make<1, 32, 2, 2, true>(),  Make<1, 32, 2, 4, true>(),
-      Make<1, 32, 4, 2, true>(),  Make<1, 32, 4, 4, true>(),  Make<1, 64, 1, 1, true>(),  Make<1, 64, 1, 2, true>(),
-      Make<1, 64, 1, 4, true>(),  Make<1, 64, 2, 2, true>(),  Make<1, 64, 2, 4, true>(),  Make<1, 128, 1, 1, true>(),
-      Make<1, 128, 1, 2, true>(), Make<1, 128, 2, 2, true>(), Make<1, 256, 1, 1, true>(), Make<1, 256, 1, 2, true>(),
-      Make<1, 256, 2, 1, true>(), Make<2, 32, 2, 2, true>(),  Make<2, 64, 1, 2, true>(),  Make<4, 32, 2, 2, true>(),
-      Make<4, 64, 1, 2, true>(),  Make<4, 32, 1, 2, true>(),
+      // M = 1. The first is the earlier kernel's scheme (warp per row, conversion instruction).
+      Make<1, 32, 1, 4, false>(), Make<1, 32, 2, 2, true>(), Make<1, 32, 4, 2, true>(), Make<1, 32, 4, 2, true, true>(),
+      Make<1, 32, 8, 2, true>(), Make<1, 64, 1, 1, true>(), Make<1, 64, 1, 1, true, true>(), Make<1, 64, 2, 1, true>(),
+      Make<1, 128, 1, 1, true>(), Make<1, 128, 1, 2, true>(), Make<1, 256, 1, 1, true>(), Make<1, 256, 1, 2, true>(),
+      Make<1, 256, 1, 2, true, true>(), Make<1, 256, 1, 4, true>(), MakeStream<1, 2>(), MakeStream<2, 2>(),
+      MakeStream<4, 2>(), MakeStream<2, 2, true>(), MakeStream<4, 2, true>(),
+      // M = 2 and 4.
+      Make<2, 32, 2, 2, true>(), Make<2, 64, 1, 2, true>(), Make<2, 128, 1, 2, true>(), Make<4, 32, 2, 2, true>(),
+      Make<4, 32, 4, 2, true>(), Make<4, 64, 1, 2, true>(), Make<4, 128, 1, 2, true>(),
   };
-  const int ms[] = {1, 4};
+  const int ms[] = {1, 2, 4};
 #ifdef WITH_CUBLAS
   cublasHandle_t handle;
   if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) { std::fprintf(stderr, "cublasCreate failed\n"); return 1; }
@@ -186,7 +198,7 @@ int main(int argc, char** argv) {
       std::printf("\n%s N=%d K=%d M=%d: %.2f MB int8, %d copies, %d calls; floor at 4.3 TB/s %.2f us\n", sh.name, sh.n,
                   sh.k, m, wbytes / 1e6, copies, calls, floor_us);
       for (const Config& c : configs) {
-        if ((m == 1) != (c.mt == 1)) continue;
+        if (c.mt != m || sh.k / 16 > c.max_chunks) continue;
         FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison
         CHECK(c.fn(st, x, q, s, y, m, sh.n, sh.k, int(groups)));
         std::vector<bf16> got(size_t(m) * sh.n);

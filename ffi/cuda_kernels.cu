@@ -10,136 +10,33 @@
 #include <string>
 
 #include "common.h"
+#include "w8a16_cuda.cuh"
 
 namespace jaxllm {
 namespace {
 
-template <typename T> __device__ __forceinline__ float ToF32(T v);
-template <> __device__ __forceinline__ float ToF32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T FromF32(float v);
-template <> __device__ __forceinline__ float FromF32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-
-// Loads 16 consecutive activations x[0..15] as f32 (16-byte loads: 2 for bf16, 4 for f32).
-__device__ __forceinline__ void Load16(const __nv_bfloat16* x, float* out) {
-  uint4 a = __ldg(reinterpret_cast<const uint4*>(x)), b = __ldg(reinterpret_cast<const uint4*>(x) + 1);
-  const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
-  const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
-    out[2 * i] = fa.x; out[2 * i + 1] = fa.y; out[8 + 2 * i] = fb.x; out[8 + 2 * i + 1] = fb.y;
-  }
-}
-__device__ __forceinline__ void Load16(const float* x, float* out) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
-    out[4 * i] = f.x; out[4 * i + 1] = f.y; out[4 * i + 2] = f.z; out[4 * i + 3] = f.w;
-  }
-}
-
-// dot(x[0..15], w[0..15]) with w packed as 16 int8 in a uint4.
-__device__ __forceinline__ float Dot16(const float* x, uint4 w) {
-  const int8_t* q = reinterpret_cast<const int8_t*>(&w);
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) s = fmaf(x[i], float(q[i]), s);
-  return s;
-}
-
-constexpr int kWarps = 4;     // warps per block
-constexpr int kUnroll = 4;    // 16-byte weight loads in flight per lane and row
-
-// One warp computes ROWS outputs for MT rows of x. Lanes stride over K in 16-byte chunks, kUnroll chunks
-// per round with every load issued before any math; the warp then reduces its lanes' partial sums.
-template <typename T, int MT, int ROWS>
-__global__ void __launch_bounds__(kWarps * 32) W8A16Kernel(const T* __restrict__ x, const int8_t* __restrict__ w,
-                                                           const float* __restrict__ scale, T* __restrict__ y,
-                                                           int m_total, int n_total, int k_total, int groups,
-                                                           int group) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n0 = (blockIdx.x * kWarps + warp) * ROWS;
-  const int m0 = blockIdx.y * MT;
-  if (n0 >= n_total) return;
-  const int chunks = k_total >> 4;
-  float acc[MT][ROWS];
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.f;
-
-  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
-    uint4 wv[kUnroll][ROWS];
-    float sc[kUnroll][ROWS];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = c0 + u * 32;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const int n = min(n0 + r, n_total - 1);
-        if (c < chunks) {
-          wv[u][r] = __ldg(reinterpret_cast<const uint4*>(w + size_t(n) * k_total) + c);
-          sc[u][r] = __ldg(scale + size_t(n) * groups + (c * 16) / group);
-        } else {
-          wv[u][r] = make_uint4(0, 0, 0, 0);
-          sc[u][r] = 0.f;
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = c0 + u * 32;
-      if (c >= chunks) break;
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        if (m0 + m >= m_total) break;
-        float xv[16];
-        Load16(x + size_t(m0 + m) * k_total + c * 16, xv);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[m][r] = fmaf(Dot16(xv, wv[u][r]), sc[u][r], acc[m][r]);
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (lane == 0 && m0 + m < m_total && n0 + r < n_total)
-        y[size_t(m0 + m) * n_total + n0 + r] = FromF32<T>(v);
-    }
-}
-
-template <typename T, int MT, int ROWS>
-cudaError_t LaunchW8A16(cudaStream_t stream, const MatmulShape& s, const void* x, const int8_t* w,
-                        const float* scale, void* y) {
-  dim3 grid((s.n + kWarps * ROWS - 1) / (kWarps * ROWS), (s.m + MT - 1) / MT);
-  W8A16Kernel<T, MT, ROWS><<<grid, kWarps * 32, 0, stream>>>(
-      static_cast<const T*>(x), w, scale, static_cast<T*>(y), int(s.m), int(s.n), int(s.k), int(s.groups),
-      int(s.group));
-  return cudaGetLastError();
-}
-
-// Few rows per warp when N is small (more warps in flight), more when N is large (more loads per warp).
-template <typename T, int MT>
-cudaError_t DispatchRows(cudaStream_t stream, const MatmulShape& s, const void* x, const int8_t* w,
-                         const float* scale, void* y) {
-  if (s.n >= 65536) return LaunchW8A16<T, MT, 4>(stream, s, x, w, scale, y);
-  if (s.n >= 4096) return LaunchW8A16<T, MT, 2>(stream, s, x, w, scale, y);
-  return LaunchW8A16<T, MT, 1>(stream, s, x, w, scale, y);
-}
-
+// W8A16 configuration by shape (kernel template and parameters in w8a16_cuda.cuh), chosen from
+// bench/gemv_sweep.cu on the H200 (docs/kernels.md): TPR threads per row split K, ROWS rows per team, U
+// loads in flight per row, MT rows of x per block (larger M runs in tiles of MT).
 template <typename T>
-cudaError_t DispatchM(cudaStream_t stream, const MatmulShape& s, const void* x, const int8_t* w,
-                      const float* scale, void* y) {
-  if (s.m <= 1) return DispatchRows<T, 1>(stream, s, x, w, scale, y);
-  if (s.m <= 2) return DispatchRows<T, 2>(stream, s, x, w, scale, y);
-  if (s.m <= 4) return DispatchRows<T, 4>(stream, s, x, w, scale, y);
-  return DispatchRows<T, 8>(stream, s, x, w, scale, y);   // M > 8 runs in tiles of 8 (grid.y)
+cudaError_t DispatchW8A16(cudaStream_t st, const MatmulShape& s, const void* xp, const int8_t* w, const float* sc,
+                          void* yp) {
+  using namespace w8a16;
+  const T* x = static_cast<const T*>(xp);
+  T* y = static_cast<T*>(yp);
+  const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
+  const bool long_k = k / 16 > 128, many_rows = n >= 4096;
+  if (m == 1) {
+    if (long_k) return Launch<T, 1, 256, 1, 2, true>(st, x, w, sc, y, m, n, k, g);    // K split over the block
+    if (many_rows) return Launch<T, 1, 32, 4, 2, true>(st, x, w, sc, y, m, n, k, g);  // warp per 4 rows
+    return Launch<T, 1, 64, 1, 1, true>(st, x, w, sc, y, m, n, k, g);                 // few rows: 2 warps per row
+  }
+  if (m == 2) {
+    if (many_rows) return Launch<T, 2, 32, 2, 2, true>(st, x, w, sc, y, m, n, k, g);
+    return Launch<T, 2, 64, 1, 2, true>(st, x, w, sc, y, m, n, k, g);
+  }
+  if (many_rows) return Launch<T, 4, 32, 2, 2, true>(st, x, w, sc, y, m, n, k, g);   // M > 4: tiles of 4
+  return Launch<T, 4, 64, 1, 2, true>(st, x, w, sc, y, m, n, k, g);
 }
 
 ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
@@ -150,8 +47,8 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   const int8_t* wl = static_cast<const int8_t*>(w.untyped_data()) + layer * s.n * s.k;
   const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
   cudaError_t e = x.element_type() == ffi::BF16
-                      ? DispatchM<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data())
-                      : DispatchM<float>(stream, s, x.untyped_data(), wl, sl, y->untyped_data());
+                      ? DispatchW8A16<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data())
+                      : DispatchW8A16<float>(stream, s, x.untyped_data(), wl, sl, y->untyped_data());
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_w8a16 launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }

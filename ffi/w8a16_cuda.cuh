@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace jaxllm {
@@ -74,11 +75,26 @@ __device__ __forceinline__ float Dot16(const float* x, uint4 w) {
   return s;
 }
 
+// A 16-byte weight load. HINT: read-only path without L1 allocation and a 256-byte L2 prefetch (weights are
+// read once per call; x and the scales keep L1); otherwise the plain read-only load.
+template <bool HINT>
+__device__ __forceinline__ uint4 LoadW(const uint4* p) {
+  if constexpr (HINT) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+  } else {
+    return __ldg(p);
+  }
+}
+
 // floor(c / d) for c * d < 2^32 as one multiply-high by magic = ceil(2^32 / d) (d = 1: magic 0).
 __device__ __forceinline__ int DivSmall(int c, uint32_t magic) { return magic ? int(__umulhi(uint32_t(c), magic)) : c; }
 inline uint32_t DivMagic(uint32_t d) { return d == 1 ? 0u : uint32_t(((uint64_t(1) << 32) + d - 1) / d); }
 
-template <typename T, int MT, int TPR, int ROWS, int U, bool MAGIC>
+template <typename T, int MT, int TPR, int ROWS, int U, bool MAGIC, bool HINT = false>
 __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, const int8_t* __restrict__ w,
                                                    const float* __restrict__ scale, T* __restrict__ y, int m_total,
                                                    int n_total, int k_total, int groups, uint32_t chunk_div) {
@@ -112,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         if (c < chunks) {
-          wv[u][r] = __ldg(wrow[r] + c);
+          wv[u][r] = LoadW<HINT>(wrow[r] + c);
           sc[u][r] = __ldg(srow[r] + g);
         } else {
           wv[u][r] = make_uint4(0, 0, 0, 0);
@@ -168,13 +184,110 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
   }
 }
 
+// Streaming variant for short K (K / 16 <= 32 * U chunks: one round per row) and many rows: a grid of
+// at most the resident blocks, each warp walking row groups n0, n0 + stride, ... with the next group's
+// weights loaded before the current group is computed (two register buffers), and x's chunks loaded once.
+template <int U, int ROWS, bool HINT>
+__device__ __forceinline__ void LoadRows(const int8_t* __restrict__ w, const float* __restrict__ scale, int n0,
+                                         int n_total, int k_total, int groups, int lane, int chunks,
+                                         uint32_t chunk_div, uint4 (&wv)[U][ROWS], float (&sc)[U][ROWS]) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int n = min(n0 + r, n_total - 1);
+    const uint4* wrow = reinterpret_cast<const uint4*>(w + size_t(n) * k_total);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = lane + 32 * u;
+      wv[u][r] = c < chunks ? LoadW<HINT>(wrow + c) : make_uint4(0, 0, 0, 0);
+      sc[u][r] = c < chunks ? __ldg(scale + size_t(n) * groups + DivSmall(c, chunk_div)) : 0.f;
+    }
+  }
+}
+
+template <typename T, int U, int ROWS>
+__device__ __forceinline__ void DotRows(const float (&xv)[U][16], const uint4 (&wv)[U][ROWS],
+                                        const float (&sc)[U][ROWS], T* __restrict__ y, int n0, int n_total,
+                                        int lane) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float acc = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc = fmaf(Dot16<true>(xv[u], wv[u][r]), sc[u][r], acc);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0 && n0 + r < n_total) y[n0 + r] = FromF32<T>(acc);
+  }
+}
+
+template <typename T, int ROWS, int U, bool HINT>
+__global__ void __launch_bounds__(kThreads) StreamKernel(const T* __restrict__ x, const int8_t* __restrict__ w,
+                                                         const float* __restrict__ scale, T* __restrict__ y,
+                                                         int n_total, int k_total, int groups, uint32_t chunk_div) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int chunks = k_total >> 4;
+  const int stride = gridDim.x * (kThreads / 32) * ROWS;
+  int n0 = (blockIdx.x * (kThreads / 32) + warp) * ROWS;
+  if (n0 >= n_total) return;
+  uint4 wa[U][ROWS], wb[U][ROWS];
+  float sa[U][ROWS], sb[U][ROWS];
+  LoadRows<U, ROWS, HINT>(w, scale, n0, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
+  float xv[U][16];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = lane + 32 * u;
+    if (c < chunks) {
+      Load16(x + c * 16, xv[u]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) xv[u][i] = 0.f;
+    }
+  }
+  while (true) {   // two row groups per trip, one per register buffer
+    const int n1 = n0 + stride;
+    if (n1 < n_total) LoadRows<U, ROWS, HINT>(w, scale, n1, n_total, k_total, groups, lane, chunks, chunk_div, wb, sb);
+    DotRows<T, U, ROWS>(xv, wa, sa, y, n0, n_total, lane);
+    if (n1 >= n_total) break;
+    const int n2 = n1 + stride;
+    if (n2 < n_total) LoadRows<U, ROWS, HINT>(w, scale, n2, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
+    DotRows<T, U, ROWS>(xv, wb, sb, y, n1, n_total, lane);
+    if (n2 >= n_total) break;
+    n0 = n2;
+  }
+}
+
+// Blocks of `kernel` resident at once on the current device (queried once per kernel and device).
+template <typename K>
+int ResidentBlocks(K kernel) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) dev = 0;
+  if (cached[dev] == 0) {
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+    cached[dev] = std::max(1, sms * per_sm);
+  }
+  return cached[dev];
+}
+
+template <typename T, int ROWS, int U, bool HINT>
+cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int n, int k,
+                         int groups) {
+  auto kernel = StreamKernel<T, ROWS, U, HINT>;
+  constexpr int kRowsPerBlock = kThreads / 32 * ROWS;
+  const int blocks = std::min((n + kRowsPerBlock - 1) / kRowsPerBlock, ResidentBlocks(kernel));
+  kernel<<<blocks, kThreads, 0, stream>>>(x, w, scale, y, n, k, groups, DivMagic(uint32_t(k / groups / 16)));
+  return cudaGetLastError();
+}
+
 // Launches one configuration; w and scale point at the layer's [N, K] and [N, G] slices.
-template <typename T, int MT, int TPR, int ROWS, int U, bool MAGIC>
+template <typename T, int MT, int TPR, int ROWS, int U, bool MAGIC, bool HINT = false>
 cudaError_t Launch(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int m, int n, int k,
                    int groups) {
   constexpr int kRowsPerBlock = kThreads / TPR * ROWS;
   const dim3 grid((n + kRowsPerBlock - 1) / kRowsPerBlock, (m + MT - 1) / MT);
-  Kernel<T, MT, TPR, ROWS, U, MAGIC><<<grid, kThreads, 0, stream>>>(x, w, scale, y, m, n, k, groups,
+  Kernel<T, MT, TPR, ROWS, U, MAGIC, HINT><<<grid, kThreads, 0, stream>>>(x, w, scale, y, m, n, k, groups,
                                                                    DivMagic(uint32_t(k / groups / 16)));
   return cudaGetLastError();
 }
