@@ -84,7 +84,7 @@ using LaunchFn = std::function<cudaError_t(cudaStream_t, const bf16*, const int8
 struct Config {
   std::string name;
   int mt;           // rows of x the configuration is timed at
-  int max_chunks;   // longest K / 16 it takes (streaming variants: one round per row)
+  bool (*fits)(int k);   // whether it takes this K (streaming variants: one round per row)
   LaunchFn fn;
 };
 
@@ -93,7 +93,7 @@ Config Make() {
   char buf[96];
   std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s%s", MT, TPR, ROWS, U, MAGIC ? "magic" : "i2f",
                 HINT ? "_hint" : "");
-  return {buf, MT, 1 << 30, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n,
+  return {buf, MT, [](int) { return true; }, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n,
                                int k, int g) { return w::Launch<bf16, MT, TPR, ROWS, U, MAGIC, HINT>(st, x, q, s, y, m, n, k, g); }};
 }
 
@@ -101,7 +101,7 @@ template <int ROWS, int U, bool HINT = false>
 Config MakeStream() {
   char buf[96];
   std::snprintf(buf, sizeof buf, "stream_rows%d_u%d%s", ROWS, U, HINT ? "_hint" : "");
-  return {buf, 1, 32 * U, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int, int n,
+  return {buf, 1, w::StreamFits<U>, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int, int n,
                              int k, int g) { return w::LaunchStream<bf16, ROWS, U, HINT>(st, x, q, s, y, n, k, g); }};
 }
 
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
       std::printf("\n%s N=%d K=%d M=%d: %.2f MB int8, %d copies, %d calls; floor at 4.3 TB/s %.2f us\n", sh.name, sh.n,
                   sh.k, m, wbytes / 1e6, copies, calls, floor_us);
       for (const Config& c : configs) {
-        if (c.mt != m || sh.k / 16 > c.max_chunks) continue;
+        if (c.mt != m || !c.fits(sh.k)) continue;
         FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison
         CHECK(c.fn(st, x, q, s, y, m, sh.n, sh.k, int(groups)));
         std::vector<bf16> got(size_t(m) * sh.n);
@@ -225,8 +225,8 @@ int main(int argc, char** argv) {
       }
 #ifdef WITH_CUBLAS
       bf16* wd;
-      CHECK(cudaMalloc(&wd, wbytes * 2 * std::max(2, copies / 2)));
       const int bcopies = std::max(2, copies / 2);   // bf16 weights are twice the bytes
+      CHECK(cudaMalloc(&wd, wbytes * 2 * bcopies));
       for (int j = 0; j < bcopies; ++j)
         Dequant<<<1024, 256, 0, st>>>(q + wbytes * j, s + size_t(sh.n) * groups * j, wd + wbytes * j, sh.n, sh.k,
                                       int(groups));

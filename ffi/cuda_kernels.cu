@@ -28,7 +28,7 @@ cudaError_t DispatchW8A16(cudaStream_t st, const MatmulShape& s, const void* xp,
   const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768;
   if (m == 1) {
     if (long_k) return Launch<T, 1, 256, 1, 2, true, true>(st, x, w, sc, y, m, n, k, g);     // K over the block
-    if (huge_n && k / 16 <= 64) return LaunchStream<T, 2, 2, true>(st, x, w, sc, y, n, k, g);  // LM head
+    if (huge_n && StreamFits<2>(k)) return LaunchStream<T, 2, 2, true>(st, x, w, sc, y, n, k, g);  // LM head
     if (many_rows) return Launch<T, 1, 32, 4, 2, true, true>(st, x, w, sc, y, m, n, k, g);   // warp per 4 rows
     return Launch<T, 1, 64, 1, 1, true, true>(st, x, w, sc, y, m, n, k, g);                  // 2 warps per row
   }

@@ -187,6 +187,10 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
 // Streaming variant for short K (K / 16 <= 32 * U chunks: one round per row) and many rows: a grid of
 // at most the resident blocks, each warp walking row groups n0, n0 + stride, ... with the next group's
 // weights loaded before the current group is computed (two register buffers), and x's chunks loaded once.
+// Whether K fits the streaming variant with U chunks per lane (one round of 32 * U chunks per row).
+template <int U>
+constexpr bool StreamFits(int k) { return k / 16 <= 32 * U; }
+
 template <int U, int ROWS, bool HINT>
 __device__ __forceinline__ void LoadRows(const int8_t* __restrict__ w, const float* __restrict__ scale, int n0,
                                          int n_total, int k_total, int groups, int lane, int chunks,
