@@ -86,7 +86,50 @@ struct Config {
   int mt;           // rows of x the configuration is timed at
   bool (*fits)(int k);   // whether it takes this K (streaming variants: one round per row)
   LaunchFn fn;
+  bool matmul = true;    // false: a reference point (read floor, empty kernel), its output not checked
 };
+
+// Reference points for the matmuls' times in this harness: reading the weight bytes once with the
+// matmul's own load (16 bytes, L2 prefetch hint), U loads in flight per thread, over one load round of
+// blocks (ONE_WAVE) or a grid of the resident blocks; nothing else. A word is written only if the xor of
+// all loads hits a value it does not, so the loads cannot be dropped. n16 = 0 gives an empty kernel.
+template <int U>
+__global__ void __launch_bounds__(w::kThreads) ReadFloor(const uint4* p, size_t n16, uint32_t* sink) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += stride * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = i + u * stride < n16 ? w::LoadW<true>(p + i + u * stride) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+template <int U, bool ONE_WAVE>
+Config MakeReadFloor() {
+  return {std::string("read_floor_u") + std::to_string(U) + (ONE_WAVE ? "_one_wave" : "_resident"), 1,
+          [](int) { return true; },
+          [](cudaStream_t st, const bf16*, const int8_t* q, const float*, bf16* y, int, int n, int k, int) {
+            const size_t n16 = size_t(n) * k / 16;
+            const int per_round = w::kThreads * U;
+            const int blocks = ONE_WAVE ? int((n16 + per_round - 1) / per_round) : w::ResidentBlocks(ReadFloor<U>);
+            ReadFloor<U><<<blocks, w::kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), n16,
+                                                         reinterpret_cast<uint32_t*>(y));
+            return cudaGetLastError();
+          },
+          false};
+}
+
+Config MakeEmpty() {
+  return {"empty_kernel", 1, [](int) { return true; },
+          [](cudaStream_t st, const bf16*, const int8_t* q, const float*, bf16* y, int, int, int, int) {
+            ReadFloor<1><<<1, w::kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), 0, reinterpret_cast<uint32_t*>(y));
+            return cudaGetLastError();
+          },
+          false};
+}
 
 template <int MT, int TPR, int ROWS, int U, bool MAGIC, bool HINT = false>
 Config Make() {
@@ -97,12 +140,13 @@ Config Make() {
                                int k, int g) { return w::Launch<bf16, MT, TPR, ROWS, U, MAGIC, HINT>(st, x, q, s, y, m, n, k, g); }};
 }
 
-template <int ROWS, int U, bool HINT = false>
+template <int ROWS, int U, bool HINT = false, int MINB = 1>
 Config MakeStream() {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "stream_rows%d_u%d%s", ROWS, U, HINT ? "_hint" : "");
+  std::snprintf(buf, sizeof buf, "stream_rows%d_u%d%s%s", ROWS, U, HINT ? "_hint" : "",
+                MINB > 1 ? ("_minb" + std::to_string(MINB)).c_str() : "");
   return {buf, 1, w::StreamFits<U>, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int, int n,
-                             int k, int g) { return w::LaunchStream<bf16, ROWS, U, HINT>(st, x, q, s, y, n, k, g); }};
+                             int k, int g) { return w::LaunchStream<bf16, ROWS, U, HINT, MINB>(st, x, q, s, y, n, k, g); }};
 }
 
 // Median over `reps` replays of a graph of `calls` launches of fn(i) (i = call index).
@@ -156,8 +200,13 @@ int main(int argc, char** argv) {
       Make<1, 32, 1, 4, false>(), Make<1, 32, 2, 2, true>(), Make<1, 32, 4, 2, true>(), Make<1, 32, 4, 2, true, true>(),
       Make<1, 32, 8, 2, true>(), Make<1, 64, 1, 1, true>(), Make<1, 64, 1, 1, true, true>(), Make<1, 64, 2, 1, true>(),
       Make<1, 128, 1, 1, true>(), Make<1, 128, 1, 2, true>(), Make<1, 256, 1, 1, true>(), Make<1, 256, 1, 2, true>(),
-      Make<1, 256, 1, 2, true, true>(), Make<1, 256, 1, 4, true>(), MakeStream<1, 2>(), MakeStream<2, 2>(),
-      MakeStream<4, 2>(), MakeStream<2, 2, true>(), MakeStream<4, 2, true>(),
+      Make<1, 256, 1, 2, true, true>(), Make<1, 256, 1, 4, true>(), Make<1, 32, 2, 2, true, true>(), Make<1, 64, 2, 1, true, true>(), Make<1, 32, 1, 2, true, true>(),
+      MakeStream<1, 2>(), MakeStream<2, 2>(),
+      MakeStream<4, 2>(), MakeStream<2, 2, true>(), MakeStream<4, 2, true>(), MakeStream<1, 2, true, 3>(),
+      MakeStream<2, 2, true, 3>(), MakeStream<1, 2, true, 4>(), MakeStream<2, 2, true, 4>(), MakeStream<4, 2, true, 2>(),
+      // Reference points: an empty kernel, and reading the weight bytes with nothing else.
+      MakeEmpty(), MakeReadFloor<1, true>(), MakeReadFloor<2, true>(), MakeReadFloor<4, true>(),
+      MakeReadFloor<2, false>(), MakeReadFloor<4, false>(),
       // M = 2 and 4.
       Make<2, 32, 2, 2, true>(), Make<2, 64, 1, 2, true>(), Make<2, 128, 1, 2, true>(), Make<4, 32, 2, 2, true>(),
       Make<4, 32, 4, 2, true>(), Make<4, 64, 1, 2, true>(), Make<4, 128, 1, 2, true>(),
@@ -199,29 +248,36 @@ int main(int argc, char** argv) {
                   sh.k, m, wbytes / 1e6, copies, calls, floor_us);
       for (const Config& c : configs) {
         if (c.mt != m || !c.fits(sh.k)) continue;
-        FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison
-        CHECK(c.fn(st, x, q, s, y, m, sh.n, sh.k, int(groups)));
-        std::vector<bf16> got(size_t(m) * sh.n);
-        CHECK(cudaMemcpyAsync(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost, st));
-        CHECK(cudaStreamSynchronize(st));
-        double num = 0, den = 0;
-        for (size_t i = 0; i < got.size(); ++i) {
-          const double d = double(__bfloat162float(got[i])) - r[i];
-          num += d * d;
-          den += double(r[i]) * r[i];
+        double err = NAN;   // relative L2 error against the reference; NaN (unwritten outputs) propagates
+        if (c.matmul) {
+          FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison
+          CHECK(c.fn(st, x, q, s, y, m, sh.n, sh.k, int(groups)));
+          std::vector<bf16> got(size_t(m) * sh.n);
+          CHECK(cudaMemcpyAsync(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost, st));
+          CHECK(cudaStreamSynchronize(st));
+          double num = 0, den = 0;
+          for (size_t i = 0; i < got.size(); ++i) {
+            const double d = double(__bfloat162float(got[i])) - r[i];
+            num += d * d;
+            den += double(r[i]) * r[i];
+          }
+          err = std::sqrt(num / den);
         }
-        const double err = std::sqrt(num / den);   // NaN (unwritten) propagates
         const float us = PerCallUs(st, calls, [&](int i) {
           const int j = i % copies;
           CHECK(c.fn(st, x, q + wbytes * j, s + size_t(sh.n) * groups * j, y + size_t(16) * sh.n * j, m, sh.n, sh.k,
                      int(groups)));
         });
-        std::printf("  %-28s %8.2f us %7.0f GB/s  err %.2e%s\n", c.name.c_str(), us, wbytes / us / 1e3, err,
-                    err < 1e-2 ? "" : "  WRONG");
+        if (c.matmul)
+          std::printf("  %-28s %8.2f us %7.0f GB/s  err %.2e%s\n", c.name.c_str(), us, wbytes / us / 1e3, err,
+                      err < 1e-2 ? "" : "  WRONG");
+        else
+          std::printf("  %-28s %8.2f us %7.0f GB/s  (reference point)\n", c.name.c_str(), us, wbytes / us / 1e3);
         if (out)
           std::fprintf(out, "{\"shape\": \"%s\", \"n\": %d, \"k\": %d, \"m\": %d, \"config\": \"%s\", \"us\": %.3f, "
-                       "\"gbps\": %.1f, \"rel_err\": %.3e, \"floor_us\": %.3f}\n", sh.name, sh.n, sh.k, m,
-                       c.name.c_str(), us, wbytes / us / 1e3, err, floor_us);
+                       "\"gbps\": %.1f, \"rel_err\": %s, \"floor_us\": %.3f, \"matmul\": %s}\n", sh.name, sh.n, sh.k,
+                       m, c.name.c_str(), us, wbytes / us / 1e3, c.matmul ? std::to_string(err).c_str() : "null",
+                       floor_us, c.matmul ? "true" : "false");
       }
 #ifdef WITH_CUBLAS
       bf16* wd;

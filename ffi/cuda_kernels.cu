@@ -60,30 +60,35 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 
 // ---- decode attention ------------------------------------------------------------------------------
 //
-// Flash-decoding in two kernels. The split kernel gives each block one (sequence b, kv head g, split p):
-// all R = H / G query heads of the group at once, so each key/value row is read from memory once. The
-// block walks the cache chunks c = p, p + P, p + 2P, ... below the visible length (read on the device),
-// staging each chunk's keys and values in shared memory, with an online softmax per query head; it writes
-// unnormalized partials ws[b, h, p] = (sum_j exp(s_j - m) v_j [Dh], m, sum_j exp(s_j - m)). The combine
-// kernel merges the splits that the visible length reached. Cost follows the visible length, not S. The
-// number of splits P is the workspace's dim 2, chosen by the Python wrapper to fill the GPU.
+// Flash-decoding in two kernels. The split kernel's block (split p, kv head g, sequence b) has 4 warps and
+// takes all R = H / G query heads of the group at once, so each key/value row is read from memory once.
+// The cache is cut into chunks of 4 warp tiles; block p walks chunks p, p + P, ... below the visible
+// length (read on the device), warp w taking tile w of each, with no block barrier inside the walk.
+// In a tile, lanes split the keys (kLanesPerPos lanes per position, 128 bytes of its row each, held in
+// registers) for the scores, and the head dims (D / 32 per lane, so each value row is one coalesced read)
+// for the weighted sum; keys and values of the tile are loaded together before either is used. Softmax is
+// online per head, in base 2 (q carries log2 e). The warps then merge in shared memory and write the
+// block's unnormalized partials ws[b, h, p] = (sum_j 2^(s_j - m) v_j [D], m, sum_j 2^(s_j - m)); the
+// combine kernel merges the splits that the visible length reached. Cost follows the visible length, not
+// S. The number of splits P is the workspace's dim 2, chosen by the Python wrapper to fill the GPU.
 
-constexpr int kAttnThreads = 128;   // split kernel: 4 warps
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = 32 * kAttnWarps;
 constexpr int kCombineThreads = 256;
-constexpr int kMaxSplits = 64;
+constexpr int kMaxSplits = 256;
 constexpr int kMaxGroup = 16;       // query heads per kv head
 
-template <typename T> __host__ __device__ constexpr int ChunkOf() { return sizeof(T) == 2 ? 64 : 32; }   // positions per chunk
-
-// Shared memory of the split kernel, in 4-byte words: q [R][D] f32, scores/probabilities [R][C] f32,
-// keys and values [C][row] with row = D * sizeof(T) / 4 + 1 words (the odd stride keeps column reads by
-// consecutive rows conflict-free), then m, l, alpha [R].
 template <typename T, int D>
-__host__ __device__ constexpr int RowWords() { return D * int(sizeof(T)) / 4 + 1; }
-template <typename T, int D>
-size_t SplitSmemBytes(int r) {
-  return 4 * (size_t(r) * D + size_t(r) * ChunkOf<T>() + 2 * size_t(ChunkOf<T>()) * RowWords<T, D>() + 3 * r);
-}
+struct AttnGeometry {
+  static constexpr int kKeyElems = 128 / int(sizeof(T));   // elements of a key row one lane holds (128 bytes)
+  static constexpr int kLanesPerPos = D / kKeyElems;        // 1, 2 or 4
+  static constexpr int kTile = 32 / kLanesPerPos;           // positions per warp tile
+  static constexpr int kChunk = kTile * kAttnWarps;         // positions per block chunk (ffi.attention_chunk)
+  static constexpr int kValElems = D / 32;                  // head dims per lane in the weighted sum
+  static constexpr int kValWords = kValElems * int(sizeof(T)) / 4;   // their 4-byte words: 1, 2 or 4
+  static constexpr int kQStride = kKeyElems + 4;            // floats per (head, key part) row of q in shared
+                                                            // memory: parts of one head land on distinct banks
+};
 
 __device__ __forceinline__ float WordElem(const uint32_t* row, int d, float) { return __uint_as_float(row[d]); }
 __device__ __forceinline__ float WordElem(const uint32_t* row, int d, __nv_bfloat16) {
@@ -91,109 +96,175 @@ __device__ __forceinline__ float WordElem(const uint32_t* row, int d, __nv_bfloa
   return __uint_as_float((d & 1) ? (w & 0xffff0000u) : (w << 16));
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) AttnSplitKernel(const T* __restrict__ q, const T* __restrict__ k,
-                                                                const T* __restrict__ v,
-                                                                const int32_t* __restrict__ lengths,
-                                                                float* __restrict__ ws, int layer, int B, int H,
-                                                                int G, int S, int P) {
-  constexpr int C = ChunkOf<T>(), W = RowWords<T, D>(), kVec = 16 / int(sizeof(T));   // elements per 16 B
-  constexpr int kPairs = kMaxGroup * D / kAttnThreads;                                  // (head, d) per thread
-  const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+// N 4-byte words from p (4 * N bytes, aligned), zeros when !ok.
+template <int N>
+__device__ __forceinline__ void LoadWords(const void* p, bool ok, uint32_t (&out)[N]) {
+  if constexpr (N == 1) {
+    out[0] = ok ? __ldg(static_cast<const uint32_t*>(p)) : 0u;
+  } else if constexpr (N == 2) {
+    const uint2 v = ok ? __ldg(static_cast<const uint2*>(p)) : make_uint2(0, 0);
+    out[0] = v.x; out[1] = v.y;
+  } else {
+    static_assert(N == 4, "1, 2 or 4 words");
+    const uint4 v = ok ? __ldg(static_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+}
+
+// RM: query heads per kv head the kernel is built for (R <= RM; rows past R are skipped).
+template <typename T, int D, int RM>
+__global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
+    AttnSplitKernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const int32_t* __restrict__ lengths, float* __restrict__ ws, int layer, int B, int H, int G, int S,
+                    int P) {
+  using Geo = AttnGeometry<T, D>;
+  constexpr int EK = Geo::kKeyElems, LPP = Geo::kLanesPerPos, TP = Geo::kTile, CH = Geo::kChunk;
+  constexpr int DV = Geo::kValElems, VW = Geo::kValWords, QS = Geo::kQStride, EV = 16 / int(sizeof(T));
+  // Shared memory: q [RM][LPP][QS] and probabilities [warp][RM][TP] during the walk, the warps' partial
+  // sums [warp][RM][D] in their place for the merge; each warp's running max and sum [warp][RM] throughout
+  // (few reads per tile, and registers are what bounds the blocks per SM).
+  constexpr int kQ = RM * LPP * QS, kP = kAttnWarps * RM * TP, kAcc = kAttnWarps * RM * D;
+  constexpr int kWalk = kQ + kP > kAcc ? kQ + kP : kAcc;
+  __shared__ __align__(16) float smem[kWalk + 2 * kAttnWarps * RM];
+  float* q_s = smem;
+  float* p_s = smem + kQ;
+  float* acc_s = smem;
+  float* m_s = smem + kWalk;
+  float* l_s = m_s + kAttnWarps * RM;
+
+  const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int R = H / G;
   const int len = min(max(lengths[b], 1), S);
-  if (p * C >= len) return;
-  extern __shared__ float smem[];
-  float* q_s = smem;                                                     // [R][D]
-  float* p_s = q_s + R * D;                                              // [R][C]
-  uint32_t* k_s = reinterpret_cast<uint32_t*>(p_s + R * C);              // [C][W]
-  uint32_t* v_s = k_s + C * W;                                           // [C][W]
-  float* m_s = reinterpret_cast<float*>(v_s + C * W);                    // [R]
-  float* l_s = m_s + R;
-  float* a_s = l_s + R;
-  const float scale = rsqrtf(float(D));
-  for (int i = t; i < R * D; i += kAttnThreads)
-    q_s[i] = ToF32(q[(size_t(b) * H + g * R) * D + i]) * scale;
-  for (int r = t; r < R; r += kAttnThreads) { m_s[r] = -INFINITY; l_s[r] = 0.f; }
-  float acc[kPairs];
-#pragma unroll
-  for (int i = 0; i < kPairs; ++i) acc[i] = 0.f;
-  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;   // cache[layer, b, g, 0, 0]
-  const int lane = t & 31, warp = t >> 5;
-
-  for (int c0 = p * C; c0 < len; c0 += P * C) {
-    const int n = min(C, len - c0);
-    // Stage the chunk's keys and values: 16-byte global loads, 4-byte shared stores (padded rows).
-    for (int i = t; i < n * (D / kVec); i += kAttnThreads) {
-      const int j = i / (D / kVec), e = (i % (D / kVec)) * kVec;
-      const uint4 kv = __ldg(reinterpret_cast<const uint4*>(k + head + size_t(c0 + j) * D + e));
-      const uint4 vv = __ldg(reinterpret_cast<const uint4*>(v + head + size_t(c0 + j) * D + e));
-      uint32_t* kd = k_s + j * W + e * int(sizeof(T)) / 4;
-      uint32_t* vd = v_s + j * W + e * int(sizeof(T)) / 4;
-      kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
-      vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
-    }
-    __syncthreads();
-    // Scores: one (head, position) per thread and round; a warp shares its head (q broadcast).
-    for (int i = t; i < R * C; i += kAttnThreads) {
-      const int r = i / C, j = i % C;
-      float dot = -INFINITY;
-      if (j < n) {
-        const uint32_t* row = k_s + j * W;
-        const float* qr = q_s + r * D;
-        dot = 0.f;
-#pragma unroll 16
-        for (int d = 0; d < D; ++d) dot = fmaf(qr[d], WordElem(row, d, T()), dot);
-      }
-      p_s[i] = dot;
-    }
-    __syncthreads();
-    // Online softmax: a warp per head.
-    for (int r = warp; r < R; r += kAttnThreads / 32) {
-      float mx = -INFINITY;
-      for (int j = lane; j < n; j += 32) mx = fmaxf(mx, p_s[r * C + j]);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float m_old = m_s[r], m_new = fmaxf(m_old, mx);
-      float sum = 0.f;
-      for (int j = lane; j < C; j += 32) {
-        const float e = j < n ? __expf(p_s[r * C + j] - m_new) : 0.f;
-        p_s[r * C + j] = e;
-        sum += e;
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if (lane == 0) {
-        const float alpha = __expf(m_old - m_new);   // 0 on the first chunk (m_old = -inf)
-        a_s[r] = alpha;
-        m_s[r] = m_new;
-        l_s[r] = l_s[r] * alpha + sum;
-      }
-    }
-    __syncthreads();
-    // Values: thread owns (head, d) pairs t, t + 128, ...; consecutive threads take consecutive d.
-#pragma unroll
-    for (int i = 0; i < kPairs; ++i) {
-      const int idx = t + i * kAttnThreads;
-      if (idx < R * D) {
-        const int r = idx / D, d = idx % D;
-        const float* pr = p_s + r * C;
-        float a = acc[i] * a_s[r];
-        for (int j = 0; j < n; ++j) a = fmaf(pr[j], WordElem(v_s + j * W, d, T()), a);
-        acc[i] = a;
-      }
-    }
-    __syncthreads();   // the next chunk overwrites k_s, v_s, p_s
+  if (p * CH >= len) return;
+  const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;   // 1 / sqrt(D), and log2 e for base 2
+  for (int i = t; i < RM * D; i += kAttnThreads) {
+    const int r = i / D, d = i % D;
+    q_s[(r * LPP + d / EK) * QS + d % EK] = r < R ? ToF32(q[(size_t(b) * H + g * R + r) * D + d]) * q_scale : 0.f;
   }
+  __syncthreads();
+
+  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;   // cache[layer, b, g, 0, 0]
+  const T* kh = k + head;
+  const T* vh = v + head;
+  const int kpos = lane / LPP, kpart = lane % LPP;
+  float acc[RM][DV];
 #pragma unroll
-  for (int i = 0; i < kPairs; ++i) {
-    const int idx = t + i * kAttnThreads;
-    if (idx < R * D) {
-      const int r = idx / D, d = idx % D;
-      float* w = ws + ((size_t(b) * H + g * R + r) * P + p) * (D + 2);
-      w[d] = acc[i];
-      if (d == 0) { w[D] = m_s[r]; w[D + 1] = l_s[r]; }
+  for (int r = 0; r < RM; ++r)
+#pragma unroll
+    for (int e = 0; e < DV; ++e) acc[r][e] = 0.f;
+  float* p_w = p_s + warp * RM * TP;   // this warp's probabilities [RM][TP]
+  float* m_w = m_s + warp * RM;        // and running max and sum [RM]
+  float* l_w = l_s + warp * RM;
+  if (lane < RM) { m_w[lane] = -INFINITY; l_w[lane] = 0.f; }
+  __syncwarp();
+
+  for (int c0 = p * CH; c0 < len; c0 += P * CH) {
+    const int base = c0 + warp * TP;
+    if (base >= len) break;   // this warp's later tiles lie further on
+    // The tile's keys (this lane: position kpos, elements [kpart * EK, +EK)) and values (this lane's dims).
+    const int kp = base + kpos;
+    uint4 kr[EK / EV];
+    const uint4* ksrc = reinterpret_cast<const uint4*>(kh + size_t(kp) * D + kpart * EK);
+#pragma unroll
+    for (int i = 0; i < EK / EV; ++i) kr[i] = kp < len ? __ldg(ksrc + i) : make_uint4(0, 0, 0, 0);
+    uint32_t vr[TP][VW];
+#pragma unroll
+    for (int j = 0; j < TP; ++j) LoadWords<VW>(vh + size_t(base + j) * D + lane * DV, base + j < len, vr[j]);
+
+    // Scores s[r] = q_r . k_kpos (partial over this lane's part, then summed over the position's lanes).
+    float s[RM];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) s[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < EK / EV; ++i) {
+      const uint32_t words[4] = {kr[i].x, kr[i].y, kr[i].z, kr[i].w};
+#pragma unroll
+      for (int r = 0; r < RM; ++r) {
+        if (r >= R) break;
+        const float* qrow = q_s + (r * LPP + kpart) * QS + i * EV;
+#pragma unroll
+        for (int e = 0; e < EV; e += 4) {
+          const float4 qv = *reinterpret_cast<const float4*>(qrow + e);
+          s[r] = fmaf(qv.x, WordElem(words, e, T()), s[r]);
+          s[r] = fmaf(qv.y, WordElem(words, e + 1, T()), s[r]);
+          s[r] = fmaf(qv.z, WordElem(words, e + 2, T()), s[r]);
+          s[r] = fmaf(qv.w, WordElem(words, e + 3, T()), s[r]);
+        }
+      }
     }
+    // Online softmax per head over the tile; each lane keeps its position's probability.
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+      if (r >= R) break;
+#pragma unroll
+      for (int off = 1; off < LPP; off <<= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);
+      const float sc = kp < len ? s[r] : -INFINITY;
+      float mx = sc;
+#pragma unroll
+      for (int off = 16; off >= LPP; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = m_w[r], m_new = fmaxf(m_old, mx);   // finite: the tile's first position is visible
+      const float pr = exp2f(sc - m_new);
+      float sum = pr;
+#pragma unroll
+      for (int off = 16; off >= LPP; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      const float alpha = exp2f(m_old - m_new);   // 0 on the first tile (m = -inf)
+#pragma unroll
+      for (int e = 0; e < DV; ++e) acc[r][e] *= alpha;
+      if (kpart == 0) p_w[r * TP + kpos] = pr;
+      const float l_new = l_w[r] * alpha + sum;
+      __syncwarp();   // every lane has read m_w[r] and l_w[r]
+      if (lane == 0) { m_w[r] = m_new; l_w[r] = l_new; }
+    }
+    __syncwarp();
+    // Weighted sum of the values, four positions at a time.
+#pragma unroll
+    for (int j0 = 0; j0 < TP; j0 += 4) {
+      float vv[4][DV];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+        for (int e = 0; e < DV; ++e) vv[jj][e] = WordElem(vr[j0 + jj], e, T());
+#pragma unroll
+      for (int r = 0; r < RM; ++r) {
+        if (r >= R) break;
+        const float4 pv = *reinterpret_cast<const float4*>(p_w + r * TP + j0);
+#pragma unroll
+        for (int e = 0; e < DV; ++e) {
+          float a = acc[r][e];
+          a = fmaf(pv.x, vv[0][e], a);
+          a = fmaf(pv.y, vv[1][e], a);
+          a = fmaf(pv.z, vv[2][e], a);
+          acc[r][e] = fmaf(pv.w, vv[3][e], a);
+        }
+      }
+    }
+    __syncwarp();   // the next tile overwrites p_w
+  }
+
+  // Merge the warps (a warp without tiles has m = -inf, l = 0, acc = 0) and write the block's partials.
+  __syncthreads();   // q_s and p_s are done with: acc_s takes their place
+#pragma unroll
+  for (int r = 0; r < RM; ++r) {
+    if (r >= R) break;
+#pragma unroll
+    for (int e = 0; e < DV; ++e) acc_s[(warp * RM + r) * D + lane * DV + e] = acc[r][e];
+  }
+  __syncthreads();
+  for (int i = t; i < R * D; i += kAttnThreads) {
+    const int r = i / D, d = i % D;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) mm = fmaxf(mm, m_s[w * RM + r]);   // finite: warp 0 had a tile
+    float a = 0.f, ll = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float f = exp2f(m_s[w * RM + r] - mm);
+      a = fmaf(f, acc_s[(w * RM + r) * D + d], a);
+      ll = fmaf(f, l_s[w * RM + r], ll);
+    }
+    float* o = ws + ((size_t(b) * H + g * R + r) * P + p) * (D + 2);
+    o[d] = a;
+    if (d == 0) { o[D] = mm; o[D + 1] = ll; }
   }
 }
 
@@ -218,7 +289,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kCombineThreads) AttnCombineKernel(const float* __restrict__ ws,
                                                                      const int32_t* __restrict__ lengths,
                                                                      T* __restrict__ out, int H, int S, int P) {
-  constexpr int C = ChunkOf<T>(), kParts = kCombineThreads / D;
+  constexpr int C = AttnGeometry<T, D>::kChunk, kParts = kCombineThreads / D;
   __shared__ float f_s[kMaxSplits];
   __shared__ float red[kCombineThreads / 32];
   __shared__ float part_s[kParts][D];
@@ -231,7 +302,7 @@ __global__ void __launch_bounds__(kCombineThreads) AttnCombineKernel(const float
   m = BlockReduce(m, true, red);
   float l = 0.f;
   for (int p = t; p < used; p += kCombineThreads) {
-    const float f = __expf(w[p * (D + 2) + D] - m);
+    const float f = exp2f(w[p * (D + 2) + D] - m);   // m in base 2
     f_s[p] = f;
     l += w[p * (D + 2) + D + 1] * f;
   }
@@ -250,15 +321,23 @@ __global__ void __launch_bounds__(kCombineThreads) AttnCombineKernel(const float
   }
 }
 
+template <typename T, int D, int RM>
+cudaError_t LaunchSplit(cudaStream_t stream, const AttentionShape& s, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                        const ffi::AnyBuffer& v, const int32_t* lengths, float* ws, int P) {
+  AttnSplitKernel<T, D, RM><<<dim3(P, s.g, s.b), kAttnThreads, 0, stream>>>(
+      static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
+      static_cast<const T*>(v.untyped_data()), lengths, ws, int(s.layer), int(s.b), int(s.h), int(s.g), int(s.s), P);
+  return cudaGetLastError();
+}
+
 template <typename T, int D>
 cudaError_t LaunchAttention(cudaStream_t stream, const AttentionShape& s, const ffi::AnyBuffer& q,
                             const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const int32_t* lengths, float* ws,
                             void* out, int P) {
-  const size_t smem = SplitSmemBytes<T, D>(int(s.h / s.g));   // at most 46 KB (kMaxGroup, D 128): no opt-in needed
-  AttnSplitKernel<T, D><<<dim3(P, s.g, s.b), kAttnThreads, smem, stream>>>(
-      static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
-      static_cast<const T*>(v.untyped_data()), lengths, ws, int(s.layer), int(s.b), int(s.h), int(s.g), int(s.s), P);
-  cudaError_t e = cudaGetLastError();
+  const int r = int(s.h / s.g);   // query heads per kv head: the kernel built for the next size up
+  cudaError_t e = r <= 4   ? LaunchSplit<T, D, 4>(stream, s, q, k, v, lengths, ws, P)
+                  : r <= 8 ? LaunchSplit<T, D, 8>(stream, s, q, k, v, lengths, ws, P)
+                           : LaunchSplit<T, D, kMaxGroup>(stream, s, q, k, v, lengths, ws, P);
   if (e != cudaSuccess) return e;
   AttnCombineKernel<T, D><<<s.b * s.h, kCombineThreads, 0, stream>>>(ws, lengths, static_cast<T*>(out), int(s.h),
                                                                      int(s.s), P);

@@ -223,8 +223,9 @@ __device__ __forceinline__ void DotRows(const float (&xv)[U][16], const uint4 (&
   }
 }
 
-template <typename T, int ROWS, int U, bool HINT>
-__global__ void __launch_bounds__(kThreads) StreamKernel(const T* __restrict__ x, const int8_t* __restrict__ w,
+// MINB: blocks per SM the registers must allow (1: the compiler's choice).
+template <typename T, int ROWS, int U, bool HINT, int MINB = 1>
+__global__ void __launch_bounds__(kThreads, MINB) StreamKernel(const T* __restrict__ x, const int8_t* __restrict__ w,
                                                          const float* __restrict__ scale, T* __restrict__ y,
                                                          int n_total, int k_total, int groups, uint32_t chunk_div) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -275,10 +276,10 @@ int ResidentBlocks(K kernel) {
   return cached[dev];
 }
 
-template <typename T, int ROWS, int U, bool HINT>
+template <typename T, int ROWS, int U, bool HINT, int MINB = 1>
 cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int n, int k,
                          int groups) {
-  auto kernel = StreamKernel<T, ROWS, U, HINT>;
+  auto kernel = StreamKernel<T, ROWS, U, HINT, MINB>;
   constexpr int kRowsPerBlock = kThreads / 32 * ROWS;
   const int blocks = std::min((n + kRowsPerBlock - 1) / kRowsPerBlock, ResidentBlocks(kernel));
   kernel<<<blocks, kThreads, 0, stream>>>(x, w, scale, y, n, k, groups, DivMagic(uint32_t(k / groups / 16)));

@@ -120,7 +120,9 @@ def test_decode_attention_matches_reference(b, h, g, s, d, dtype):
   k = jnp.asarray(rng.standard_normal((layers, b, g, s, d)), dtype)
   v = jnp.asarray(rng.standard_normal((layers, b, g, s, d)), dtype)
   call = jax.jit(lambda q, k, v, n, p: ffi.decode_attention(q, k, v, 1, n, poison=p))
-  for lens in ([1] * b, [s] * b, list(rng.integers(1, s + 1, b)), [min(s, 256)] * b, [min(s, 257)] * b):
+  # 1, full, random, and around the CUDA kernel's tiles (32 positions) and chunks (128 for bf16, Dh 64).
+  for lens in ([1] * b, [s] * b, list(rng.integers(1, s + 1, b)), [min(s, 33)] * b, [min(s, 256)] * b,
+               [min(s, 257)] * b):
     q = jnp.asarray(rng.standard_normal((b, h, d)), dtype)
     n = jnp.asarray(lens, jnp.int32)
     got = call(q, k, v, n, jnp.full((b, h, d), jnp.nan, dtype))

@@ -23,9 +23,9 @@ from jaxllm.quant import Linear
 # the weights per 8-row tile. CPU (SmolLM2 shapes, 2 cores): 30-40% faster than XLA's dot at M = 32, even
 # at 64, 1.8-2.2x slower at 128.
 MAX_M = {"gpu": 4, "cpu": 32}
-ATTN_CHUNK = 64          # cache positions per chunk of the CUDA attention (bf16; ChunkOf in cuda_kernels.cu)
-ATTN_MAX_SPLITS = 64     # kMaxSplits in cuda_kernels.cu
-ATTN_TARGET_BLOCKS = 128 # split blocks wanted across the GPU (one (sequence, kv head, split) each)
+ATTN_MAX_SPLITS = 256    # kMaxSplits in cuda_kernels.cu
+ATTN_TARGET_BLOCKS = 512 # split blocks wanted across the GPU (one (sequence, kv head, split) each): about
+                         # 4 per SM of the H200, as many as fit at once (128 threads, <= 128 registers)
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -151,10 +151,18 @@ def attention_supported(head_dim: int, n_heads: int, n_kv_heads: int) -> bool:
   return head_dim in CUDA_HEAD_DIMS and n_heads // n_kv_heads <= CUDA_MAX_GROUP
 
 
-def attention_splits(b: int, g: int, s: int) -> int:
+def attention_chunk(itemsize: int, head_dim: int) -> int:
+  """Cache positions per chunk of the CUDA attention's split kernel (AttnGeometry::kChunk in
+  cuda_kernels.cu): 4 warps, each a tile of 32 / (lanes per position) positions, a lane holding 128 bytes
+  of a key row."""
+  return 4 * 32 * (128 // itemsize) // head_dim
+
+
+def attention_splits(b: int, g: int, s: int, itemsize: int = 2, head_dim: int = 64) -> int:
   """How many splits the CUDA attention cuts each sequence into: enough (sequence, kv head, split) blocks
   to fill the GPU, no more chunks than the cache has, at most ATTN_MAX_SPLITS (the workspace's dim 2)."""
-  return max(1, min(-(-s // ATTN_CHUNK), ATTN_MAX_SPLITS, -(-ATTN_TARGET_BLOCKS // (b * g))))
+  chunks = -(-s // attention_chunk(itemsize, head_dim))
+  return max(1, min(chunks, ATTN_MAX_SPLITS, -(-ATTN_TARGET_BLOCKS // (b * g))))
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
@@ -177,8 +185,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     raise ValueError(f"lengths must be [B]={b}, got {lengths.shape}")
   if not 0 <= layer < n_layers:
     raise ValueError(f"layer must be in [0, {n_layers}), got {layer!r}")
+  splits = attention_splits(b, g, s, q.dtype.itemsize, dh)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((b, q.shape[1], attention_splits(b, g, s), dh + 2), jnp.float32))
+               jax.ShapeDtypeStruct((b, q.shape[1], splits, dh + 2), jnp.float32))
   name, kw = _target("jaxllm_decode_attention", poison, 4)
   args = (q, k_cache, v_cache, lengths.astype(jnp.int32)) + ((poison,) if poison is not None else ())
   out, _ = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", **kw)(*args, layer=np.int64(layer))
