@@ -131,22 +131,26 @@ Config MakeEmpty() {
           false};
 }
 
-template <int MT, int TPR, int ROWS, int U, bool MAGIC, bool HINT = false>
+const char* ConvName(w::Conv c) { return c == w::Conv::kI2F ? "i2f" : c == w::Conv::kMagic ? "magic" : "int16"; }
+
+template <int MT, int TPR, int ROWS, int U, w::Conv C, bool HINT = false, bool XS = false>
 Config Make() {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s%s", MT, TPR, ROWS, U, MAGIC ? "magic" : "i2f",
-                HINT ? "_hint" : "");
-  return {buf, MT, [](int) { return true; }, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n,
-                               int k, int g) { return w::Launch<bf16, MT, TPR, ROWS, U, MAGIC, HINT>(st, x, q, s, y, m, n, k, g); }};
+  std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s%s%s", MT, TPR, ROWS, U, ConvName(C), HINT ? "_hint" : "",
+                XS ? "_xs" : "");
+  return {buf, MT, [](int k) { return !XS || w::XStageBytes(MT, k) <= w::kMaxXStageBytes; },
+          [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k, int g) {
+            return w::Launch<bf16, MT, TPR, ROWS, U, C, HINT, XS>(st, x, q, s, y, m, n, k, g);
+          }};
 }
 
-template <int ROWS, int U, bool HINT = false, int MINB = 1>
+template <int ROWS, int U, bool HINT = false, int MINB = 1, w::Conv C = w::Conv::kMagic>
 Config MakeStream() {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "stream_rows%d_u%d%s%s", ROWS, U, HINT ? "_hint" : "",
-                MINB > 1 ? ("_minb" + std::to_string(MINB)).c_str() : "");
+  std::snprintf(buf, sizeof buf, "stream_rows%d_u%d%s%s%s", ROWS, U, HINT ? "_hint" : "",
+                MINB > 1 ? ("_minb" + std::to_string(MINB)).c_str() : "", C == w::Conv::kInt16 ? "_int16" : "");
   return {buf, 1, w::StreamFits<U>, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int, int n,
-                             int k, int g) { return w::LaunchStream<bf16, ROWS, U, HINT, MINB>(st, x, q, s, y, n, k, g); }};
+                             int k, int g) { return w::LaunchStream<bf16, ROWS, U, HINT, MINB, C>(st, x, q, s, y, n, k, g); }};
 }
 
 // Median over `reps` replays of a graph of `calls` launches of fn(i) (i = call index).
@@ -195,21 +199,36 @@ int main(int argc, char** argv) {
   const int kGroup = 64;
   const Shape shapes[] = {{"qkv", 1152, 896}, {"o", 896, 896}, {"gate_up", 9728, 896}, {"down", 896, 4864},
                           {"lm_head", 151936, 896}};
+  constexpr w::Conv kI2F = w::Conv::kI2F, kMagic = w::Conv::kMagic, kInt16 = w::Conv::kInt16;
   std::vector<Config> configs = {
       // M = 1. The first is the earlier kernel's scheme (warp per row, conversion instruction).
-      Make<1, 32, 1, 4, false>(), Make<1, 32, 2, 2, true>(), Make<1, 32, 4, 2, true>(), Make<1, 32, 4, 2, true, true>(),
-      Make<1, 32, 8, 2, true>(), Make<1, 64, 1, 1, true>(), Make<1, 64, 1, 1, true, true>(), Make<1, 64, 2, 1, true>(),
-      Make<1, 128, 1, 1, true>(), Make<1, 128, 1, 2, true>(), Make<1, 256, 1, 1, true>(), Make<1, 256, 1, 2, true>(),
-      Make<1, 256, 1, 2, true, true>(), Make<1, 256, 1, 4, true>(), Make<1, 32, 2, 2, true, true>(), Make<1, 64, 2, 1, true, true>(), Make<1, 32, 1, 2, true, true>(),
-      MakeStream<1, 2>(), MakeStream<2, 2>(),
-      MakeStream<4, 2>(), MakeStream<2, 2, true>(), MakeStream<4, 2, true>(), MakeStream<1, 2, true, 3>(),
-      MakeStream<2, 2, true, 3>(), MakeStream<1, 2, true, 4>(), MakeStream<2, 2, true, 4>(), MakeStream<4, 2, true, 2>(),
+      Make<1, 32, 1, 4, kI2F>(), Make<1, 32, 2, 2, kMagic, true>(), Make<1, 32, 4, 2, kMagic, true>(),
+      Make<1, 64, 1, 1, kMagic, true>(), Make<1, 64, 2, 1, kMagic, true>(), Make<1, 128, 1, 1, kMagic, true>(),
+      Make<1, 256, 1, 2, kMagic, true>(), Make<1, 32, 1, 2, kInt16, true>(), Make<1, 32, 2, 2, kInt16, true>(),
+      Make<1, 32, 4, 2, kInt16, true>(), Make<1, 64, 1, 1, kInt16, true>(), Make<1, 64, 1, 2, kInt16, true>(),
+      Make<1, 128, 1, 2, kInt16, true>(), Make<1, 256, 1, 2, kInt16, true>(),
+      Make<1, 32, 1, 2, kInt16, true, true>(), Make<1, 32, 2, 2, kInt16, true, true>(),
+      Make<1, 32, 4, 2, kInt16, true, true>(), Make<1, 64, 1, 1, kInt16, true, true>(),
+      Make<1, 64, 2, 1, kInt16, true, true>(), Make<1, 128, 1, 2, kInt16, true, true>(),
+      Make<1, 256, 1, 2, kInt16, true, true>(),
+      // Streaming (M = 1, short K).
+      MakeStream<2, 2, true>(), MakeStream<1, 2, true, 3>(), MakeStream<1, 2, true, 4>(),
+      MakeStream<1, 2, true, 1, kInt16>(), MakeStream<2, 2, true, 1, kInt16>(), MakeStream<4, 2, true, 1, kInt16>(),
+      MakeStream<1, 2, true, 3, kInt16>(), MakeStream<2, 2, true, 3, kInt16>(), MakeStream<1, 2, true, 4, kInt16>(),
+      MakeStream<2, 2, true, 2, kInt16>(),
       // Reference points: an empty kernel, and reading the weight bytes with nothing else.
       MakeEmpty(), MakeReadFloor<1, true>(), MakeReadFloor<2, true>(), MakeReadFloor<4, true>(),
       MakeReadFloor<2, false>(), MakeReadFloor<4, false>(),
       // M = 2 and 4.
-      Make<2, 32, 2, 2, true>(), Make<2, 64, 1, 2, true>(), Make<2, 128, 1, 2, true>(), Make<4, 32, 2, 2, true>(),
-      Make<4, 32, 4, 2, true>(), Make<4, 64, 1, 2, true>(), Make<4, 128, 1, 2, true>(),
+      Make<2, 32, 2, 2, kMagic, true>(), Make<2, 64, 1, 2, kMagic, true>(), Make<2, 128, 1, 2, kMagic, true>(),
+      Make<2, 32, 2, 2, kInt16, true>(), Make<2, 32, 4, 2, kInt16, true>(), Make<2, 64, 1, 2, kInt16, true>(),
+      Make<2, 128, 1, 2, kInt16, true>(), Make<4, 32, 2, 2, kMagic, true>(), Make<4, 32, 4, 2, kMagic, true>(),
+      Make<4, 64, 1, 2, kMagic, true>(), Make<4, 128, 1, 2, kMagic, true>(), Make<4, 32, 2, 2, kInt16, true>(),
+      Make<4, 32, 4, 2, kInt16, true>(), Make<4, 64, 1, 2, kInt16, true>(), Make<4, 128, 1, 2, kInt16, true>(),
+      Make<2, 32, 2, 2, kInt16, true, true>(), Make<2, 32, 4, 2, kInt16, true, true>(),
+      Make<2, 64, 1, 2, kInt16, true, true>(), Make<2, 128, 1, 2, kInt16, true, true>(),
+      Make<4, 32, 2, 2, kInt16, true, true>(), Make<4, 32, 4, 2, kInt16, true, true>(),
+      Make<4, 64, 1, 2, kInt16, true, true>(), Make<4, 128, 1, 2, kInt16, true, true>(),
   };
   const int ms[] = {1, 2, 4};
 #ifdef WITH_CUBLAS

@@ -18,30 +18,39 @@ namespace {
 // W8A16 configuration by shape (kernel templates in w8a16_cuda.cuh), chosen from bench/gemv_sweep.cu on
 // the H200 (docs/kernels.md): TPR threads per row split K, ROWS rows per team, U loads in flight per row,
 // MT rows of x per block (larger M runs in tiles of MT); weight loads skip L1 and prefetch 256 B into L2.
+// Many rows with bf16 activations (gate/up, the LM head) take the int16 inner product with x staged in
+// shared memory (compute-bound otherwise); few rows and long K are latency-bound and keep the f32 one.
+// f32 activations always keep the f32 inner product (exact to f32 rounding).
 template <typename T>
 cudaError_t DispatchW8A16(cudaStream_t st, const MatmulShape& s, const void* xp, const int8_t* w, const float* sc,
                           void* yp) {
   using namespace w8a16;
+  constexpr Conv kMagic = Conv::kMagic, kInt16 = Conv::kInt16;
   const T* x = static_cast<const T*>(xp);
   T* y = static_cast<T*>(yp);
   const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
   const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768;
+  const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
+  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
   if (m == 1) {
-    if (long_k) return Launch<T, 1, 256, 1, 2, true, true>(st, x, w, sc, y, m, n, k, g);     // K over the block
-    if (huge_n && StreamFits<2>(k)) return LaunchStream<T, 2, 2, true>(st, x, w, sc, y, n, k, g);  // LM head
-    if (many_rows) return Launch<T, 1, 32, 4, 2, true, true>(st, x, w, sc, y, m, n, k, g);   // warp per 4 rows
-    return Launch<T, 1, 64, 1, 1, true, true>(st, x, w, sc, y, m, n, k, g);                  // 2 warps per row
+    if (long_k) return Launch<T, 1, 256, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);     // K over the block
+    if (int16) return Launch<T, 1, 32, 4, 2, kInt16, true, true>(st, x, w, sc, y, m, n, k, g);
+    if (huge_n && StreamFits<2>(k)) return LaunchStream<T, 2, 2, true>(st, x, w, sc, y, n, k, g);  // f32 LM head
+    if (many_rows) return Launch<T, 1, 32, 4, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);   // warp per 4 rows
+    return Launch<T, 1, 64, 1, 1, kMagic, true>(st, x, w, sc, y, m, n, k, g);                  // 2 warps per row
   }
   if (m == 2) {
-    if (many_rows) return Launch<T, 2, 32, 2, 2, true, true>(st, x, w, sc, y, m, n, k, g);
-    if (long_k) return Launch<T, 2, 128, 1, 2, true, true>(st, x, w, sc, y, m, n, k, g);
-    return Launch<T, 2, 64, 1, 2, true, true>(st, x, w, sc, y, m, n, k, g);
+    if (int16) return Launch<T, 2, 32, 4, 2, kInt16, true, true>(st, x, w, sc, y, m, n, k, g);
+    if (many_rows) return Launch<T, 2, 32, 2, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
+    if (long_k) return Launch<T, 2, 128, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
+    return Launch<T, 2, 64, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
   }
   // M >= 3: tiles of 4 rows of x.
-  if (huge_n) return Launch<T, 4, 32, 4, 2, true, true>(st, x, w, sc, y, m, n, k, g);
-  if (many_rows) return Launch<T, 4, 32, 2, 2, true, true>(st, x, w, sc, y, m, n, k, g);
-  if (long_k) return Launch<T, 4, 128, 1, 2, true, true>(st, x, w, sc, y, m, n, k, g);
-  return Launch<T, 4, 64, 1, 2, true, true>(st, x, w, sc, y, m, n, k, g);
+  if (int16) return Launch<T, 4, 32, 4, 2, kInt16, true, true>(st, x, w, sc, y, m, n, k, g);
+  if (huge_n) return Launch<T, 4, 32, 4, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
+  if (many_rows) return Launch<T, 4, 32, 2, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
+  if (long_k) return Launch<T, 4, 128, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
+  return Launch<T, 4, 64, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
 }
 
 ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,

@@ -10,9 +10,16 @@
 // t, t + TPR, ...) with U chunks per row loaded before any is used. Large TPR suits long K and few rows
 // (more loads in flight per row), TPR = 32 suits short K and many rows (no cross-warp reduction).
 //
-// int8 -> f32 without a conversion instruction (those run at a quarter of the FMA rate and bound the
-// large shapes): byte b ^ 0x80 = b + 128 is placed under the exponent of 2^23 with one byte permute,
-// giving the float 2^23 + 128 + b exactly, and one subtraction of 2^23 + 128 leaves b exactly.
+// The inner product, one of three ways (Conv):
+// - kI2F: int8 -> f32 by the conversion instruction (a quarter of the FMA rate), f32 FMAs.
+// - kMagic: int8 -> f32 without it: byte b ^ 0x80 = b + 128 is placed under the exponent of 2^23 with one
+//   byte permute, giving the float 2^23 + 128 + b exactly, and one subtraction of 2^23 + 128 leaves b
+//   exactly; f32 FMAs. About 3 instructions per weight, most of them on the integer pipe (half the FMA rate).
+// - kInt16: the 16 activations of a chunk become 16-bit integers with one f32 scale (x ~ s * q, q in
+//   [-32767, 32767], s = max |x| / 32767: at least bf16's precision for every element within 2^7 of the
+//   chunk's largest), and the weights meet them in integer dot products (dp2a: two int16 x int8 products
+//   and an add, exact in int32), one conversion and FMA per 16 weights: about half an instruction per
+//   weight. The chunk is quantized once per load of x (per warp in the streaming variant).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -52,9 +59,10 @@ __device__ __forceinline__ void Load16(const float* x, float* out) {
   }
 }
 
-// dot(x[0..15], w[0..15]) with w packed as 16 int8 in a uint4. MAGIC: permute + subtract (above);
-// otherwise the int8 -> f32 conversion instruction.
-template <bool MAGIC>
+enum class Conv { kI2F, kMagic, kInt16 };
+
+// dot(x[0..15], w[0..15]) with w packed as 16 int8 in a uint4, in f32 (kI2F or kMagic).
+template <Conv C>
 __device__ __forceinline__ float Dot16(const float* x, uint4 w) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
   float s = 0.f;
@@ -64,7 +72,7 @@ __device__ __forceinline__ float Dot16(const float* x, uint4 w) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       float q;
-      if constexpr (MAGIC) {
+      if constexpr (C == Conv::kMagic) {
         q = __uint_as_float(__byte_perm(biased, 0x4b000000u, 0x7650u | i)) - 8388736.f;   // 2^23 + 128
       } else {
         q = float(int8_t(words[j] >> (8 * i)));
@@ -73,6 +81,67 @@ __device__ __forceinline__ float Dot16(const float* x, uint4 w) {
     }
   }
   return s;
+}
+
+// A 16-activation chunk of x as the inner product takes it: f32 values, or int16 pairs and a scale.
+template <Conv C>
+struct XChunk {
+  float v[16];
+};
+template <>
+struct XChunk<Conv::kInt16> {
+  uint32_t q[8];   // (x[2i], x[2i + 1]) as int16, low half first
+  float s;         // x ~ s * q
+};
+
+template <Conv C, typename T>
+__device__ __forceinline__ void LoadX(const T* x, XChunk<C>& out) {
+  if constexpr (C == Conv::kInt16) {
+    float v[16];
+    Load16(x, v);
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    out.s = amax * (1.f / 32767.f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {   // 1.5 * 2^23 + v: the low mantissa bits hold round(v) in two's complement
+      const uint32_t lo = __float_as_uint(fmaf(v[2 * i], inv, 12582912.f));
+      const uint32_t hi = __float_as_uint(fmaf(v[2 * i + 1], inv, 12582912.f));
+      out.q[i] = __byte_perm(lo, hi, 0x5410);
+    }
+  } else {
+    Load16(x, out.v);
+  }
+}
+
+template <Conv C>
+__device__ __forceinline__ void ZeroX(XChunk<C>& out) {
+  if constexpr (C == Conv::kInt16) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out.q[i] = 0u;
+    out.s = 0.f;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out.v[i] = 0.f;
+  }
+}
+
+// acc + scale * dot(x chunk, w chunk).
+template <Conv C>
+__device__ __forceinline__ float Accumulate(float acc, const XChunk<C>& x, uint4 w, float scale) {
+  if constexpr (C == Conv::kInt16) {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    int d = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {   // bytes 4j, 4j + 1 with q[2j]; bytes 4j + 2, 4j + 3 with q[2j + 1]
+      d = __dp2a_lo(int(x.q[2 * j]), int(words[j]), d);
+      d = __dp2a_hi(int(x.q[2 * j + 1]), int(words[j]), d);
+    }
+    return fmaf(float(d), x.s * scale, acc);
+  } else {
+    return fmaf(Dot16<C>(x.v, w), scale, acc);
+  }
 }
 
 // A 16-byte weight load. HINT: read-only path without L1 allocation and a 256-byte L2 prefetch (weights are
@@ -94,11 +163,19 @@ __device__ __forceinline__ uint4 LoadW(const uint4* p) {
 __device__ __forceinline__ int DivSmall(int c, uint32_t magic) { return magic ? int(__umulhi(uint32_t(c), magic)) : c; }
 inline uint32_t DivMagic(uint32_t d) { return d == 1 ? 0u : uint32_t(((uint64_t(1) << 32) + d - 1) / d); }
 
-template <typename T, int MT, int TPR, int ROWS, int U, bool MAGIC, bool HINT = false>
+// Shared memory of a kInt16 block that stages x (XS): MT rows of K / 16 chunks, 16 int16 and a scale each.
+constexpr size_t XStageBytes(int mt, int k) { return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)); }
+constexpr size_t kMaxXStageBytes = 48 << 10;   // without the opt-in to more dynamic shared memory
+
+// XS (kInt16 only): the block quantizes its MT rows of x into shared memory once, after issuing its first
+// weight loads, instead of every thread quantizing each chunk it uses (dynamic shared memory of
+// XStageBytes(MT, K)).
+template <typename T, int MT, int TPR, int ROWS, int U, Conv C, bool HINT = false, bool XS = false>
 __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, const int8_t* __restrict__ w,
                                                    const float* __restrict__ scale, T* __restrict__ y, int m_total,
                                                    int n_total, int k_total, int groups, uint32_t chunk_div) {
   static_assert(TPR % 32 == 0 && kThreads % TPR == 0, "a team is whole warps of one block");
+  static_assert(!XS || C == Conv::kInt16, "x is staged as int16 chunks");
   constexpr int kTeams = kThreads / TPR, kWarpsPerTeam = TPR / 32;
   const int t = threadIdx.x % TPR, team = threadIdx.x / TPR;
   const int n0 = (blockIdx.x * kTeams + team) * ROWS;
@@ -118,24 +195,37 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.f;
 
-  for (int c0 = t; c0 < chunks; c0 += TPR * U) {
-    uint4 wv[U][ROWS];
-    float sc[U][ROWS];
+  uint4 wv[U][ROWS];
+  float sc[U][ROWS];
+  auto load_round = [&](int c0) {   // U chunks of each row (zeros past K)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * TPR;
       const int g = DivSmall(c, chunk_div);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        if (c < chunks) {
-          wv[u][r] = LoadW<HINT>(wrow[r] + c);
-          sc[u][r] = __ldg(srow[r] + g);
-        } else {
-          wv[u][r] = make_uint4(0, 0, 0, 0);
-          sc[u][r] = 0.f;
-        }
+        wv[u][r] = c < chunks ? LoadW<HINT>(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+        sc[u][r] = c < chunks ? __ldg(srow[r] + g) : 0.f;
       }
     }
+  };
+  extern __shared__ uint4 x_stage[];   // XS: [MT][chunks][2] int16 chunks, then [MT][chunks] f32 scales
+  float* xs_stage = reinterpret_cast<float*>(x_stage + 2 * MT * chunks);
+  int c0 = t;
+  load_round(c0);
+  if constexpr (XS) {
+    for (int i = threadIdx.x; i < MT * chunks; i += kThreads) {
+      const int m = i / chunks, c = i % chunks;
+      if (m0 + m >= m_total) continue;
+      XChunk<C> xc;
+      LoadX<C>(x + size_t(m0 + m) * k_total + c * 16, xc);
+      x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
+      x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
+      xs_stage[i] = xc.s;
+    }
+    __syncthreads();
+  }
+  while (true) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * TPR;
@@ -143,12 +233,22 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         if (m0 + m >= m_total) break;
-        float xv[16];
-        Load16(x + size_t(m0 + m) * k_total + c * 16, xv);
+        XChunk<C> xc;
+        if constexpr (XS) {
+          const uint4 a = x_stage[2 * (m * chunks + c)], b = x_stage[2 * (m * chunks + c) + 1];
+          xc.q[0] = a.x; xc.q[1] = a.y; xc.q[2] = a.z; xc.q[3] = a.w;
+          xc.q[4] = b.x; xc.q[5] = b.y; xc.q[6] = b.z; xc.q[7] = b.w;
+          xc.s = xs_stage[m * chunks + c];
+        } else {
+          LoadX<C>(x + size_t(m0 + m) * k_total + c * 16, xc);
+        }
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[m][r] = fmaf(Dot16<MAGIC>(xv, wv[u][r]), sc[u][r], acc[m][r]);
+        for (int r = 0; r < ROWS; ++r) acc[m][r] = Accumulate<C>(acc[m][r], xc, wv[u][r], sc[u][r]);
       }
     }
+    c0 += TPR * U;
+    if (c0 >= chunks) break;
+    load_round(c0);
   }
   // Reduce over the team: lanes by shuffles, then (TPR > 32) the team's warps through shared memory.
 #pragma unroll
@@ -208,15 +308,15 @@ __device__ __forceinline__ void LoadRows(const int8_t* __restrict__ w, const flo
   }
 }
 
-template <typename T, int U, int ROWS>
-__device__ __forceinline__ void DotRows(const float (&xv)[U][16], const uint4 (&wv)[U][ROWS],
+template <typename T, int U, int ROWS, Conv C>
+__device__ __forceinline__ void DotRows(const XChunk<C> (&xv)[U], const uint4 (&wv)[U][ROWS],
                                         const float (&sc)[U][ROWS], T* __restrict__ y, int n0, int n_total,
                                         int lane) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     float acc = 0.f;
 #pragma unroll
-    for (int u = 0; u < U; ++u) acc = fmaf(Dot16<true>(xv[u], wv[u][r]), sc[u][r], acc);
+    for (int u = 0; u < U; ++u) acc = Accumulate<C>(acc, xv[u], wv[u][r], sc[u][r]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0 && n0 + r < n_total) y[n0 + r] = FromF32<T>(acc);
@@ -224,7 +324,7 @@ __device__ __forceinline__ void DotRows(const float (&xv)[U][16], const uint4 (&
 }
 
 // MINB: blocks per SM the registers must allow (1: the compiler's choice).
-template <typename T, int ROWS, int U, bool HINT, int MINB = 1>
+template <typename T, int ROWS, int U, bool HINT, int MINB = 1, Conv C = Conv::kMagic>
 __global__ void __launch_bounds__(kThreads, MINB) StreamKernel(const T* __restrict__ x, const int8_t* __restrict__ w,
                                                          const float* __restrict__ scale, T* __restrict__ y,
                                                          int n_total, int k_total, int groups, uint32_t chunk_div) {
@@ -236,25 +336,24 @@ __global__ void __launch_bounds__(kThreads, MINB) StreamKernel(const T* __restri
   uint4 wa[U][ROWS], wb[U][ROWS];
   float sa[U][ROWS], sb[U][ROWS];
   LoadRows<U, ROWS, HINT>(w, scale, n0, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
-  float xv[U][16];
+  XChunk<C> xv[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = lane + 32 * u;
     if (c < chunks) {
-      Load16(x + c * 16, xv[u]);
+      LoadX<C>(x + c * 16, xv[u]);
     } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) xv[u][i] = 0.f;
+      ZeroX<C>(xv[u]);
     }
   }
   while (true) {   // two row groups per trip, one per register buffer
     const int n1 = n0 + stride;
     if (n1 < n_total) LoadRows<U, ROWS, HINT>(w, scale, n1, n_total, k_total, groups, lane, chunks, chunk_div, wb, sb);
-    DotRows<T, U, ROWS>(xv, wa, sa, y, n0, n_total, lane);
+    DotRows<T, U, ROWS, C>(xv, wa, sa, y, n0, n_total, lane);
     if (n1 >= n_total) break;
     const int n2 = n1 + stride;
     if (n2 < n_total) LoadRows<U, ROWS, HINT>(w, scale, n2, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
-    DotRows<T, U, ROWS>(xv, wb, sb, y, n1, n_total, lane);
+    DotRows<T, U, ROWS, C>(xv, wb, sb, y, n1, n_total, lane);
     if (n2 >= n_total) break;
     n0 = n2;
   }
@@ -276,24 +375,26 @@ int ResidentBlocks(K kernel) {
   return cached[dev];
 }
 
-template <typename T, int ROWS, int U, bool HINT, int MINB = 1>
+template <typename T, int ROWS, int U, bool HINT, int MINB = 1, Conv C = Conv::kMagic>
 cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int n, int k,
                          int groups) {
-  auto kernel = StreamKernel<T, ROWS, U, HINT, MINB>;
+  auto kernel = StreamKernel<T, ROWS, U, HINT, MINB, C>;
   constexpr int kRowsPerBlock = kThreads / 32 * ROWS;
   const int blocks = std::min((n + kRowsPerBlock - 1) / kRowsPerBlock, ResidentBlocks(kernel));
   kernel<<<blocks, kThreads, 0, stream>>>(x, w, scale, y, n, k, groups, DivMagic(uint32_t(k / groups / 16)));
   return cudaGetLastError();
 }
 
-// Launches one configuration; w and scale point at the layer's [N, K] and [N, G] slices.
-template <typename T, int MT, int TPR, int ROWS, int U, bool MAGIC, bool HINT = false>
+// Launches one configuration; w and scale point at the layer's [N, K] and [N, G] slices. XS needs
+// XStageBytes(MT, K) <= kMaxXStageBytes (the caller checks).
+template <typename T, int MT, int TPR, int ROWS, int U, Conv C, bool HINT = false, bool XS = false>
 cudaError_t Launch(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int m, int n, int k,
                    int groups) {
   constexpr int kRowsPerBlock = kThreads / TPR * ROWS;
   const dim3 grid((n + kRowsPerBlock - 1) / kRowsPerBlock, (m + MT - 1) / MT);
-  Kernel<T, MT, TPR, ROWS, U, MAGIC, HINT><<<grid, kThreads, 0, stream>>>(x, w, scale, y, m, n, k, groups,
-                                                                   DivMagic(uint32_t(k / groups / 16)));
+  const size_t smem = XS ? XStageBytes(MT, k) : 0;
+  Kernel<T, MT, TPR, ROWS, U, C, HINT, XS><<<grid, kThreads, smem, stream>>>(x, w, scale, y, m, n, k, groups,
+                                                                        DivMagic(uint32_t(k / groups / 16)));
   return cudaGetLastError();
 }
 
