@@ -31,7 +31,7 @@ cudaError_t DispatchW8A16(cudaStream_t st, const MatmulShape& s, const void* xp,
   const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
   const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768;
   const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
-  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
+  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k, 32, g) <= kMaxXStageBytes;   // 32 rows a block
   if (m == 1) {
     if (long_k) return Launch<T, 1, 256, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);     // K over the block
     if (int16) return Launch<T, 1, 32, 4, 2, kInt16, true, true>(st, x, w, sc, y, m, n, k, g);
@@ -145,17 +145,29 @@ __global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
   const int R = H / G;
   const int len = min(max(lengths[b], 1), S);
   if (p * CH >= len) return;
+  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;   // cache[layer, b, g, 0, 0]
+  const T* kh = k + head;
+  const T* vh = v + head;
+  const int kpos = lane / LPP, kpart = lane % LPP;
+  // A tile's keys (this lane: position kpos, elements [kpart * EK, +EK)) and values (this lane's dims).
+  uint4 kr[EK / EV];
+  uint32_t vr[TP][VW];
+  auto load_tile = [&](int base) {
+    const int kp = base + kpos;
+    const uint4* ksrc = reinterpret_cast<const uint4*>(kh + size_t(kp) * D + kpart * EK);
+#pragma unroll
+    for (int i = 0; i < EK / EV; ++i) kr[i] = kp < len ? __ldg(ksrc + i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < TP; ++j) LoadWords<VW>(vh + size_t(base + j) * D + lane * DV, base + j < len, vr[j]);
+  };
+  int c0 = p * CH, base = c0 + warp * TP;
+  if (base < len) load_tile(base);   // the first tile's loads overlap staging q
+
   const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;   // 1 / sqrt(D), and log2 e for base 2
   for (int i = t; i < RM * D; i += kAttnThreads) {
     const int r = i / D, d = i % D;
     q_s[(r * LPP + d / EK) * QS + d % EK] = r < R ? ToF32(q[(size_t(b) * H + g * R + r) * D + d]) * q_scale : 0.f;
   }
-  __syncthreads();
-
-  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;   // cache[layer, b, g, 0, 0]
-  const T* kh = k + head;
-  const T* vh = v + head;
-  const int kpos = lane / LPP, kpart = lane % LPP;
   float acc[RM][DV];
 #pragma unroll
   for (int r = 0; r < RM; ++r)
@@ -165,20 +177,12 @@ __global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
   float* m_w = m_s + warp * RM;        // and running max and sum [RM]
   float* l_w = l_s + warp * RM;
   if (lane < RM) { m_w[lane] = -INFINITY; l_w[lane] = 0.f; }
-  __syncwarp();
+  __syncthreads();
 
-  for (int c0 = p * CH; c0 < len; c0 += P * CH) {
-    const int base = c0 + warp * TP;
-    if (base >= len) break;   // this warp's later tiles lie further on
-    // The tile's keys (this lane: position kpos, elements [kpart * EK, +EK)) and values (this lane's dims).
+  // This warp's tiles: `base` in chunks c0 = p, p + P, ... (later tiles lie further on).
+  for (; base < len; c0 += P * CH, base = c0 + warp * TP) {
+    if (c0 != p * CH) load_tile(base);
     const int kp = base + kpos;
-    uint4 kr[EK / EV];
-    const uint4* ksrc = reinterpret_cast<const uint4*>(kh + size_t(kp) * D + kpart * EK);
-#pragma unroll
-    for (int i = 0; i < EK / EV; ++i) kr[i] = kp < len ? __ldg(ksrc + i) : make_uint4(0, 0, 0, 0);
-    uint32_t vr[TP][VW];
-#pragma unroll
-    for (int j = 0; j < TP; ++j) LoadWords<VW>(vh + size_t(base + j) * D + lane * DV, base + j < len, vr[j]);
 
     // Scores s[r] = q_r . k_kpos (partial over this lane's part, then summed over the position's lanes).
     float s[RM];
@@ -293,33 +297,34 @@ __device__ __forceinline__ float BlockReduce(float x, bool is_max, float* red) {
   return r;
 }
 
-// Combine: block (b, h) merges the partials of the splits that the visible length reached.
+// Combine: block (b, h) merges the partials of the splits that the visible length reached. A thread per
+// split (kMaxSplits <= kCombineThreads); split 0 is always reached (length >= 1), so each thread's values
+// are loaded before the length arrives and masked after.
 template <typename T, int D>
 __global__ void __launch_bounds__(kCombineThreads) AttnCombineKernel(const float* __restrict__ ws,
                                                                      const int32_t* __restrict__ lengths,
                                                                      T* __restrict__ out, int H, int S, int P) {
+  static_assert(kMaxSplits <= kCombineThreads, "one split per thread");
   constexpr int C = AttnGeometry<T, D>::kChunk, kParts = kCombineThreads / D;
   __shared__ float f_s[kMaxSplits];
   __shared__ float red[kCombineThreads / 32];
   __shared__ float part_s[kParts][D];
   const int b = blockIdx.x / H, t = threadIdx.x;
+  const float* w = ws + size_t(blockIdx.x) * P * (D + 2);
+  const int d = t % D, part = t / D;
+  const float m_own = t < P ? w[t * (D + 2) + D] : -INFINITY;       // split t's max and sum
+  const float l_own = t < P ? w[t * (D + 2) + D + 1] : 0.f;
+  const float first = part < P ? w[part * (D + 2) + d] : 0.f;      // split `part`'s sum at dim d
   const int len = min(max(lengths[b], 1), S);
   const int used = min(P, (len + C - 1) / C);
-  const float* w = ws + size_t(blockIdx.x) * P * (D + 2);
-  float m = -INFINITY;
-  for (int p = t; p < used; p += kCombineThreads) m = fmaxf(m, w[p * (D + 2) + D]);
-  m = BlockReduce(m, true, red);
-  float l = 0.f;
-  for (int p = t; p < used; p += kCombineThreads) {
-    const float f = exp2f(w[p * (D + 2) + D] - m);   // m in base 2
-    f_s[p] = f;
-    l += w[p * (D + 2) + D + 1] * f;
-  }
-  l = BlockReduce(l, false, red);   // its barriers also publish f_s
-  const int d = t % D, part = t / D;
-  float acc = 0.f;
+  const float m = BlockReduce(t < used ? m_own : -INFINITY, true, red);   // base 2
+  const float f = t < used ? exp2f(m_own - m) : 0.f;
+  if (t < kMaxSplits) f_s[t] = f;
+  // Splits past `used` hold stale words (possibly NaN): masked, never multiplied by 0.
+  const float l = BlockReduce(t < used ? l_own * f : 0.f, false, red);   // its barriers also publish f_s
+  float acc = part < used ? f_s[part] * first : 0.f;
 #pragma unroll 4
-  for (int p = part; p < used; p += kParts) acc = fmaf(f_s[p], w[p * (D + 2) + d], acc);
+  for (int p = part + kParts; p < used; p += kParts) acc = fmaf(f_s[p], w[p * (D + 2) + d], acc);
   part_s[part][d] = acc;
   __syncthreads();
   if (t < D) {
