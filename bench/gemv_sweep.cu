@@ -138,7 +138,7 @@ Config Make() {
   char buf[96];
   std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s%s%s", MT, TPR, ROWS, U, ConvName(C), HINT ? "_hint" : "",
                 XS ? "_xs" : "");
-  return {buf, MT, [](int k) { return !XS || w::XStageBytes(MT, k, w::kThreads / TPR * ROWS, k / 64) <= w::kMaxXStageBytes; },
+  return {buf, MT, [](int k) { return !XS || w::XStageBytes(MT, k) <= w::kMaxXStageBytes; },
           [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k, int g) {
             return w::Launch<bf16, MT, TPR, ROWS, U, C, HINT, XS>(st, x, q, s, y, m, n, k, g);
           }};

@@ -31,7 +31,7 @@ cudaError_t DispatchW8A16(cudaStream_t st, const MatmulShape& s, const void* xp,
   const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
   const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768;
   const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
-  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k, 32, g) <= kMaxXStageBytes;   // 32 rows a block
+  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
   if (m == 1) {
     if (long_k) return Launch<T, 1, 256, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);     // K over the block
     if (int16) return Launch<T, 1, 32, 4, 2, kInt16, true, true>(st, x, w, sc, y, m, n, k, g);

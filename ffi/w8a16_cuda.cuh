@@ -163,17 +163,13 @@ __device__ __forceinline__ uint4 LoadW(const uint4* p) {
 __device__ __forceinline__ int DivSmall(int c, uint32_t magic) { return magic ? int(__umulhi(uint32_t(c), magic)) : c; }
 inline uint32_t DivMagic(uint32_t d) { return d == 1 ? 0u : uint32_t(((uint64_t(1) << 32) + d - 1) / d); }
 
-// Shared memory of a kInt16 block that stages x (XS): MT rows of K / 16 chunks, 16 int16 and a scale each,
-// then the weight scales of the block's `rows` rows ([rows][groups] f32).
-constexpr size_t XStageBytes(int mt, int k, int rows, int groups) {
-  return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)) + size_t(rows) * groups * sizeof(float);
-}
+// Shared memory of a kInt16 block that stages x (XS): MT rows of K / 16 chunks, 16 int16 and a scale each.
+constexpr size_t XStageBytes(int mt, int k) { return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)); }
 constexpr size_t kMaxXStageBytes = 48 << 10;   // without the opt-in to more dynamic shared memory
 
-// XS (kInt16 only): after issuing its first weight loads, the block quantizes its MT rows of x into shared
-// memory once, instead of every thread quantizing each chunk it uses, and copies its rows' weight scales
-// there with consecutive loads, instead of every thread loading the scale of each chunk it uses (half the
-// memory requests of the f32 form). Dynamic shared memory: XStageBytes(MT, K, rows per block, groups).
+// XS (kInt16 only): the block quantizes its MT rows of x into shared memory once, after issuing its first
+// weight loads, instead of every thread quantizing each chunk it uses (dynamic shared memory of
+// XStageBytes(MT, K)).
 template <typename T, int MT, int TPR, int ROWS, int U, Conv C, bool HINT = false, bool XS = false>
 __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, const int8_t* __restrict__ w,
                                                    const float* __restrict__ scale, T* __restrict__ y, int m_total,
@@ -201,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
 
   uint4 wv[U][ROWS];
   float sc[U][ROWS];
-  auto load_round = [&](int c0) {   // U chunks of each row (zeros past K), and their scales unless staged
+  auto load_round = [&](int c0) {   // U chunks of each row (zeros past K)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * TPR;
@@ -209,20 +205,15 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         wv[u][r] = c < chunks ? LoadW<HINT>(wrow[r] + c) : make_uint4(0, 0, 0, 0);
-        if constexpr (!XS) sc[u][r] = c < chunks ? __ldg(srow[r] + g) : 0.f;
+        sc[u][r] = c < chunks ? __ldg(srow[r] + g) : 0.f;
       }
     }
   };
-  // XS: [MT][chunks][2] int16 chunks of x, [MT][chunks] their f32 scales, [kTeams * ROWS][groups] weight scales.
-  extern __shared__ uint4 x_stage[];
+  extern __shared__ uint4 x_stage[];   // XS: [MT][chunks][2] int16 chunks, then [MT][chunks] f32 scales
   float* xs_stage = reinterpret_cast<float*>(x_stage + 2 * MT * chunks);
-  float* ws_stage = xs_stage + MT * chunks;
   int c0 = t;
   load_round(c0);
   if constexpr (XS) {
-    const int nb0 = blockIdx.x * kTeams * ROWS;   // the block's first row
-    const int n_scales = min(kTeams * ROWS, n_total - nb0) * groups;
-    for (int i = threadIdx.x; i < n_scales; i += kThreads) ws_stage[i] = __ldg(scale + size_t(nb0) * groups + i);
     for (int i = threadIdx.x; i < MT * chunks; i += kThreads) {
       const int m = i / chunks, c = i % chunks;
       if (m0 + m >= m_total) continue;
@@ -252,11 +243,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
           LoadX<C>(x + size_t(m0 + m) * k_total + c * 16, xc);
         }
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          // XS: rows past N read a scale never written (their outputs are never written either).
-          const float s = XS ? ws_stage[(team * ROWS + r) * groups + DivSmall(c, chunk_div)] : sc[u][r];
-          acc[m][r] = Accumulate<C>(acc[m][r], xc, wv[u][r], s);
-        }
+        for (int r = 0; r < ROWS; ++r) acc[m][r] = Accumulate<C>(acc[m][r], xc, wv[u][r], sc[u][r]);
       }
     }
     c0 += TPR * U;
@@ -399,13 +386,13 @@ cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const
 }
 
 // Launches one configuration; w and scale point at the layer's [N, K] and [N, G] slices. XS needs
-// XStageBytes(MT, K, kThreads / TPR * ROWS, G) <= kMaxXStageBytes (the caller checks).
+// XStageBytes(MT, K) <= kMaxXStageBytes (the caller checks).
 template <typename T, int MT, int TPR, int ROWS, int U, Conv C, bool HINT = false, bool XS = false>
 cudaError_t Launch(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int m, int n, int k,
                    int groups) {
   constexpr int kRowsPerBlock = kThreads / TPR * ROWS;
   const dim3 grid((n + kRowsPerBlock - 1) / kRowsPerBlock, (m + MT - 1) / MT);
-  const size_t smem = XS ? XStageBytes(MT, k, kRowsPerBlock, groups) : 0;
+  const size_t smem = XS ? XStageBytes(MT, k) : 0;
   Kernel<T, MT, TPR, ROWS, U, C, HINT, XS><<<grid, kThreads, smem, stream>>>(x, w, scale, y, m, n, k, groups,
                                                                         DivMagic(uint32_t(k / groups / 16)));
   return cudaGetLastError();
