@@ -154,6 +154,17 @@ def test_decode_attention_rejects_bad_input():
     ffi.decode_attention(jnp.ones((2, 8, 64)), cache, cache, 3, jnp.ones((2,), jnp.int32))
 
 
+@pytest.mark.parametrize("b, g, s, itemsize, d", [(1, 2, 4096, 2, 64), (1, 2, 32768, 2, 64), (64, 2, 4096, 2, 64),
+                                                    (3, 8, 513, 4, 128), (1, 1, 17, 2, 128), (16, 8, 100000, 2, 128)])
+def test_attention_splits_fill_the_gpu_within_the_cache(b, g, s, itemsize, d):
+  """Splits: at least one, at most the kernel's limit and the cache's chunks, and enough blocks to fill the
+  GPU whenever the cache has the chunks for it."""
+  p = ffi.attention_splits(b, g, s, itemsize, d)
+  chunks = -(-s // ffi.attention_chunk(itemsize, d))
+  assert 1 <= p <= min(ffi.ATTN_MAX_SPLITS, chunks)
+  assert b * g * p >= min(ffi.ATTN_TARGET_BLOCKS, b * g * min(chunks, ffi.ATTN_MAX_SPLITS))
+
+
 def test_attention_supported_on_gpu_geometries(monkeypatch):
   """The CUDA attention takes head dims 64/128 and up to 16 query heads per kv head; others run the reference."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
