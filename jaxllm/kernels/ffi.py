@@ -158,7 +158,7 @@ def attention_chunk(itemsize: int, head_dim: int) -> int:
   return 4 * 32 * (128 // itemsize) // head_dim
 
 
-def attention_splits(b: int, g: int, s: int, itemsize: int = 2, head_dim: int = 64) -> int:
+def attention_splits(b: int, g: int, s: int, itemsize: int, head_dim: int) -> int:
   """How many splits the CUDA attention cuts each sequence into: enough (sequence, kv head, split) blocks
   to fill the GPU, no more chunks than the cache has, at most ATTN_MAX_SPLITS (the workspace's dim 2)."""
   chunks = -(-s // attention_chunk(itemsize, head_dim))
