@@ -6,7 +6,7 @@
 // shape is timed the same way beside it.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep [-DWITH_CUBLAS -lcublas]
-//   /tmp/gemv_sweep [out.jsonl]
+//   /tmp/gemv_sweep [out.jsonl [shape,shape,...]]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #ifdef WITH_CUBLAS
@@ -107,6 +107,76 @@ __global__ void __launch_bounds__(w::kThreads) ReadFloor(const uint4* p, size_t 
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
+// The same, also loading each chunk's f32 group scale as the matmul does (one 4-byte load per 16-byte load).
+template <int U>
+__global__ void __launch_bounds__(w::kThreads) ReadFloorScaled(const uint4* p, const float* s, uint32_t n16,
+                                                               uint32_t chunks, uint32_t chunk_div, int groups,
+                                                               uint32_t* sink) {
+  const uint32_t stride = gridDim.x * blockDim.x;
+  uint32_t acc = 0;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride * U) {
+    uint4 v[U];
+    float sv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t c = i + u * stride, row = c / chunks;
+      v[u] = c < n16 ? w::LoadW<true>(p + c) : make_uint4(0, 0, 0, 0);
+      sv[u] = c < n16 ? __ldg(s + size_t(row) * groups + w::DivSmall(int(c - row * chunks), chunk_div)) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w ^ __float_as_uint(sv[u]);
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+template <int U>
+Config MakeReadFloorScaled() {
+  return {std::string("read_floor_scaled_u") + std::to_string(U) + "_one_wave", 1, [](int) { return true; },
+          [](cudaStream_t st, const bf16*, const int8_t* q, const float* s, bf16* y, int, int n, int k, int g) {
+            const size_t n16 = size_t(n) * k / 16;
+            const int per_round = w::kThreads * U;
+            ReadFloorScaled<U><<<int((n16 + per_round - 1) / per_round), w::kThreads, 0, st>>>(
+                reinterpret_cast<const uint4*>(q), s, uint32_t(n16), uint32_t(k / 16), w::DivMagic(uint32_t(k / g / 16)),
+                g, reinterpret_cast<uint32_t*>(y));
+            return cudaGetLastError();
+          },
+          false};
+}
+
+// The same over blocks of 256 x U chunks (U = 7: the blocks of the matmul's 4-row teams at K 896), each
+// block also reading x (the first 16 * K / 8 threads, one 16-byte load each, after the weights) as the
+// matmul's blocks do: all blocks the same copy, or (XREP) block b copy b % 64.
+__device__ uint4 g_x_copies[64 * 4864 * 2 / 16];
+template <int U, bool X, bool XREP>
+__global__ void __launch_bounds__(w::kThreads) ReadFloorX(const uint4* p, size_t n16, const uint4* x, int x16,
+                                                          uint32_t* sink) {
+  const size_t base = size_t(blockIdx.x) * w::kThreads * U + threadIdx.x;
+  uint4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) v[u] = base + u * w::kThreads < n16 ? w::LoadW<true>(p + base + u * w::kThreads) : make_uint4(0, 0, 0, 0);
+  uint4 xv = make_uint4(0, 0, 0, 0);
+  if (X && int(threadIdx.x) < x16) xv = __ldg((XREP ? g_x_copies + (blockIdx.x % 64) * x16 : x) + threadIdx.x);
+  uint32_t acc = xv.x ^ xv.y ^ xv.z ^ xv.w;
+#pragma unroll
+  for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+template <int U, bool X, bool XREP>
+Config MakeReadFloorX() {
+  return {std::string("read_floor_block_u") + std::to_string(U) + (X ? (XREP ? "_x_per_block" : "_x_shared") : ""), 1,
+          [](int k) { return k <= 4864; },
+          [](cudaStream_t st, const bf16* x, const int8_t* q, const float*, bf16* y, int, int n, int k, int) {
+            const size_t n16 = size_t(n) * k / 16;
+            const int blocks = int((n16 + w::kThreads * U - 1) / (w::kThreads * U));
+            ReadFloorX<U, X, XREP><<<blocks, w::kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), n16,
+                                                                   reinterpret_cast<const uint4*>(x), k * 2 / 16,
+                                                                   reinterpret_cast<uint32_t*>(y));
+            return cudaGetLastError();
+          },
+          false};
+}
+
 template <int U, bool ONE_WAVE>
 Config MakeReadFloor() {
   return {std::string("read_floor_u") + std::to_string(U) + (ONE_WAVE ? "_one_wave" : "_resident"), 1,
@@ -114,7 +184,8 @@ Config MakeReadFloor() {
           [](cudaStream_t st, const bf16*, const int8_t* q, const float*, bf16* y, int, int n, int k, int) {
             const size_t n16 = size_t(n) * k / 16;
             const int per_round = w::kThreads * U;
-            const int blocks = ONE_WAVE ? int((n16 + per_round - 1) / per_round) : w::ResidentBlocks(ReadFloor<U>);
+            const w::Residency res = w::ResidencyOf(reinterpret_cast<const void*>(ReadFloor<U>), 0);
+            const int blocks = ONE_WAVE ? int((n16 + per_round - 1) / per_round) : res.sms * res.per_sm;
             ReadFloor<U><<<blocks, w::kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), n16,
                                                          reinterpret_cast<uint32_t*>(y));
             return cudaGetLastError();
@@ -133,14 +204,15 @@ Config MakeEmpty() {
 
 const char* ConvName(w::Conv c) { return c == w::Conv::kI2F ? "i2f" : c == w::Conv::kMagic ? "magic" : "int16"; }
 
-template <int MT, int TPR, int ROWS, int U, w::Conv C, bool HINT = false, bool XS = false>
+template <int MT, int TPR, int ROWS, int U, w::Conv C, unsigned F = 0>
 Config Make() {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s%s%s", MT, TPR, ROWS, U, ConvName(C), HINT ? "_hint" : "",
-                XS ? "_xs" : "");
-  return {buf, MT, [](int k) { return !XS || w::XStageBytes(MT, k) <= w::kMaxXStageBytes; },
+  std::snprintf(buf, sizeof buf, "mt%d_tpr%d_rows%d_u%d_%s%s%s%s%s", MT, TPR, ROWS, U, ConvName(C),
+                F & w::kHint ? "_hint" : "", F & w::kStageX ? "_xs" : "", F & w::kXFirst ? "_xfirst" : "",
+                F & w::kBalance ? "_bal" : "");
+  return {buf, MT, [](int k) { return !(F & w::kStageX) || w::XStageBytes(MT, k) <= w::kMaxXStageBytes; },
           [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k, int g) {
-            return w::Launch<bf16, MT, TPR, ROWS, U, C, HINT, XS>(st, x, q, s, y, m, n, k, g);
+            return w::Launch<bf16, MT, TPR, ROWS, U, C, F>(st, x, q, s, y, m, n, k, g);
           }};
 }
 
@@ -200,17 +272,18 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{"qkv", 1152, 896}, {"o", 896, 896}, {"gate_up", 9728, 896}, {"down", 896, 4864},
                           {"lm_head", 151936, 896}};
   constexpr w::Conv kI2F = w::Conv::kI2F, kMagic = w::Conv::kMagic, kInt16 = w::Conv::kInt16;
+  constexpr unsigned kH = w::kHint, kS = w::kStageX, kA = w::kXFirst, kB = w::kBalance;
   std::vector<Config> configs = {
       // M = 1. The first is the earlier kernel's scheme (warp per row, conversion instruction).
-      Make<1, 32, 1, 4, kI2F>(), Make<1, 32, 2, 2, kMagic, true>(), Make<1, 32, 4, 2, kMagic, true>(),
-      Make<1, 64, 1, 1, kMagic, true>(), Make<1, 64, 2, 1, kMagic, true>(), Make<1, 128, 1, 1, kMagic, true>(),
-      Make<1, 256, 1, 2, kMagic, true>(), Make<1, 32, 1, 2, kInt16, true>(), Make<1, 32, 2, 2, kInt16, true>(),
-      Make<1, 32, 4, 2, kInt16, true>(), Make<1, 64, 1, 1, kInt16, true>(), Make<1, 64, 1, 2, kInt16, true>(),
-      Make<1, 128, 1, 2, kInt16, true>(), Make<1, 256, 1, 2, kInt16, true>(),
-      Make<1, 32, 1, 2, kInt16, true, true>(), Make<1, 32, 2, 2, kInt16, true, true>(),
-      Make<1, 32, 4, 2, kInt16, true, true>(), Make<1, 64, 1, 1, kInt16, true, true>(),
-      Make<1, 64, 2, 1, kInt16, true, true>(), Make<1, 128, 1, 2, kInt16, true, true>(),
-      Make<1, 256, 1, 2, kInt16, true, true>(),
+      Make<1, 32, 1, 4, kI2F>(), Make<1, 32, 2, 2, kMagic, kH>(), Make<1, 32, 4, 2, kMagic, kH>(),
+      Make<1, 64, 1, 1, kMagic, kH>(), Make<1, 64, 2, 1, kMagic, kH>(), Make<1, 128, 1, 1, kMagic, kH>(),
+      Make<1, 256, 1, 2, kMagic, kH>(), Make<1, 32, 1, 2, kInt16, kH>(), Make<1, 32, 2, 2, kInt16, kH>(),
+      Make<1, 32, 4, 2, kInt16, kH>(), Make<1, 64, 1, 1, kInt16, kH>(), Make<1, 64, 1, 2, kInt16, kH>(),
+      Make<1, 128, 1, 2, kInt16, kH>(), Make<1, 256, 1, 2, kInt16, kH>(),
+      Make<1, 32, 1, 2, kInt16, kH | kS>(), Make<1, 32, 2, 2, kInt16, kH | kS>(),
+      Make<1, 32, 4, 2, kInt16, kH | kS>(), Make<1, 64, 1, 1, kInt16, kH | kS>(),
+      Make<1, 64, 2, 1, kInt16, kH | kS>(), Make<1, 128, 1, 2, kInt16, kH | kS>(),
+      Make<1, 256, 1, 2, kInt16, kH | kS>(),
       // Streaming (M = 1, short K).
       MakeStream<2, 2, true>(), MakeStream<1, 2, true, 3>(), MakeStream<1, 2, true, 4>(),
       MakeStream<1, 2, true, 1, kInt16>(), MakeStream<2, 2, true, 1, kInt16>(), MakeStream<4, 2, true, 1, kInt16>(),
@@ -218,17 +291,32 @@ int main(int argc, char** argv) {
       MakeStream<2, 2, true, 2, kInt16>(),
       // Reference points: an empty kernel, and reading the weight bytes with nothing else.
       MakeEmpty(), MakeReadFloor<1, true>(), MakeReadFloor<2, true>(), MakeReadFloor<4, true>(),
-      MakeReadFloor<2, false>(), MakeReadFloor<4, false>(),
+      MakeReadFloor<2, false>(), MakeReadFloor<4, false>(), MakeReadFloorScaled<1>(), MakeReadFloorScaled<2>(),
+      MakeReadFloorX<7, false, false>(), MakeReadFloorX<7, true, false>(), MakeReadFloorX<7, true, true>(),
       // M = 2 and 4.
-      Make<2, 32, 2, 2, kMagic, true>(), Make<2, 64, 1, 2, kMagic, true>(), Make<2, 128, 1, 2, kMagic, true>(),
-      Make<2, 32, 2, 2, kInt16, true>(), Make<2, 32, 4, 2, kInt16, true>(), Make<2, 64, 1, 2, kInt16, true>(),
-      Make<2, 128, 1, 2, kInt16, true>(), Make<4, 32, 2, 2, kMagic, true>(), Make<4, 32, 4, 2, kMagic, true>(),
-      Make<4, 64, 1, 2, kMagic, true>(), Make<4, 128, 1, 2, kMagic, true>(), Make<4, 32, 2, 2, kInt16, true>(),
-      Make<4, 32, 4, 2, kInt16, true>(), Make<4, 64, 1, 2, kInt16, true>(), Make<4, 128, 1, 2, kInt16, true>(),
-      Make<2, 32, 2, 2, kInt16, true, true>(), Make<2, 32, 4, 2, kInt16, true, true>(),
-      Make<2, 64, 1, 2, kInt16, true, true>(), Make<2, 128, 1, 2, kInt16, true, true>(),
-      Make<4, 32, 2, 2, kInt16, true, true>(), Make<4, 32, 4, 2, kInt16, true, true>(),
-      Make<4, 64, 1, 2, kInt16, true, true>(), Make<4, 128, 1, 2, kInt16, true, true>(),
+      Make<2, 32, 2, 2, kMagic, kH>(), Make<2, 64, 1, 2, kMagic, kH>(), Make<2, 128, 1, 2, kMagic, kH>(),
+      Make<2, 32, 2, 2, kInt16, kH>(), Make<2, 32, 4, 2, kInt16, kH>(), Make<2, 64, 1, 2, kInt16, kH>(),
+      Make<2, 128, 1, 2, kInt16, kH>(), Make<4, 32, 2, 2, kMagic, kH>(), Make<4, 32, 4, 2, kMagic, kH>(),
+      Make<4, 64, 1, 2, kMagic, kH>(), Make<4, 128, 1, 2, kMagic, kH>(), Make<4, 32, 2, 2, kInt16, kH>(),
+      Make<4, 32, 4, 2, kInt16, kH>(), Make<4, 64, 1, 2, kInt16, kH>(), Make<4, 128, 1, 2, kInt16, kH>(),
+      Make<2, 32, 2, 2, kInt16, kH | kS>(), Make<2, 32, 4, 2, kInt16, kH | kS>(),
+      Make<2, 64, 1, 2, kInt16, kH | kS>(), Make<2, 128, 1, 2, kInt16, kH | kS>(),
+      Make<4, 32, 2, 2, kInt16, kH | kS>(), Make<4, 32, 4, 2, kInt16, kH | kS>(),
+      Make<4, 64, 1, 2, kInt16, kH | kS>(), Make<4, 128, 1, 2, kInt16, kH | kS>(),
+      // Teams of 8 and 16 lanes (K 896 = 8 lanes x 7 chunks, 16 x 3.5).
+      Make<1, 8, 1, 7, kInt16, kH | kS>(), Make<1, 8, 2, 7, kInt16, kH | kS>(),
+      Make<1, 16, 1, 4, kInt16, kH | kS>(), Make<1, 16, 2, 4, kInt16, kH | kS>(),
+      Make<2, 16, 1, 4, kInt16, kH | kS>(), Make<4, 16, 1, 4, kInt16, kH | kS>(),
+      // x staged before the weight loads are issued (kA), rows shared evenly between the SMs (kB).
+      Make<1, 32, 2, 2, kInt16, kH | kS | kA>(), Make<1, 32, 4, 2, kInt16, kH | kS | kA>(),
+      Make<1, 16, 2, 4, kInt16, kH | kS | kA>(), Make<1, 32, 4, 2, kInt16, kH | kS | kB>(),
+      Make<1, 16, 2, 4, kInt16, kH | kS | kB>(), Make<1, 32, 2, 2, kInt16, kH | kS | kA | kB>(),
+      Make<1, 32, 4, 2, kInt16, kH | kS | kA | kB>(), Make<1, 16, 2, 4, kInt16, kH | kS | kA | kB>(),
+      Make<1, 64, 1, 1, kMagic, kH | kB>(), Make<2, 32, 2, 2, kInt16, kH | kS | kA>(),
+      Make<2, 32, 4, 2, kInt16, kH | kS | kA>(), Make<2, 32, 2, 2, kInt16, kH | kS | kA | kB>(),
+      Make<2, 16, 2, 4, kInt16, kH | kS | kA | kB>(), Make<4, 32, 2, 2, kInt16, kH | kS | kA>(),
+      Make<4, 32, 4, 2, kInt16, kH | kS | kA>(), Make<4, 32, 2, 2, kInt16, kH | kS | kA | kB>(),
+      Make<4, 16, 2, 4, kInt16, kH | kS | kA | kB>(),
   };
   const int ms[] = {1, 2, 4};
 #ifdef WITH_CUBLAS
@@ -239,7 +327,9 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&cublas_ws, 32 << 20));
   cublasSetWorkspace(handle, cublas_ws, 32 << 20);
 #endif
+  const std::string only = argc > 2 ? std::string(",") + argv[2] + "," : "";   // shapes to run (default all)
   for (const Shape& sh : shapes) {
+    if (!only.empty() && only.find(std::string(",") + sh.name + ",") == std::string::npos) continue;
     const size_t wbytes = size_t(sh.n) * sh.k, groups = sh.k / kGroup;
     const int copies = int(std::min<size_t>(256, std::max<size_t>(2, (2 * size_t(prop.l2CacheSize)) / wbytes + 1)));
     const int calls = std::max(16, copies);

@@ -3,7 +3,7 @@
 # tests. Everything lands in $OUT/suite (the suite's files) and $OUT/*.log, then is packed into $OUT/gpu.tgz
 # (the only file left under $OUT: the device tool brings back at most 8 files).
 #   STAGES="parity replay kernels" TESTS="tests/test_kernels.py tests/test_graphs.py" bash bench/gpu_check.sh
-# Knobs: GEMV_SWEEP (non-empty: run bench/gemv_sweep.cu), STAGES (suite stages; empty: none), TESTS (empty: none), T_TESTS (s), PAIRS, JAXLLM_GIT_COMMIT.
+# Knobs: GEMV_SWEEP (non-empty: run bench/gemv_sweep.cu), GEMV_SHAPES (its shapes, e.g. gate_up,lm_head), STAGES (suite stages; empty: none), TESTS (empty: none), T_TESTS (s), PAIRS, JAXLLM_GIT_COMMIT.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT/suite"
@@ -28,7 +28,7 @@ if [ -n "${GEMV_SWEEP-}" ]; then
   src="-O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep"
   nvcc $src -DWITH_CUBLAS -I"$cb/include" -L"$cb/lib" -l:libcublas.so.13 -Xlinker -rpath="$cb/lib" \
     > "$OUT/gemv_build.log" 2>&1 || nvcc $src >> "$OUT/gemv_build.log" 2>&1 || { tail -20 "$OUT/gemv_build.log"; exit 1; }
-  /tmp/gemv_sweep "$OUT/suite/gemv_sweep.jsonl" > "$OUT/gemv_sweep.log" 2>&1; echo "gemv sweep: exit $?"
+  /tmp/gemv_sweep "$OUT/suite/gemv_sweep.jsonl" ${GEMV_SHAPES-} > "$OUT/gemv_sweep.log" 2>&1; echo "gemv sweep: exit $?"
 fi
 if [ -n "${STAGES-}" ]; then
   python3 bench/suite.py gpu --dir "$OUT/suite" --pairs "${PAIRS:-5}" --stages $STAGES

@@ -26,6 +26,7 @@ cudaError_t DispatchW8A16(cudaStream_t st, const MatmulShape& s, const void* xp,
                           void* yp) {
   using namespace w8a16;
   constexpr Conv kMagic = Conv::kMagic, kInt16 = Conv::kInt16;
+  constexpr unsigned kStaged = kHint | kStageX, kStagedFirst = kHint | kStageX | kXFirst;
   const T* x = static_cast<const T*>(xp);
   T* y = static_cast<T*>(yp);
   const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
@@ -33,24 +34,28 @@ cudaError_t DispatchW8A16(cudaStream_t st, const MatmulShape& s, const void* xp,
   const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
   const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
   if (m == 1) {
-    if (long_k) return Launch<T, 1, 256, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);     // K over the block
-    if (int16) return Launch<T, 1, 32, 4, 2, kInt16, true, true>(st, x, w, sc, y, m, n, k, g);
+    if (long_k) return Launch<T, 1, 256, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);     // K over the block
+    if (int16 && huge_n) return Launch<T, 1, 32, 4, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g);  // LM head
+    if (int16)   // half a warp per 2 rows, rows shared evenly between the SMs
+      return Launch<T, 1, 16, 2, 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g);
     if (huge_n && StreamFits<2>(k)) return LaunchStream<T, 2, 2, true>(st, x, w, sc, y, n, k, g);  // f32 LM head
-    if (many_rows) return Launch<T, 1, 32, 4, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);   // warp per 4 rows
-    return Launch<T, 1, 64, 1, 1, kMagic, true>(st, x, w, sc, y, m, n, k, g);                  // 2 warps per row
+    if (many_rows) return Launch<T, 1, 32, 4, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);   // warp per 4 rows
+    return Launch<T, 1, 64, 1, 1, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);                  // 2 warps per row
   }
   if (m == 2) {
-    if (int16) return Launch<T, 2, 32, 4, 2, kInt16, true, true>(st, x, w, sc, y, m, n, k, g);
-    if (many_rows) return Launch<T, 2, 32, 2, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
-    if (long_k) return Launch<T, 2, 128, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
-    return Launch<T, 2, 64, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
+    if (int16 && huge_n) return Launch<T, 2, 32, 4, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g);
+    if (int16) return Launch<T, 2, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g);
+    if (many_rows) return Launch<T, 2, 32, 2, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
+    if (long_k) return Launch<T, 2, 128, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
+    return Launch<T, 2, 64, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
   }
   // M >= 3: tiles of 4 rows of x.
-  if (int16) return Launch<T, 4, 32, 4, 2, kInt16, true, true>(st, x, w, sc, y, m, n, k, g);
-  if (huge_n) return Launch<T, 4, 32, 4, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
-  if (many_rows) return Launch<T, 4, 32, 2, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
-  if (long_k) return Launch<T, 4, 128, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
-  return Launch<T, 4, 64, 1, 2, kMagic, true>(st, x, w, sc, y, m, n, k, g);
+  if (int16 && huge_n) return Launch<T, 4, 32, 4, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g);
+  if (int16) return Launch<T, 4, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g);
+  if (huge_n) return Launch<T, 4, 32, 4, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
+  if (many_rows) return Launch<T, 4, 32, 2, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
+  if (long_k) return Launch<T, 4, 128, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
+  return Launch<T, 4, 64, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
 }
 
 ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,

@@ -8,7 +8,8 @@
 // Work split: a block of kThreads threads holds kThreads / TPR teams; a team of TPR threads computes ROWS
 // output rows for MT rows of x, splitting K between its threads in 16-byte chunks (thread t takes chunks
 // t, t + TPR, ...) with U chunks per row loaded before any is used. Large TPR suits long K and few rows
-// (more loads in flight per row), TPR = 32 suits short K and many rows (no cross-warp reduction).
+// (more loads in flight per row); TPR <= 32 suits short K and many rows (no cross-warp reduction), down to
+// part of a warp (gate/up at K 896: 16 lanes of 4 chunks for 2 rows, half the threads of a warp per row).
 //
 // The inner product, one of three ways (Conv):
 // - kI2F: int8 -> f32 by the conversion instruction (a quarter of the FMA rate), f32 FMAs.
@@ -27,6 +28,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace jaxllm {
 
@@ -94,22 +98,27 @@ struct XChunk<Conv::kInt16> {
   float s;         // x ~ s * q
 };
 
+// x ~ s * q with q int16 (see kInt16 above).
+__device__ __forceinline__ void QuantizeInt16(const float* v, XChunk<Conv::kInt16>& out) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  out.s = amax * (1.f / 32767.f);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {   // 1.5 * 2^23 + v: the low mantissa bits hold round(v) in two's complement
+    const uint32_t lo = __float_as_uint(fmaf(v[2 * i], inv, 12582912.f));
+    const uint32_t hi = __float_as_uint(fmaf(v[2 * i + 1], inv, 12582912.f));
+    out.q[i] = __byte_perm(lo, hi, 0x5410);
+  }
+}
+
 template <Conv C, typename T>
 __device__ __forceinline__ void LoadX(const T* x, XChunk<C>& out) {
   if constexpr (C == Conv::kInt16) {
     float v[16];
     Load16(x, v);
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    out.s = amax * (1.f / 32767.f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {   // 1.5 * 2^23 + v: the low mantissa bits hold round(v) in two's complement
-      const uint32_t lo = __float_as_uint(fmaf(v[2 * i], inv, 12582912.f));
-      const uint32_t hi = __float_as_uint(fmaf(v[2 * i + 1], inv, 12582912.f));
-      out.q[i] = __byte_perm(lo, hi, 0x5410);
-    }
+    QuantizeInt16(v, out);
   } else {
     Load16(x, out.v);
   }
@@ -163,29 +172,73 @@ __device__ __forceinline__ uint4 LoadW(const uint4* p) {
 __device__ __forceinline__ int DivSmall(int c, uint32_t magic) { return magic ? int(__umulhi(uint32_t(c), magic)) : c; }
 inline uint32_t DivMagic(uint32_t d) { return d == 1 ? 0u : uint32_t(((uint64_t(1) << 32) + d - 1) / d); }
 
+// Sums each of V values over groups of W lanes (W a power of two <= 32, lane = the index within the group)
+// in V - 1 + log2(W / V) shuffles instead of V log2(W): each of the first log2(V) steps halves the values a
+// lane holds, keeping one half and trading the other with its partner. Afterwards a[0] holds the group's
+// total of value lane / (W / V), which the function returns.
+template <int V, int W>
+__device__ __forceinline__ int GroupSumEach(float (&a)[V], int lane) {
+  static_assert(W <= 32 && (W & (W - 1)) == 0 && (V & (V - 1)) == 0 && V <= W, "powers of two, V <= W <= 32");
+  int off = W / 2;
+#pragma unroll
+  for (int h = V / 2; h >= 1; h /= 2, off /= 2) {
+    const bool upper = lane & off;
+#pragma unroll
+    for (int i = 0; i < h; ++i) {
+      const float keep = upper ? a[i + h] : a[i], send = upper ? a[i] : a[i + h];
+      a[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+  }
+#pragma unroll
+  for (; off > 0; off /= 2) a[0] += __shfl_xor_sync(0xffffffffu, a[0], off);
+  return lane / (W / V);
+}
+
 // Shared memory of a kInt16 block that stages x (XS): MT rows of K / 16 chunks, 16 int16 and a scale each.
 constexpr size_t XStageBytes(int mt, int k) { return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)); }
 constexpr size_t kMaxXStageBytes = 48 << 10;   // without the opt-in to more dynamic shared memory
 
-// XS (kInt16 only): the block quantizes its MT rows of x into shared memory once, after issuing its first
-// weight loads, instead of every thread quantizing each chunk it uses (dynamic shared memory of
-// XStageBytes(MT, K)).
-template <typename T, int MT, int TPR, int ROWS, int U, Conv C, bool HINT = false, bool XS = false>
+// Options of a configuration (F: a bitwise or of these).
+enum : unsigned {
+  kHint = 1u,      // weight loads without L1 allocation and with a 256-byte L2 prefetch (LoadW)
+  kStageX = 2u,    // kInt16 only: the block quantizes its MT rows of x into shared memory once (dynamic shared
+                   // memory of XStageBytes(MT, K)) instead of every thread quantizing each chunk it uses
+  kXFirst = 4u,    // with kStageX: stage x before issuing the weight loads, not after them (the staging threads
+                   // then wait on x alone; faster on the H200 for gate/up at M = 1 with kBalance, and at M > 1)
+  kBalance = 8u,   // block b takes its even share [b N / grid, (b + 1) N / grid) of the rows, its teams taking
+                   // them round robin (team t: rows lo + t, lo + t + kTeams, ..., at most ROWS), so that a grid
+                   // of a whole number of blocks per SM shares the rows evenly between the SMs (see Launch).
+};
+// Rows without kBalance: team i of the grid takes rows i * ROWS ... i * ROWS + ROWS - 1.
+template <typename T, int MT, int TPR, int ROWS, int U, Conv C, unsigned F = 0>
 __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, const int8_t* __restrict__ w,
                                                    const float* __restrict__ scale, T* __restrict__ y, int m_total,
                                                    int n_total, int k_total, int groups, uint32_t chunk_div) {
-  static_assert(TPR % 32 == 0 && kThreads % TPR == 0, "a team is whole warps of one block");
+  constexpr bool HINT = F & kHint, XS = F & kStageX, XA = F & kXFirst, BAL = F & kBalance;
+  static_assert((TPR % 32 == 0 || 32 % TPR == 0) && kThreads % TPR == 0, "a team is whole warps or part of one");
   static_assert(!XS || C == Conv::kInt16, "x is staged as int16 chunks");
-  constexpr int kTeams = kThreads / TPR, kWarpsPerTeam = TPR / 32;
+  static_assert(XS || !XA, "kXFirst orders the staging of x");
+  constexpr int kTeams = kThreads / TPR, kWarpsPerTeam = (TPR + 31) / 32, kLanes = TPR < 32 ? TPR : 32;
   const int t = threadIdx.x % TPR, team = threadIdx.x / TPR;
-  const int n0 = (blockIdx.x * kTeams + team) * ROWS;
+  // This team's rows: row_base + r * row_step for r < ROWS, those below row_end.
+  int row_base, row_end;
+  constexpr int row_step = BAL ? kTeams : 1;
+  if constexpr (BAL) {
+    row_base = int(int64_t(blockIdx.x) * n_total / gridDim.x) + team;
+    row_end = int(int64_t(blockIdx.x + 1) * n_total / gridDim.x);
+  } else {
+    row_base = (blockIdx.x * kTeams + team) * ROWS;
+    row_end = n_total;
+  }
   const int m0 = blockIdx.y * MT;
   const int chunks = k_total >> 4;
   const uint4* wrow[ROWS];
   const float* srow[ROWS];
+  bool row_ok[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    const int n = min(n0 + r, n_total - 1);   // rows past N repeat the last one; never written
+    const int n = row_base + r * row_step;
+    row_ok[r] = n < row_end;   // rows past the end are not loaded (zeros) nor written
     wrow[r] = reinterpret_cast<const uint4*>(w + size_t(n) * k_total);
     srow[r] = scale + size_t(n) * groups;
   }
@@ -204,27 +257,29 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
       const int g = DivSmall(c, chunk_div);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        wv[u][r] = c < chunks ? LoadW<HINT>(wrow[r] + c) : make_uint4(0, 0, 0, 0);
-        sc[u][r] = c < chunks ? __ldg(srow[r] + g) : 0.f;
+        wv[u][r] = c < chunks && row_ok[r] ? LoadW<HINT>(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+        sc[u][r] = c < chunks && row_ok[r] ? __ldg(srow[r] + g) : 0.f;
       }
     }
   };
   extern __shared__ uint4 x_stage[];   // XS: [MT][chunks][2] int16 chunks, then [MT][chunks] f32 scales
   float* xs_stage = reinterpret_cast<float*>(x_stage + 2 * MT * chunks);
+  auto stage_x = [&] {   // this thread's chunks of the MT rows of x below M
+    if constexpr (XS) {
+      for (int i = threadIdx.x; i < min(MT, m_total - m0) * chunks; i += kThreads) {
+        XChunk<C> xc;
+        LoadX<C>(x + size_t(m0) * k_total + i * 16, xc);
+        x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
+        x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
+        xs_stage[i] = xc.s;
+      }
+    }
+  };
+  if constexpr (XS && XA) stage_x();
   int c0 = t;
   load_round(c0);
-  if constexpr (XS) {
-    for (int i = threadIdx.x; i < MT * chunks; i += kThreads) {
-      const int m = i / chunks, c = i % chunks;
-      if (m0 + m >= m_total) continue;
-      XChunk<C> xc;
-      LoadX<C>(x + size_t(m0 + m) * k_total + c * 16, xc);
-      x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
-      x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
-      xs_stage[i] = xc.s;
-    }
-    __syncthreads();
-  }
+  if constexpr (XS && !XA) stage_x();
+  if constexpr (XS) __syncthreads();
   while (true) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -250,36 +305,31 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
     if (c0 >= chunks) break;
     load_round(c0);
   }
-  // Reduce over the team: lanes by shuffles, then (TPR > 32) the team's warps through shared memory.
+  // Reduce over the team: its lanes in each warp by shuffles (a[0] ends up with the total of value j on
+  // the lanes j * kLanes / V ...), then (TPR > 32) the team's warps through shared memory.
+  constexpr int V = MT * ROWS;
+  float a[V];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
-  const int lane = threadIdx.x & 31;
+    for (int r = 0; r < ROWS; ++r) a[m * ROWS + r] = acc[m][r];
+  const int lane = t % kLanes;
+  const int j = GroupSumEach<V, kLanes>(a, lane);
+  const bool holder = lane % (kLanes / V) == 0;
   if constexpr (kWarpsPerTeam == 1) {
-    if (lane == 0)
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-          if (m0 + m < m_total && n0 + r < n_total) y[size_t(m0 + m) * n_total + n0 + r] = FromF32<T>(acc[m][r]);
+    const int m = j / ROWS, n = row_base + j % ROWS * row_step;
+    if (holder && m0 + m < m_total && n < row_end) y[size_t(m0 + m) * n_total + n] = FromF32<T>(a[0]);
   } else {
-    __shared__ float part[kThreads / 32][MT * ROWS];
+    __shared__ float part[kThreads / 32][V];
     const int warp = threadIdx.x >> 5;
-    if (lane == 0)
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) part[warp][m * ROWS + r] = acc[m][r];
+    if (holder) part[warp][j] = a[0];
     __syncthreads();
-    if (t < MT * ROWS) {
-      const int m = t / ROWS, r = t % ROWS;
+    if (t < V) {
+      const int m = t / ROWS, n = row_base + t % ROWS * row_step;
       float v = 0.f;
 #pragma unroll
       for (int i = 0; i < kWarpsPerTeam; ++i) v += part[team * kWarpsPerTeam + i][t];
-      if (m0 + m < m_total && n0 + r < n_total) y[size_t(m0 + m) * n_total + n0 + r] = FromF32<T>(v);
+      if (m0 + m < m_total && n < row_end) y[size_t(m0 + m) * n_total + n] = FromF32<T>(v);
     }
   }
 }
@@ -312,15 +362,15 @@ template <typename T, int U, int ROWS, Conv C>
 __device__ __forceinline__ void DotRows(const XChunk<C> (&xv)[U], const uint4 (&wv)[U][ROWS],
                                         const float (&sc)[U][ROWS], T* __restrict__ y, int n0, int n_total,
                                         int lane) {
+  float acc[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    float acc = 0.f;
+    acc[r] = 0.f;
 #pragma unroll
-    for (int u = 0; u < U; ++u) acc = Accumulate<C>(acc, xv[u], wv[u][r], sc[u][r]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0 && n0 + r < n_total) y[n0 + r] = FromF32<T>(acc);
+    for (int u = 0; u < U; ++u) acc[r] = Accumulate<C>(acc[r], xv[u], wv[u][r], sc[u][r]);
   }
+  const int r = GroupSumEach<ROWS, 32>(acc, lane);
+  if (lane % (32 / ROWS) == 0 && n0 + r < n_total) y[n0 + r] = FromF32<T>(acc[0]);
 }
 
 // MINB: blocks per SM the registers must allow (1: the compiler's choice).
@@ -359,20 +409,25 @@ __global__ void __launch_bounds__(kThreads, MINB) StreamKernel(const T* __restri
   }
 }
 
-// Blocks of `kernel` resident at once on the current device (queried once per kernel and device).
-template <typename K>
-int ResidentBlocks(K kernel) {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
+// SMs of the current device and blocks of `kernel` (kThreads threads, `smem` bytes of dynamic shared
+// memory) resident on each at once, queried once per device, kernel and shared-memory size.
+struct Residency {
+  int sms = 1, per_sm = 1;
+};
+inline Residency ResidencyOf(const void* kernel, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, size_t>, Residency> cache;
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) dev = 0;
-  if (cached[dev] == 0) {
+  cudaGetDevice(&dev);
+  const std::lock_guard<std::mutex> lock(mu);
+  auto [it, added] = cache.try_emplace({dev, kernel, smem});
+  if (added) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
-    cached[dev] = std::max(1, sms * per_sm);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+    it->second = {std::max(1, sms), std::max(1, per_sm)};
   }
-  return cached[dev];
+  return it->second;
 }
 
 template <typename T, int ROWS, int U, bool HINT, int MINB = 1, Conv C = Conv::kMagic>
@@ -380,21 +435,30 @@ cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const
                          int groups) {
   auto kernel = StreamKernel<T, ROWS, U, HINT, MINB, C>;
   constexpr int kRowsPerBlock = kThreads / 32 * ROWS;
-  const int blocks = std::min((n + kRowsPerBlock - 1) / kRowsPerBlock, ResidentBlocks(kernel));
+  const Residency res = ResidencyOf(reinterpret_cast<const void*>(kernel), 0);
+  const int blocks = std::min((n + kRowsPerBlock - 1) / kRowsPerBlock, res.sms * res.per_sm);
   kernel<<<blocks, kThreads, 0, stream>>>(x, w, scale, y, n, k, groups, DivMagic(uint32_t(k / groups / 16)));
   return cudaGetLastError();
 }
 
-// Launches one configuration; w and scale point at the layer's [N, K] and [N, G] slices. XS needs
-// XStageBytes(MT, K) <= kMaxXStageBytes (the caller checks).
-template <typename T, int MT, int TPR, int ROWS, int U, Conv C, bool HINT = false, bool XS = false>
+// Launches one configuration; w and scale point at the layer's [N, K] and [N, G] slices. kStageX needs
+// XStageBytes(MT, K) <= kMaxXStageBytes (the caller checks). With kBalance, a grid that fits on the GPU at
+// once is rounded up to a whole number of blocks per SM (each block then takes fewer rows): otherwise the
+// SMs that hold one block more than the others read that much more and finish last.
+template <typename T, int MT, int TPR, int ROWS, int U, Conv C, unsigned F = 0>
 cudaError_t Launch(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int m, int n, int k,
                    int groups) {
+  auto kernel = Kernel<T, MT, TPR, ROWS, U, C, F>;
   constexpr int kRowsPerBlock = kThreads / TPR * ROWS;
-  const dim3 grid((n + kRowsPerBlock - 1) / kRowsPerBlock, (m + MT - 1) / MT);
-  const size_t smem = XS ? XStageBytes(MT, k) : 0;
-  Kernel<T, MT, TPR, ROWS, U, C, HINT, XS><<<grid, kThreads, smem, stream>>>(x, w, scale, y, m, n, k, groups,
-                                                                        DivMagic(uint32_t(k / groups / 16)));
+  const size_t smem = F & kStageX ? XStageBytes(MT, k) : 0;
+  int blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
+  if constexpr ((F & kBalance) != 0) {
+    const Residency res = ResidencyOf(reinterpret_cast<const void*>(kernel), smem);
+    const int per_sm = (blocks + res.sms - 1) / res.sms;
+    if (per_sm <= res.per_sm) blocks = std::min(per_sm * res.sms, n);
+  }
+  const dim3 grid(blocks, (m + MT - 1) / MT);
+  kernel<<<grid, kThreads, smem, stream>>>(x, w, scale, y, m, n, k, groups, DivMagic(uint32_t(k / groups / 16)));
   return cudaGetLastError();
 }
 
