@@ -237,10 +237,13 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
   bool row_ok[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
+    // Rows past the end are never written; with kBalance they are not loaded (zeros), without it (only
+    // in the last block) they load the last row again, which keeps the predicate (and a register) out.
     const int n = row_base + r * row_step;
-    row_ok[r] = n < row_end;   // rows past the end are not loaded (zeros) nor written
-    wrow[r] = reinterpret_cast<const uint4*>(w + size_t(n) * k_total);
-    srow[r] = scale + size_t(n) * groups;
+    row_ok[r] = !BAL || n < row_end;
+    const int n_load = BAL ? n : min(n, n_total - 1);
+    wrow[r] = reinterpret_cast<const uint4*>(w + size_t(n_load) * k_total);
+    srow[r] = scale + size_t(n_load) * groups;
   }
   float acc[MT][ROWS];
 #pragma unroll
