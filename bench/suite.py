@@ -262,7 +262,8 @@ def section_gemv(records: list[dict]) -> list[str]:
       continue
     points = [r for r in records if r["shape"] == shape and not r.get("matmul", True)]   # timed at M = 1
     empty = next((f"{r['us']:.2f}" for r in points if r["config"] == "empty_kernel"), "-")
-    reads = [r["us"] for r in points if r["config"].startswith("read_floor")]
+    reads = [r["us"] for r in points if r["config"].startswith("read_floor")   # weight bytes alone
+             and "scaled" not in r["config"] and "_x_" not in r["config"]]
     best = min(ours, key=lambda r: r["us"])
     early = next((f"{r['us']:.2f}" for r in ours if r["config"] == "mt1_tpr32_rows1_u4_i2f"), "-")
     out.append(f"| {shape} | {m} | {best['k']} -> {best['n']} | {best['floor_us']:.2f} | {empty} | "
@@ -282,6 +283,10 @@ def section_replay(res: dict) -> list[str]:
   return out + [""]
 
 
+def _margin(v: float) -> str:
+  return f"{v:.4f}" if v >= 1e-4 else f"{v:.1e}"
+
+
 def section_parity(res: dict) -> list[str]:
   verdict = ("identical" if res["tokens_identical"] else f"first divergence at new token {res['first_divergence']}")
   out = ["## FFI path vs XLA path: same tokens?", "",
@@ -289,10 +294,10 @@ def section_parity(res: dict) -> list[str]:
          f"{res['prompt_len']} random tokens, {res['new_tokens']} greedy tokens ({res['dtype']} activations): "
          f"**{verdict}**. Teacher-forced over the XLA path's tokens ({res['forced_steps']} decode steps): logits "
          f"relative error mean {res['logits_rel_err_mean']:.2e}, max {res['logits_rel_err_max']:.2e}; top-1 "
-         f"agreement {res['top1_agreement']:.1%}; smallest XLA top-2 margin {res['min_xla_top2_margin']:.4f}."]
+         f"agreement {res['top1_agreement']:.1%}; smallest XLA top-2 margin {_margin(res['min_xla_top2_margin'])}."]
   if res["disagreements"]:
     out += ["", "Steps where the top-1 differs (XLA top-2 margin there):", ""]
-    out += [f"- step {x['step']}: margin {x['xla_top2_margin']:.4f}, logits rel. err {x['rel_err']:.2e}"
+    out += [f"- step {x['step']}: margin {_margin(x['xla_top2_margin'])}, logits rel. err {x['rel_err']:.2e}"
             for x in res["disagreements"]]
   return out + [""]
 
