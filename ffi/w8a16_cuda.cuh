@@ -194,7 +194,7 @@ __device__ __forceinline__ int GroupSumEach(float (&a)[V], int lane) {
   return lane / (W / V);
 }
 
-// Shared memory of a kInt16 block that stages x (XS): MT rows of K / 16 chunks, 16 int16 and a scale each.
+// Shared memory of a kInt16 block that stages x (kStageX): MT rows of K / 16 chunks, 16 int16 and a scale each.
 constexpr size_t XStageBytes(int mt, int k) { return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)); }
 constexpr size_t kMaxXStageBytes = 48 << 10;   // without the opt-in to more dynamic shared memory
 
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
       }
     }
   };
-  extern __shared__ uint4 x_stage[];   // XS: [MT][chunks][2] int16 chunks, then [MT][chunks] f32 scales
+  extern __shared__ uint4 x_stage[];   // kStageX: [MT][chunks][2] int16 chunks, then [MT][chunks] f32 scales
   float* xs_stage = reinterpret_cast<float*>(x_stage + 2 * MT * chunks);
   auto stage_x = [&] {   // this thread's chunks of the MT rows of x below M
     if constexpr (XS) {
