@@ -144,9 +144,10 @@ Config MakeReadFloorScaled() {
 }
 
 // The same over blocks of 256 x U chunks (U = 7: the blocks of the matmul's 4-row teams at K 896), each
-// block also reading x (the first 16 * K / 8 threads, one 16-byte load each, after the weights) as the
-// matmul's blocks do: all blocks the same copy, or (XREP) block b copy b % 64.
-__device__ uint4 g_x_copies[64 * 4864 * 2 / 16];
+// block also reading x (bf16: the first K / 8 threads, one 16-byte load each, after the weights) as the
+// matmul's blocks do: all blocks the same copy, or (XREP) block b copy b % kXCopies.
+constexpr int kXCopies = 64, kXMaxK = 4864;
+__device__ uint4 g_x_copies[kXCopies * kXMaxK * 2 / 16];
 template <int U, bool X, bool XREP>
 __global__ void __launch_bounds__(w::kThreads) ReadFloorX(const uint4* p, size_t n16, const uint4* x, int x16,
                                                           uint32_t* sink) {
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(w::kThreads) ReadFloorX(const uint4* p, size_t
 #pragma unroll
   for (int u = 0; u < U; ++u) v[u] = base + u * w::kThreads < n16 ? w::LoadW<true>(p + base + u * w::kThreads) : make_uint4(0, 0, 0, 0);
   uint4 xv = make_uint4(0, 0, 0, 0);
-  if (X && int(threadIdx.x) < x16) xv = __ldg((XREP ? g_x_copies + (blockIdx.x % 64) * x16 : x) + threadIdx.x);
+  if (X && int(threadIdx.x) < x16) xv = __ldg((XREP ? g_x_copies + (blockIdx.x % kXCopies) * x16 : x) + threadIdx.x);
   uint32_t acc = xv.x ^ xv.y ^ xv.z ^ xv.w;
 #pragma unroll
   for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(w::kThreads) ReadFloorX(const uint4* p, size_t
 template <int U, bool X, bool XREP>
 Config MakeReadFloorX() {
   return {std::string("read_floor_block_u") + std::to_string(U) + (X ? (XREP ? "_x_per_block" : "_x_shared") : ""), 1,
-          [](int k) { return k <= 4864; },
+          [](int k) { return k <= kXMaxK; },
           [](cudaStream_t st, const bf16* x, const int8_t* q, const float*, bf16* y, int, int n, int k, int) {
             const size_t n16 = size_t(n) * k / 16;
             const int blocks = int((n16 + w::kThreads * U - 1) / (w::kThreads * U));
@@ -184,8 +185,11 @@ Config MakeReadFloor() {
           [](cudaStream_t st, const bf16*, const int8_t* q, const float*, bf16* y, int, int n, int k, int) {
             const size_t n16 = size_t(n) * k / 16;
             const int per_round = w::kThreads * U;
-            const w::Residency res = w::ResidencyOf(reinterpret_cast<const void*>(ReadFloor<U>), 0);
-            const int blocks = ONE_WAVE ? int((n16 + per_round - 1) / per_round) : res.sms * res.per_sm;
+            int blocks = int((n16 + per_round - 1) / per_round);
+            if (!ONE_WAVE) {
+              const w::Residency res = w::ResidencyOf(reinterpret_cast<const void*>(ReadFloor<U>), 0);
+              blocks = res.sms * res.per_sm;
+            }
             ReadFloor<U><<<blocks, w::kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), n16,
                                                          reinterpret_cast<uint32_t*>(y));
             return cudaGetLastError();
