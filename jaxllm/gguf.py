@@ -1,12 +1,22 @@
-"""GGUF reading: metadata, tokenizer fields, and tensors dequantized to float32 on demand.
+"""GGUF reading: a bounded header parser, metadata, and tensors dequantized on demand.
 
-The file is memory-mapped by `gguf.GGUFReader`; a tensor is dequantized only when asked for, so a model
-is never held in memory as float all at once. GGUF stores dims innermost first; the arrays returned here
-are in numpy order, so a linear layer's weight is [N_out, K_in].
+GGUF files are untrusted input. The header is parsed here, not by `gguf.GGUFReader`, because that reader
+trusts every count it reads (a file that declares an array of 2^62 bytes and then ends makes it loop
+forever). Every count and length is checked against the bytes left in the file before anything is
+allocated or looped over; every tensor's type, shape, alignment and extent are checked before its data is
+touched; every failure is a `GGUFError` that names the file, what was expected and what was found.
+gguf-py supplies the type tables and the dequantizers (`gguf.quants`).
+
+The file is memory-mapped; a tensor is dequantized only when asked for, so a model is never held in
+memory as float all at once. GGUF stores dims innermost first; the arrays returned here are in numpy
+order, so a linear layer's weight is [N_out, K_in].
 """
 from __future__ import annotations
 
+import mmap
 import os
+import re
+import struct
 from typing import Any
 
 import gguf
@@ -15,22 +25,177 @@ import numpy as np
 from jaxllm.config import Config
 
 MAGIC = b"GGUF"
+VERSIONS = (2, 3)            # v1 used 32-bit counts; nothing current writes it
+MAX_DIMS = 4                 # GGML_MAX_DIMS
+MAX_ARRAY = 1 << 24          # items in one metadata array (the largest vocabularies have ~256k)
+MAX_NAME = 1 << 16           # bytes in a key or tensor name
+DEFAULT_ALIGNMENT = 32
+
+V = gguf.GGUFValueType
+# Fixed-size metadata value types: struct format (little-endian) and numpy dtype.
+_SCALARS = {
+    V.UINT8: ("<B", np.uint8), V.INT8: ("<b", np.int8), V.UINT16: ("<H", np.uint16), V.INT16: ("<h", np.int16),
+    V.UINT32: ("<I", np.uint32), V.INT32: ("<i", np.int32), V.FLOAT32: ("<f", np.float32),
+    V.BOOL: ("<?", np.bool_), V.UINT64: ("<Q", np.uint64), V.INT64: ("<q", np.int64),
+    V.FLOAT64: ("<d", np.float64),
+}
 
 
 class GGUFError(ValueError):
   """A file that is not a readable GGUF model of a supported kind."""
 
 
-def _field_value(field) -> Any:
-  types = field.types
-  if types[:2] == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
-    # contents() is slow on 150k-entry vocabularies; decode the parts directly.
-    return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-  return field.contents()
+class _Cursor:
+  """Reads little-endian values from the mapped header, never past the end of the file."""
+
+  def __init__(self, buf, path: str):
+    self.buf, self.size, self.pos, self.path = buf, len(buf), 0, path
+
+  def fail(self, what: str) -> GGUFError:
+    return GGUFError(f"{self.path!r} is truncated or corrupt: {what}")
+
+  def need(self, n: int, what: str) -> None:
+    if n < 0 or self.pos + n > self.size:
+      raise self.fail(f"{what} needs {n} bytes at offset {self.pos}, but the file has {self.size} bytes")
+
+  def scalar(self, fmt: str, what: str):
+    n = struct.calcsize(fmt)
+    self.need(n, what)
+    (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+    self.pos += n
+    return value
+
+  def string(self, what: str, limit: int | None = None, strict: bool = False) -> str:
+    n = self.scalar("<Q", f"the length of {what}")
+    if limit is not None and n > limit:
+      raise self.fail(f"{what} is {n} bytes long, more than the {limit} allowed")
+    self.need(n, what)
+    raw = bytes(self.buf[self.pos:self.pos + n])
+    self.pos += n
+    try:
+      return raw.decode("utf-8", errors="strict" if strict else "replace")
+    except UnicodeDecodeError:
+      raise self.fail(f"{what} is not valid UTF-8: {raw[:40]!r}") from None
+
+  def value(self, vtype: int, key: str, depth: int = 0) -> Any:
+    if vtype in _SCALARS:
+      return self.scalar(_SCALARS[vtype][0], f"the value of {key!r}")
+    if vtype == V.STRING:
+      return self.string(f"the value of {key!r}")
+    if vtype != V.ARRAY:
+      raise self.fail(f"metadata {key!r} has value type {vtype}, which GGUF does not define (0-12)")
+    if depth:
+      raise self.fail(f"metadata {key!r} nests arrays, which no supported model uses")
+    item = self.scalar("<I", f"the item type of {key!r}")
+    count = self.scalar("<Q", f"the item count of {key!r}")
+    if count > MAX_ARRAY:
+      raise self.fail(f"metadata {key!r} declares {count} items, more than the {MAX_ARRAY} allowed")
+    if item in _SCALARS:
+      fmt, dtype = _SCALARS[item]
+      self.need(count * struct.calcsize(fmt), f"the {count} items of {key!r}")
+      arr = np.frombuffer(self.buf, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=self.pos)
+      self.pos += arr.nbytes
+      return arr.tolist()
+    if item == V.STRING:
+      self.need(count * 8, f"the {count} strings of {key!r}")   # each string has at least its length
+      return [self.string(f"item {i} of {key!r}") for i in range(count)]
+    if item == V.ARRAY:
+      raise self.fail(f"metadata {key!r} nests arrays, which no supported model uses")
+    raise self.fail(f"metadata {key!r} has item type {item}, which GGUF does not define (0-12)")
+
+
+class _Tensor:
+  """One tensor's entry in the header, checked against the file."""
+
+  __slots__ = ("name", "type", "shape", "offset", "nbytes")
+
+  def __init__(self, name: str, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], offset: int, nbytes: int):
+    self.name, self.type, self.shape, self.offset, self.nbytes = name, qtype, shape, offset, nbytes
+
+
+def _parse(buf, path: str) -> tuple[int, dict[str, Any], dict[str, _Tensor]]:
+  """(version, metadata, tensors) from a mapped file; raises GGUFError on anything out of bounds."""
+  cur = _Cursor(buf, path)
+  if cur.size < 4 or bytes(buf[:4]) != MAGIC:
+    raise GGUFError(f"{path!r} is not a GGUF file: it starts with {bytes(buf[:4])!r}, expected {MAGIC!r}")
+  cur.pos = 4
+  version = cur.scalar("<I", "the version")
+  if version not in VERSIONS:
+    if version and not version & 0xFFFF:
+      raise GGUFError(f"{path!r} is a big-endian GGUF file (version {version >> 24}); jaxllm reads little-endian ones")
+    raise GGUFError(f"{path!r} is GGUF version {version}; jaxllm reads versions {VERSIONS}")
+  n_tensors = cur.scalar("<Q", "the tensor count")
+  n_kv = cur.scalar("<Q", "the metadata count")
+  # Each entry takes at least its fixed-size fields: no count can exceed what the file could hold.
+  if n_kv > (cur.size - cur.pos) // 12:
+    raise cur.fail(f"the header declares {n_kv} metadata entries, more than {cur.size} bytes can hold")
+  meta: dict[str, Any] = {}
+  for i in range(n_kv):
+    key = cur.string(f"metadata key {i}", MAX_NAME, strict=True)
+    if key in meta:
+      raise cur.fail(f"metadata key {key!r} appears twice")
+    meta[key] = cur.value(cur.scalar("<I", f"the value type of {key!r}"), key)
+  if n_tensors > (cur.size - cur.pos) // 24:
+    raise cur.fail(f"the header declares {n_tensors} tensors, more than {cur.size} bytes can hold")
+  infos = []
+  for i in range(n_tensors):
+    name = cur.string(f"tensor name {i}", MAX_NAME, strict=True)
+    n_dims = cur.scalar("<I", f"the dims of tensor {name!r}")
+    if not 1 <= n_dims <= MAX_DIMS:
+      raise cur.fail(f"tensor {name!r} has {n_dims} dims, expected 1 to {MAX_DIMS}")
+    dims = [cur.scalar("<Q", f"dim {d} of tensor {name!r}") for d in range(n_dims)]
+    qtype = cur.scalar("<I", f"the type of tensor {name!r}")
+    offset = cur.scalar("<Q", f"the data offset of tensor {name!r}")
+    infos.append((name, dims, qtype, offset))
+
+  alignment = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+  if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1) \
+      or alignment > 1 << 20:
+    raise GGUFError(f"{path!r}: general.alignment must be a power of two up to 2^20, got {alignment!r}")
+  data_start = -(-cur.pos // alignment) * alignment
+  tensors: dict[str, _Tensor] = {}
+  for name, dims, qtype, offset in infos:
+    if name in tensors:
+      raise GGUFError(f"{path!r}: tensor {name!r} appears twice")
+    try:
+      qt = gguf.GGMLQuantizationType(qtype)
+      block, type_size = gguf.GGML_QUANT_SIZES[qt]
+    except (ValueError, KeyError):
+      raise GGUFError(f"{path!r}: tensor {name!r} has type {qtype}, which gguf {_gguf_version()} does not know") from None
+    if any(d < 1 for d in dims) or dims[0] % block:
+      raise GGUFError(f"{path!r}: tensor {name!r} has dims {dims} (innermost first): each must be >= 1 and the "
+                      f"first a multiple of {block}, the {qt.name} block size")
+    elements = 1
+    for d in dims:
+      elements *= d
+    nbytes = elements // block * type_size
+    if offset % alignment:
+      raise GGUFError(f"{path!r}: tensor {name!r} starts at data offset {offset}, not a multiple of the "
+                      f"alignment {alignment}")
+    end = data_start + offset + nbytes
+    if end > cur.size:
+      raise GGUFError(f"{path!r} is truncated: tensor {name!r} ends at byte {end}, but the file has {cur.size} bytes")
+    tensors[name] = _Tensor(name, qt, tuple(reversed(dims)), data_start + offset, nbytes)
+  spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
+  for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+    if start_b < end_a:
+      raise GGUFError(f"{path!r}: the data of tensors {a!r} and {b!r} overlap")
+  return version, meta, tensors
+
+
+def _gguf_version() -> str:
+  try:
+    from importlib.metadata import version
+    return version("gguf")
+  except Exception:  # metadata missing in odd installs: the message only loses the version
+    return ""
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 class GGUFFile:
-  """A memory-mapped GGUF file.
+  """A memory-mapped, validated GGUF model file.
 
   Attributes:
     path: the file.
@@ -42,74 +207,102 @@ class GGUFFile:
     self.path = os.fspath(path)
     if not os.path.isfile(self.path):
       raise FileNotFoundError(f"no such model file: {self.path!r}")
-    size = os.path.getsize(self.path)
-    with open(self.path, "rb") as f:
-      head = f.read(4)
-    if head != MAGIC:
-      raise GGUFError(f"{self.path!r} is not a GGUF file: it starts with {head!r}, expected {MAGIC!r}")
     try:
-      self._reader = gguf.GGUFReader(self.path, "r")
-    except Exception as e:  # the reader raises assorted errors on cut-off headers
-      raise GGUFError(f"{self.path!r} is truncated or corrupt: the GGUF header cannot be read ({e})") from e
-    self.metadata = {k: _field_value(f) for k, f in self._reader.fields.items()
-                     if not k.startswith("GGUF.")}
-    self._tensors = {t.name: t for t in self._reader.tensors}
-    for t in self._reader.tensors:
-      end = t.data_offset + t.n_bytes
-      if end > size:
-        raise GGUFError(f"{self.path!r} is truncated: tensor {t.name!r} ends at byte {end}, "
-                        f"but the file has {size} bytes")
-    config = Config.from_metadata(self.metadata)
+      with open(self.path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 4:
+          raise GGUFError(f"{self.path!r} is not a GGUF file: it has {size} bytes")
+        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+      raise GGUFError(f"cannot read {self.path!r}: {e.strerror or e}") from None
+    self.version, self.metadata, self._tensors = _parse(self._map, self.path)
+    try:
+      config = Config.from_metadata(self.metadata)
+    except ValueError as e:
+      raise GGUFError(f"{self.path!r}: {e}") from None
+    blocks = {int(m.group(1)) for n in self._tensors if (m := _BLOCK.match(n))}
+    if config.n_layers > len(blocks):
+      raise GGUFError(f"{self.path!r}: {config.arch}.block_count is {config.n_layers}, but the file has tensors "
+                      f"for {len(blocks)} blocks")
     self.config = config.replace(
         tied_embeddings="output.weight" not in self._tensors,
         rope_scaling="llama3" if "rope_freqs.weight" in self._tensors else config.rope_scaling)
     self._check_tensors()
 
+  def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, with its shape in numpy order; optional ones too when present."""
+    c = self.config
+    q, kv, d, f = c.q_dim, c.kv_dim, c.d_model, c.d_ff
+    need = {"token_embd.weight": (c.vocab_size, d), "output_norm.weight": (d,)}
+    if "output.weight" in self._tensors:
+      need["output.weight"] = (c.vocab_size, d)
+    if "rope_freqs.weight" in self._tensors:
+      need["rope_freqs.weight"] = (c.head_dim // 2,)
+    for i in range(c.n_layers):
+      p = f"blk.{i}."
+      need.update({p + "attn_norm.weight": (d,), p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d),
+                   p + "attn_v.weight": (kv, d), p + "attn_output.weight": (d, q), p + "ffn_norm.weight": (d,),
+                   p + "ffn_gate.weight": (f, d), p + "ffn_up.weight": (f, d), p + "ffn_down.weight": (d, f)})
+      if c.qkv_bias:
+        need.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+      if c.qk_norm:
+        need.update({p + "attn_q_norm.weight": (c.head_dim,), p + "attn_k_norm.weight": (c.head_dim,)})
+    return need
+
   def _check_tensors(self):
     c = self.config
-    need = ["token_embd.weight", "output_norm.weight"]
-    for i in range(c.n_layers):
-      need += [f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                                                "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
-      if c.qkv_bias:
-        need += [f"blk.{i}.attn_{n}.bias" for n in "qkv"]
-      if c.qk_norm:
-        need += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
+    need = self.expected_shapes()
     missing = [n for n in need if n not in self._tensors]
     if missing:
       raise GGUFError(f"{self.path!r} lacks tensors a {c.arch} model needs: {missing[:5]}"
                       + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    for name, shape in need.items():
+      got = self._tensors[name].shape
+      if got != shape:
+        raise GGUFError(f"{self.path!r}: tensor {name!r} has shape {list(got)}, but the metadata's {c.arch} "
+                        f"config needs {list(shape)}")
     checked = set()
-    for t in self._tensors.values():
-      if t.tensor_type not in checked:
-        _check_dequantizable(t)
-        checked.add(t.tensor_type)
+    for name in need:
+      t = self._tensors[name]
+      if t.type not in checked:
+        self._check_dequantizable(t)
+        checked.add(t.type)
+
+  def _check_dequantizable(self, t: _Tensor) -> None:
+    """Dequantizes one block of `t`, so an unsupported type fails at load time with a clear message."""
+    type_size = gguf.GGML_QUANT_SIZES[t.type][1]
+    try:
+      gguf.quants.dequantize(self._bytes(t)[:type_size], t.type)
+    except (NotImplementedError, KeyError, ValueError) as e:
+      raise GGUFError(f"tensor {t.name!r} has type {t.type.name}, which jaxllm cannot dequantize "
+                      f"(gguf {_gguf_version()} says: {e})") from None
+
+  def _bytes(self, t: _Tensor) -> np.ndarray:
+    return np.frombuffer(self._map, np.uint8, t.nbytes, t.offset)
+
   def __contains__(self, name: str) -> bool:
     return name in self._tensors
 
+  def tensor_names(self) -> list[str]:
+    return list(self._tensors)
+
   def tensor_type(self, name: str) -> str:
-    return self._tensors[name].tensor_type.name
+    return self._tensors[name].type.name
+
+  def tensor_shape(self, name: str) -> tuple[int, ...]:
+    return self._tensors[name].shape
 
   def tensor(self, name: str) -> np.ndarray:
     """The tensor dequantized to float32, in numpy dim order (outermost first)."""
     t = self._tensors[name]
-    shape = tuple(int(d) for d in reversed(t.shape))
-    data = gguf.quants.dequantize(t.data, t.tensor_type)
-    return np.asarray(data, np.float32).reshape(shape)
+    rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+    raw = self._bytes(t).reshape(rows, -1)
+    data = gguf.quants.dequantize(raw, t.type)
+    return np.asarray(data, np.float32).reshape(t.shape)
 
   def tensor_types(self) -> dict[str, int]:
     """How many tensors of each type the file holds."""
     counts: dict[str, int] = {}
     for t in self._tensors.values():
-      counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+      counts[t.type.name] = counts.get(t.type.name, 0) + 1
     return counts
-
-
-def _check_dequantizable(t) -> None:
-  """Dequantizes one block of `t`, so an unsupported type fails at load time with a clear message."""
-  try:
-    block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-    gguf.quants.dequantize(np.asarray(t.data).reshape(-1)[:type_size].view(np.uint8), t.tensor_type)
-  except (NotImplementedError, KeyError) as e:
-    raise GGUFError(f"tensor {t.name!r} has type {t.tensor_type.name}, which jaxllm cannot dequantize "
-                    f"(gguf {gguf.__version__ if hasattr(gguf, '__version__') else ''} says: {e})") from e

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import Config
-from jaxllm.gguf import GGUFFile
+from jaxllm.gguf import GGUFError, GGUFFile
 from jaxllm.model import Weights
 from jaxllm.models import resolve_model
 from jaxllm.tokenizer import Tokenizer
@@ -27,7 +27,19 @@ def load(model: str, quant: str = "w8a16", dtype=None, progress: bool = True) ->
   Returns:
     (config, weights, tokenizer).
   """
-  gf = GGUFFile(resolve_model(model))
-  tokenizer = Tokenizer(gf.metadata)
+  gf, tokenizer = read_model(resolve_model(model))
   weights = load_weights(gf, quant=quant, dtype=dtype or default_dtype(), progress=progress)
   return gf.config, weights, tokenizer
+
+
+def read_model(path) -> tuple[GGUFFile, Tokenizer]:
+  """Opens and validates a GGUF model file and builds its tokenizer; every defect is a GGUFError."""
+  gf = GGUFFile(path)
+  try:
+    tokenizer = Tokenizer(gf.metadata)
+  except ValueError as e:
+    raise GGUFError(f"{gf.path!r}: {e}") from None
+  if tokenizer.vocab_size != gf.config.vocab_size:
+    raise GGUFError(f"{gf.path!r}: the tokenizer has {tokenizer.vocab_size} tokens, but the model's embedding "
+                    f"has {gf.config.vocab_size} rows")
+  return gf, tokenizer

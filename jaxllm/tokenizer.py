@@ -78,18 +78,41 @@ class Tokenizer:
     if model != "gpt2":
       raise ValueError(f"unsupported tokenizer model {model!r}: jaxllm reads byte-level BPE ('gpt2') "
                        "vocabularies (Qwen2/2.5/3, SmolLM2, Llama 3)")
-    tokens: Sequence[str] = metadata["tokenizer.ggml.tokens"]
-    types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+      raise ValueError("tokenizer.ggml.tokens must be a list of strings, got "
+                       f"{type(tokens).__name__} {str(tokens)[:60]}")
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is None:
+      types = [1] * len(tokens)
+    if not isinstance(types, list) or not all(isinstance(t, int) for t in types):
+      raise ValueError("tokenizer.ggml.token_type must be a list of integers")
+    if len(types) != len(tokens):
+      raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries, but there are {len(tokens)} tokens")
+    raw_merges = metadata.get("tokenizer.ggml.merges", [])
+    if not isinstance(raw_merges, list) or not all(isinstance(m, str) for m in raw_merges):
+      raise ValueError("tokenizer.ggml.merges must be a list of strings")
+    merges = []
+    for i, m in enumerate(raw_merges):
+      pair = tuple(m.split(" ", 1))
+      if len(pair) != 2 or not all(pair):
+        raise ValueError(f"tokenizer.ggml.merges: merge {i} ({m[:40]!r}) is not two tokens separated by a space")
+      merges.append(pair)
     pre = metadata.get("tokenizer.ggml.pre", "default")
     self.vocab_size = len(tokens)
-    self.bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    self.eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+    self.bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens))
+    self.eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens))
     self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-    self.chat_template = metadata.get("tokenizer.chat_template")
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+      raise ValueError(f"tokenizer.chat_template must be a string, got {type(template).__name__}")
+    self.chat_template = template
 
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                     ignore_merges=pre == "llama-bpe")
+    try:
+      bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                       ignore_merges=pre == "llama-bpe")
+    except Exception as e:  # the tokenizers library raises a bare Exception for a bad vocabulary
+      raise ValueError(f"the BPE vocabulary in tokenizer.ggml.* is inconsistent: {e}") from None
     tok = _HFTokenizer(bpe)
     if pre == "qwen2":
       tok.normalizer = normalizers.NFC()
@@ -105,8 +128,8 @@ class Tokenizer:
     added = set(special) | set(user)
     self._bytes = [t.encode("utf-8") if i in added else bytes(_UNICODE_TO_BYTE.get(ch, 0) for ch in t)
                    for i, t in enumerate(tokens)]
-    eog = {i for i in (self.eos_id, metadata.get("tokenizer.ggml.eot_token_id"),
-                       metadata.get("tokenizer.ggml.eom_token_id")) if i is not None}
+    eog = {i for i in (self.eos_id, _token_id(metadata, "tokenizer.ggml.eot_token_id", len(tokens)),
+                       _token_id(metadata, "tokenizer.ggml.eom_token_id", len(tokens))) if i is not None}
     eog |= {i for i in special if tokens[i] in _EOG_TEXTS}
     self.eog_ids = frozenset(eog)
 
@@ -139,6 +162,16 @@ class Tokenizer:
     return env.from_string(self.chat_template).render(
         messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=token,
         eos_token=eos, tools=None)
+
+
+def _token_id(metadata: Mapping, key: str, vocab_size: int) -> int | None:
+  """An optional special-token id from the metadata, checked against the vocabulary."""
+  value = metadata.get(key)
+  if value is None:
+    return None
+  if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
+    raise ValueError(f"{key} must be a token id in [0, {vocab_size}), got {value!r}")
+  return value
 
 
 def _raise_template_error(message: str):
