@@ -187,7 +187,9 @@ Config MakeReadFloor() {
             const int per_round = w::kThreads * U;
             int blocks = int((n16 + per_round - 1) / per_round);
             if (!ONE_WAVE) {
-              const w::Residency res = w::ResidencyOf(reinterpret_cast<const void*>(ReadFloor<U>), 0);
+              w::Residency res;
+              if (cudaError_t e = w::ResidencyOf(reinterpret_cast<const void*>(ReadFloor<U>), 0, &res); e != cudaSuccess)
+                return e;
               blocks = res.sms * res.per_sm;
             }
             ReadFloor<U><<<blocks, w::kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), n16,

@@ -39,7 +39,9 @@ def child(model: str, steps: int) -> None:
   from jaxllm.engine import Engine
   from jaxllm.kernels import ffi
   from jaxllm.quant import GROUP, Linear
-  from jaxllm.sampling import SamplingParams
+  from jaxllm.cache import create_cache
+  from jaxllm.decode import prefill
+  from jaxllm.sampling import Sampler, SamplingParams
 
   def mark(name, executions=0):
     print(f"{MARK}{name} {executions}", file=sys.stderr, flush=True)
@@ -49,19 +51,20 @@ def child(model: str, steps: int) -> None:
   prompt = list(range(1, 33))
   mark("warmup")                                      # compile, record, first replays
   engine.burst_step_ms(prompt, 4)
-  state, _ = engine._prefill_batch([prompt], SamplingParams(), 0)
-  step = engine.step_fn(SamplingParams())
+  cache = create_cache(config, 1, engine.max_context, engine.dtype)
+  state = prefill(config, weights, cache, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32),
+                  Sampler.create(SamplingParams(), 1), kernels=engine.kernels)
+  step = engine.step_fn(1, greedy=True)
   state = step(engine.weights, state)
   jax.block_until_ready(state)
   mark("decode-step", steps)
   for _ in range(steps):
     state = step(engine.weights, state)
   jax.block_until_ready(state)
-  engine._cache = state.cache
   mark("warmup-loop")
-  list(engine._stream([prompt], steps, SamplingParams(), 0, True))
+  list(engine.stream_tokens([prompt], steps, SamplingParams(), 0, True, ignore_eos=True))
   mark("engine-loop", steps)                          # a whole request: prefill + steps - 1 decode steps
-  list(engine._stream([prompt], steps, SamplingParams(), 0, True))
+  list(engine.stream_tokens([prompt], steps, SamplingParams(), 0, True, ignore_eos=True))
 
   copies, n, k = 64, 1152, 896
   w8 = jax.random.randint(jax.random.PRNGKey(0), (copies, n, k), -127, 128, jnp.int8)

@@ -37,8 +37,8 @@ inline ffi::Error CheckMatmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, 
                                        DimsString(xd) + ", w " + DimsString(wd) + ", scale " + DimsString(sd) +
                                        ", y " + DimsString(yd));
   MatmulShape s{xd[0], wd[1], wd[2], sd[2], 0, layer};
-  if (xd[1] != s.k || sd[0] != wd[0] || sd[1] != s.n || yd[0] != s.m || yd[1] != s.n || s.groups < 1 ||
-      s.k % s.groups)
+  if (xd[1] != s.k || sd[0] != wd[0] || sd[1] != s.n || yd[0] != s.m || yd[1] != s.n || s.k < 1 ||
+      s.groups < 1 || s.k % s.groups)
     return ffi::Error::InvalidArgument("jaxllm_w8a16: inconsistent shapes x " + DimsString(xd) + ", w " +
                                        DimsString(wd) + ", scale " + DimsString(sd) + ", y " + DimsString(yd));
   s.group = s.k / s.groups;

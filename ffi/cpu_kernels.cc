@@ -187,15 +187,14 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   AttentionShape s;
   if (auto err = CheckAttention(q, k, v, lengths, *out, layer, &s); err.failure()) return err;
   const ffi::DataType t = q.element_type();
-  const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
-  for (int64_t b = 0; b < s.b; ++b)
-    if (len[b] < 1 || len[b] > s.s)
-      return ffi::Error::InvalidArgument("jaxllm_decode_attention: lengths[" + std::to_string(b) + "] = " +
-                                         std::to_string(len[b]) + " outside [1, " + std::to_string(s.s) + "]");
+  // Visible lengths are clipped to [1, S], the contract of every path (jaxllm/kernels/attention.py).
+  const int32_t* len_in = static_cast<const int32_t*>(lengths.untyped_data());
+  std::vector<int32_t> len(s.b);
+  for (int64_t b = 0; b < s.b; ++b) len[b] = int32_t(std::clamp<int64_t>(len_in[b], 1, s.s));
   const int64_t rep = s.h / s.g;
   const float softmax_scale = 1.f / std::sqrt(float(s.d));
   // One task per (b, kv head): it reads that head's keys/values once for all `rep` query heads.
-  ParallelFor(pool, s.b * s.g, [&, len, rep, softmax_scale](int64_t bg) {
+  ParallelFor(pool, s.b * s.g, [&, rep, softmax_scale](int64_t bg) {
     const int64_t b = bg / s.g, g = bg % s.g;
     const int64_t base = (((layer * s.b + b) * s.g + g) * s.s) * s.d;   // cache[layer, b, g, 0, 0]
     std::vector<float> qf(rep * s.d), acc(rep * s.d, 0.f), kf(s.d), vf(s.d), mx(rep, -INFINITY), den(rep, 0.f);

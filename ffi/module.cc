@@ -13,6 +13,8 @@ extern "C" XLA_FFI_Error* W8A16MatmulCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCudaHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* W8A16MatmulCudaInto(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCudaIntoHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PrefillAttentionCudaHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PrefillAttentionCudaIntoHandler(XLA_FFI_CallFrame*);
 #endif
 }  // namespace jaxllm
 
@@ -40,6 +42,8 @@ PYBIND11_MODULE(_ffi, m) {
     d["jaxllm_decode_attention"] = Capsule(jaxllm::DecodeAttentionCudaHandler);
     d["jaxllm_w8a16_into"] = Capsule(jaxllm::W8A16MatmulCudaInto);
     d["jaxllm_decode_attention_into"] = Capsule(jaxllm::DecodeAttentionCudaIntoHandler);
+    d["jaxllm_prefill_attention"] = Capsule(jaxllm::PrefillAttentionCudaHandler);
+    d["jaxllm_prefill_attention_into"] = Capsule(jaxllm::PrefillAttentionCudaIntoHandler);
 #endif
     return d;
   });

@@ -417,20 +417,23 @@ __global__ void __launch_bounds__(kThreads, MINB) StreamKernel(const T* __restri
 struct Residency {
   int sms = 1, per_sm = 1;
 };
-inline Residency ResidencyOf(const void* kernel, size_t smem) {
+inline cudaError_t ResidencyOf(const void* kernel, size_t smem, Residency* out) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, size_t>, Residency> cache;
   int dev = 0;
-  cudaGetDevice(&dev);
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   const std::lock_guard<std::mutex> lock(mu);
-  auto [it, added] = cache.try_emplace({dev, kernel, smem});
-  if (added) {
-    int sms = 0, per_sm = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-    it->second = {std::max(1, sms), std::max(1, per_sm)};
+  if (auto it = cache.find({dev, kernel, smem}); it != cache.end()) {
+    *out = it->second;
+    return cudaSuccess;
   }
-  return it->second;
+  int sms = 0, per_sm = 0;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+      e != cudaSuccess)
+    return e;   // nothing cached: the next call asks again
+  *out = cache[{dev, kernel, smem}] = {std::max(1, sms), std::max(1, per_sm)};
+  return cudaSuccess;
 }
 
 template <typename T, int ROWS, int U, bool HINT, int MINB = 1, Conv C = Conv::kMagic>
@@ -438,7 +441,8 @@ cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const
                          int groups) {
   auto kernel = StreamKernel<T, ROWS, U, HINT, MINB, C>;
   constexpr int kRowsPerBlock = kThreads / 32 * ROWS;
-  const Residency res = ResidencyOf(reinterpret_cast<const void*>(kernel), 0);
+  Residency res;
+  if (cudaError_t e = ResidencyOf(reinterpret_cast<const void*>(kernel), 0, &res); e != cudaSuccess) return e;
   const int blocks = std::min((n + kRowsPerBlock - 1) / kRowsPerBlock, res.sms * res.per_sm);
   kernel<<<blocks, kThreads, 0, stream>>>(x, w, scale, y, n, k, groups, DivMagic(uint32_t(k / groups / 16)));
   return cudaGetLastError();
@@ -456,7 +460,8 @@ cudaError_t Launch(cudaStream_t stream, const T* x, const int8_t* w, const float
   const size_t smem = F & kStageX ? XStageBytes(MT, k) : 0;
   int blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
   if constexpr ((F & kBalance) != 0) {
-    const Residency res = ResidencyOf(reinterpret_cast<const void*>(kernel), smem);
+    Residency res;
+    if (cudaError_t e = ResidencyOf(reinterpret_cast<const void*>(kernel), smem, &res); e != cudaSuccess) return e;
     const int per_sm = (blocks + res.sms - 1) / res.sms;
     if (per_sm <= res.per_sm) blocks = std::min(per_sm * res.sms, n);
   }

@@ -3,21 +3,22 @@
 Public API:
   load(model, quant, dtype) -> (Config, Weights, Tokenizer)
   Engine: compiled prefill/decode with a generate loop
-  create_cache, prefill, decode_step, sequence_logits, continuation_logprobs: pure functions for your own
-    jit/vmap/scan; Engine.generate_batch for several prompts; score() for batched log-likelihoods
-  SamplingParams, DecodeState, KVCache, Weights, Config, Tokenizer
+  create_cache, prefill, extend, decode_step, sequence_logits, continuation_logprobs: pure functions for
+    your own jit/vmap/scan; Engine.generate_batch for several prompts; score() for batched log-likelihoods
+  SamplingParams (a request's settings), Sampler (the same as per-sequence device arrays), eog_table
+  DecodeState, KVCache, Weights, Config, Tokenizer, GGUFFile, GGUFError
   DEMO_MODELS, fetch_demo_model, random_weights
 """
 from jaxllm import graphs
 from jaxllm.cache import KVCache, create_cache
 from jaxllm.config import Config
-from jaxllm.decode import DecodeState, decode_step, prefill, sequence_logits
+from jaxllm.decode import DecodeState, decode_step, eog_table, extend, prefill, sequence_logits
 from jaxllm.engine import Engine, GenerationResult
 from jaxllm.gguf import GGUFError, GGUFFile
 from jaxllm.load import default_dtype, load
 from jaxllm.model import Weights
 from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS, fetch_demo_model
-from jaxllm.sampling import SamplingParams
+from jaxllm.sampling import Sampler, SamplingParams
 from jaxllm.scoring import continuation_logprobs, score
 from jaxllm.tokenizer import StreamDecoder, Tokenizer
 from jaxllm.weights import random_weights
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Config", "DEFAULT_MODEL", "DEMO_MODELS", "DecodeState", "Engine", "GGUFError", "GGUFFile",
-    "GenerationResult", "KVCache", "SamplingParams", "StreamDecoder", "Tokenizer", "Weights",
-    "create_cache", "decode_step", "default_dtype", "fetch_demo_model", "load", "prefill",
-    "random_weights", "score", "continuation_logprobs", "sequence_logits",
+    "GenerationResult", "KVCache", "Sampler", "SamplingParams", "StreamDecoder", "Tokenizer", "Weights",
+    "continuation_logprobs", "create_cache", "decode_step", "default_dtype", "eog_table", "extend",
+    "fetch_demo_model", "load", "prefill", "random_weights", "score", "sequence_logits",
 ]

@@ -119,14 +119,17 @@ def write_records(records: list[dict], out: str | None) -> None:
 def measure(engine, prompts, decode_len: int, repeat: int, warmup: int, pipelined: bool) -> dict:
   """TTFT and per-step times of `repeat` requests (each a batch of `prompts`) after `warmup` ones."""
   from jaxllm.sampling import SamplingParams
-  requests = [[t for _, t in engine._stream(prompts, decode_len, SamplingParams(), i, pipelined)]
+  requests = [[t for _, t in engine.stream_tokens(prompts, decode_len, SamplingParams(), i, pipelined,
+                                                  ignore_eos=True)]
               for i in range(warmup + repeat)][warmup:]
   burst = engine.burst_step_ms(prompts[0], min(decode_len, 64)) if len(prompts) == 1 else None
   return {"step_ms_burst": burst, **timing_stats(requests)}
 
 
 def run(args) -> list[dict]:
+  import jax
   import numpy as np
+  from jaxllm.cache import cache_bytes
   from jaxllm.engine import Engine
   from jaxllm.presets import weight_bytes_per_token
   config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
@@ -136,10 +139,12 @@ def run(args) -> list[dict]:
   env = environment()
   bandwidth = copy_bandwidth_gb_s()
   wbytes = weight_bytes_per_token(weights)
+  all_weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
   graphs_on = {"on": True, "off": False, "env": None}[args.graphs]
   records = []
   for kernels in (["ffi", "xla"] if args.kernels == "both" else [args.kernels]):
-    engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on)
+    engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
+                    prefill_chunk=args.prefill_chunk)
     t0 = time.perf_counter()
     engine.warmup(args.prompt_len, batch=args.batch)
     compile_s = time.perf_counter() - t0
@@ -156,7 +161,11 @@ def run(args) -> list[dict]:
              "weight_bytes_per_token": wbytes,
              "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,   # one weight pass per step, whatever the batch
              "byte_floor_ms": wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None,
-             "copy_gb_s": bandwidth, "peak_memory_bytes": _peak_memory(), "env": env}
+             "copy_gb_s": bandwidth, "peak_memory_bytes": _peak_memory(), "weights_bytes": all_weight_bytes,
+             "cache_bytes": cache_bytes(config, args.batch, max_context, engine.dtype),
+             "prefill_chunk": engine.prefill_chunk, "env": env}
+      if rec["peak_memory_bytes"] is not None:
+        rec["peak_beyond_weights_and_cache_bytes"] = rec["peak_memory_bytes"] - all_weight_bytes - rec["cache_bytes"]
       records.append(rec)
       print(f"[bench] {args.model} kernels={rec['kernels']} graphs={'on' if rec['graphs_requested'] else 'off'}"
             f"({state.get('state')}) loop={loop}: TTFT {rec['ttft_ms']:.2f} ms, TPOT {rec['tpot_ms_mean']:.3f} ms "
@@ -171,6 +180,10 @@ def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
   cmd = [sys.executable, "-m", "jaxllm.bench", args.model, "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
          "--decode-len", str(args.decode_len), "--repeat", str(args.repeat), "--warmup", str(args.warmup),
          "--kernels", args.kernels, "--loop", args.loop, "--quant", args.quant, "--out", out, *extra]
+  if args.max_context:
+    cmd += ["--max-context", str(args.max_context)]
+  if args.prefill_chunk:
+    cmd += ["--prefill-chunk", str(args.prefill_chunk)]
   if args.graph_state:
     cmd.append("--graph-state")
   subprocess.run(cmd, check=True, env={**os.environ, **env_extra})
@@ -301,6 +314,7 @@ def build_parser():
   p.add_argument("--sweep", nargs="+", metavar="FILE|FLAGS",
                  help="XLA flag sets, each run in its own process: files with one set per line, or sets such as "
                       "default 'xla_gpu_enable_command_buffer=FUSION' (leading -- optional)")
+  p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk")
   p.add_argument("--label", default="")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="append JSON lines here (default: stdout)")

@@ -30,9 +30,42 @@ class KVCache:
     return self.k.shape[3]
 
 
+def cache_bytes(config: Config, batch: int, max_len: int, dtype) -> int:
+  """Bytes of a cache for `batch` sequences of `max_len` tokens (keys and values of every layer)."""
+  return 2 * config.n_layers * batch * config.n_kv_heads * max_len * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def memory_available() -> int | None:
+  """Bytes the default device can still allocate (the GPU's limit minus what is in use; on the CPU the
+  host's available memory), or None where it cannot be told."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def check_fits(config: Config, batch: int, max_len: int, dtype) -> None:
+  """Raises ValueError, before anything is allocated, when the cache cannot fit in the device's memory."""
+  need = cache_bytes(config, batch, max_len, dtype)
+  free = memory_available()
+  if free is not None and need > free:
+    raise ValueError(f"a KV cache of {max_len} tokens x batch {batch} needs {need / 2**30:.2f} GiB "
+                     f"({config.n_layers} layers x {config.n_kv_heads} kv heads x {config.head_dim} dims x 2 x "
+                     f"{jnp.dtype(dtype).itemsize} bytes per token), but the device has {free / 2**30:.2f} GiB free: "
+                     "use a smaller context (--max-context) or batch")
+
+
 def create_cache(config: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
   """An empty cache for `batch` sequences of up to `max_len` tokens."""
   if batch < 1 or max_len < 1:
     raise ValueError(f"cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+  check_fits(config, batch, max_len, dtype)
   shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))

@@ -1,8 +1,13 @@
 """Prefill and the decode step as pure functions over a DecodeState pytree.
 
 These are what the engine compiles (donating the state) and what users call inside their own `jit`,
-`vmap` or `scan`. Every per-step value (next token, write/RoPE position, visible length = position + 1,
-PRNG key) lives in the state on the device, so the compiled step is the same every call.
+`vmap` or `scan`. Every per-step value (next token, write/RoPE position, PRNG keys, sampling settings,
+stop conditions) lives in the state on the device, so one compiled step serves every request.
+
+The context contract: a sequence stops advancing when it is done (an end-of-generation token, its token
+limit, a full cache, or non-finite logits). A done sequence's row still runs through the batched step but
+writes nothing to the cache, keeps its position and repeats its last token: never an error, never a write
+past the cache, and the same tokens on every kernel path.
 """
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ import jax.numpy as jnp
 from jaxllm.cache import KVCache
 from jaxllm.config import Config
 from jaxllm.model import Weights, forward, logits
-from jaxllm.sampling import SamplingParams, sample
+from jaxllm.sampling import NONFINITE, Sampler, sample
+
+MAX_EOG = 16     # end-of-generation ids a state holds per sequence
+NO_EOG = -2      # padding of the eog table (never a token: sampled ids are >= 0 or NONFINITE)
 
 
 @jax.tree_util.register_dataclass
@@ -23,50 +31,118 @@ class DecodeState:
   """Everything a decode step reads and writes.
 
   cache: KVCache [L, B, G, S, Dh].
-  tokens: [B] int32, the last sampled token of each sequence (the next step's input).
+  tokens: [B] int32, the last sampled token of each sequence (the next step's input); NONFINITE (-1)
+    where the logits were not all finite.
   pos: [B] int32, where that token will be written: the number of tokens already in the cache; it is
     also the token's RoPE position, and pos + 1 is the visible length of its attention.
-  key: PRNG key (uint32 [2]) for sampling.
+  done: [B] bool, sequences that have stopped (see the module docstring).
+  limit: [B] int32, the position at which a sequence stops (<= S): it generates limit - pos + 1 tokens
+    after a prefill that leaves it at pos.
+  eog: [B, MAX_EOG] int32 end-of-generation ids per sequence (NO_EOG pads; all NO_EOG ignores EOS).
+  sampler: per-sequence sampling settings, PRNG keys and penalty window.
   """
   cache: KVCache
   tokens: jax.Array
   pos: jax.Array
-  key: jax.Array
+  done: jax.Array
+  limit: jax.Array
+  eog: jax.Array
+  sampler: Sampler
 
 
-def _last_hidden(hidden: jax.Array, lengths: jax.Array) -> jax.Array:
-  """hidden [B, T, D] at each sequence's last real token, lengths [B] -> [B, D]."""
-  return hidden[jnp.arange(hidden.shape[0]), lengths - 1]
+def eog_table(ids, batch: int):
+  """An eog table [batch, MAX_EOG] from a set of ids (the same for every row), as a host array."""
+  import numpy as np
+  ids = sorted(set(int(i) for i in ids))
+  if len(ids) > MAX_EOG:
+    raise ValueError(f"at most {MAX_EOG} end-of-generation ids, got {len(ids)}")
+  row = ids + [NO_EOG] * (MAX_EOG - len(ids))
+  return np.tile(np.asarray(row, np.int32), (batch, 1))
+
+
+def _stopped(tokens: jax.Array, pos: jax.Array, limit: jax.Array, eog: jax.Array) -> jax.Array:
+  """Whether a sequence that just sampled `tokens` and now sits at `pos` is done."""
+  return jnp.any(tokens[:, None] == eog, axis=-1) | (pos >= limit) | (tokens == NONFINITE)
+
+
+def _last_hidden(hidden: jax.Array, lengths: jax.Array, last: jax.Array | None) -> jax.Array:
+  """hidden [B, T, D] at each row's last new token (lengths [B] >= 1), or `last` [B, D] where lengths is 0."""
+  at = hidden[jnp.arange(hidden.shape[0]), jnp.maximum(lengths - 1, 0)]
+  return at if last is None else jnp.where((lengths > 0)[:, None], at, last)
+
+
+def extend(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
+           start: jax.Array, last: jax.Array | None = None, *,
+           kernels: str = "xla") -> tuple[KVCache, jax.Array]:
+  """Runs each row's first lengths[b] tokens from cache position start[b]; samples nothing.
+
+  The building block of chunked prefill: the cache keeps what it held before start (an earlier chunk or
+  an earlier turn) and the new tokens attend to it.
+  Args:
+    tokens: [B, T] int32, right-padded; lengths: [B] int32 in [0, T]; start: [B] int32.
+    last: [B, D] f32 carried for rows with lengths 0 (their last token was in an earlier chunk).
+  Returns:
+    the cache and each row's final hidden state [B, D] f32 at its last new token.
+  """
+  valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  hidden, cache = forward(config, weights, cache, tokens, start, valid, kernels=kernels)
+  return cache, _last_hidden(hidden, lengths, last)
+
+
+def finish_prefill(config: Config, weights: Weights, cache: KVCache, hidden: jax.Array, pos: jax.Array,
+                   sampler: Sampler, limit: jax.Array, eog: jax.Array, *, greedy_only: bool = False,
+                   kernels: str = "xla") -> DecodeState:
+  """Samples each row's first new token from its last hidden state [B, D]; pos [B] = tokens in the cache."""
+  step_logits = logits(weights, hidden, cache.k.dtype, kernels=kernels)                 # [B, V]
+  tokens, sampler = sample(step_logits, sampler, greedy_only=greedy_only)
+  sampler = sampler.push(tokens, pos, jnp.ones_like(pos, bool))
+  return DecodeState(cache=cache, tokens=tokens, pos=pos, done=_stopped(tokens, pos, limit, eog),
+                     limit=limit, eog=eog, sampler=sampler)
 
 
 def prefill(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
-            key: jax.Array, params: SamplingParams = SamplingParams(), *,
+            sampler: Sampler, *, start: jax.Array | None = None, limit: jax.Array | None = None,
+            eog: jax.Array | None = None, last: jax.Array | None = None, greedy_only: bool = False,
             kernels: str = "xla") -> DecodeState:
-  """Runs the prompts from cache position 0 and samples each sequence's first new token.
+  """Runs the prompts (from cache position start, default 0) and samples each sequence's first new token.
 
   Args:
-    cache: KVCache with max_len >= T (its old contents are overwritten or masked).
-    tokens: [B, T] int32 prompts, right-padded to a common (bucketed) length T.
-    lengths: [B] int32 real prompt lengths, 1 <= lengths[b] <= T.
-    key: PRNG key.
+    cache: KVCache with room for start + lengths (positions from start on are overwritten).
+    tokens: [B, T] int32 prompts, right-padded; lengths: [B] int32 real lengths (>= 1, or 0 with `last`).
+    sampler: Sampler.create(...) for B rows.
+    start: [B] int32, where each prompt goes (an earlier turn's tokens before it are attended to).
+    limit: [B] int32, the position at which each sequence stops (default: the cache length).
+    eog: [B, MAX_EOG] int32 ids that end a sequence (default: none; see eog_table).
+    last: [B, D] f32 hidden state carried from an earlier chunk for rows with lengths 0.
   Returns:
-    DecodeState ready for decode_step: tokens = first sampled tokens, pos = lengths.
+    DecodeState ready for decode_step: tokens = first sampled tokens, pos = start + lengths.
   """
-  start = jnp.zeros((tokens.shape[0],), jnp.int32)
-  hidden, cache = forward(config, weights, cache, tokens, start, kernels=kernels)
-  last = logits(weights, _last_hidden(hidden, lengths), cache.k.dtype, kernels=kernels)  # [B, V]
-  key, sub = jax.random.split(key)
-  return DecodeState(cache=cache, tokens=sample(last, sub, params), pos=lengths.astype(jnp.int32),
-                     key=key)
+  b = tokens.shape[0]
+  start = jnp.zeros((b,), jnp.int32) if start is None else start.astype(jnp.int32)
+  limit = jnp.full((b,), cache.max_len, jnp.int32) if limit is None else jnp.minimum(limit, cache.max_len)
+  eog = jnp.full((b, MAX_EOG), NO_EOG, jnp.int32) if eog is None else eog
+  cache, hidden = extend(config, weights, cache, tokens, lengths, start, last, kernels=kernels)
+  return finish_prefill(config, weights, cache, hidden, start + lengths.astype(jnp.int32), sampler, limit,
+                        eog, greedy_only=greedy_only, kernels=kernels)
 
 
-def decode_step(config: Config, weights: Weights, state: DecodeState,
-                params: SamplingParams = SamplingParams(), *, kernels: str = "xla") -> DecodeState:
-  """Runs each sequence's last token and samples the next one."""
-  hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, kernels=kernels)
+def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_only: bool = False,
+                kernels: str = "xla") -> DecodeState:
+  """Runs each active sequence's last token and samples the next one; done sequences stay as they are.
+
+  greedy_only (static): compile only the argmax, for states whose every row is greedy.
+  """
+  active = ~state.done
+  hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, active[:, None],
+                          kernels=kernels)
   step_logits = logits(weights, hidden[:, 0], cache.k.dtype, kernels=kernels)          # [B, V]
-  key, sub = jax.random.split(state.key)
-  return DecodeState(cache=cache, tokens=sample(step_logits, sub, params), pos=state.pos + 1, key=key)
+  new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only)
+  tokens = jnp.where(active, new, state.tokens)
+  pos = jnp.where(active, state.pos + 1, state.pos)
+  sampler = sampler.push(tokens, pos, active)
+  done = state.done | (active & _stopped(tokens, pos, state.limit, state.eog))
+  return DecodeState(cache=cache, tokens=tokens, pos=pos, done=done, limit=state.limit, eog=state.eog,
+                     sampler=sampler)
 
 
 def sequence_logits(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,

@@ -1,15 +1,26 @@
-"""The engine: compiles prefill (per length bucket) and the decode step, and runs the generate loop.
+"""The engine: compiles chunked prefill and the decode step, and runs the generate loop.
 
 The decode step donates its whole DecodeState, so every output aliases an input and buffer addresses
 stay fixed from step to step: the condition for XLA to replay a recorded command buffer unchanged
-(docs/cuda-graphs.md says what was measured about it). The loop is
-pipelined: step i+1 is dispatched before token i is read on the host, so the device never waits for the
-host; `pipelined=False` reads every token before the next dispatch (the streaming baseline).
+(docs/cuda-graphs.md says what was measured about it). Sampling settings, seeds and stop conditions are
+data in that state, so one executable serves every request of a batch size (two, where every row is
+greedy: an argmax-only step). The loop is pipelined: step i+1 is dispatched before token i is read on the
+host, so the device never waits for the host; `pipelined=False` reads every token before the next
+dispatch (the streaming baseline).
+
+Prompts run in chunks of `prefill_chunk` tokens (one executable per chunk size; the last chunk padded to
+a power of two), each attending to what the cache already holds, so no intermediate grows with the
+prompt beyond O(chunk x S). With `reuse_cache=True` a request whose prompt starts with the tokens the
+cache already holds (an earlier turn of a chat, and its answer) prefills only the rest.
+
+An Engine serves one request at a time: a second thread calling it while a request runs gets a
+RuntimeError, and starting a request closes a stream the caller abandoned (its cache comes back).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 import warnings
 from typing import Callable, Iterator, Sequence
@@ -19,23 +30,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import graphs
-from jaxllm.cache import KVCache, create_cache
+from jaxllm.cache import KVCache, check_fits, create_cache
 from jaxllm.config import Config
-from jaxllm.decode import DecodeState, decode_step, prefill
+from jaxllm.decode import MAX_EOG, DecodeState, decode_step, eog_table, extend, finish_prefill
 from jaxllm.kernels import resolve_kernels
 from jaxllm.model import Weights
-from jaxllm.sampling import SamplingParams
+from jaxllm.sampling import NONFINITE, PENALTY_WINDOW, Sampler, SamplingParams
 from jaxllm.tokenizer import StreamDecoder, Tokenizer
 
 MIN_BUCKET = 16
+PREFILL_CHUNK = {"gpu": 2048, "cpu": 512}   # tokens per prefill chunk (docs/results: chosen by measurement)
 
 
-def prompt_bucket(length: int, max_context: int) -> int:
-  """Padded prefill length: the next power of two >= length (at least MIN_BUCKET), capped at max_context."""
+def prompt_bucket(length: int, cap: int) -> int:
+  """Padded length of a chunk: the next power of two >= length (at least MIN_BUCKET), capped at `cap`."""
   bucket = MIN_BUCKET
   while bucket < length:
     bucket *= 2
-  return min(bucket, max_context)
+  return min(bucket, cap)
 
 
 @dataclasses.dataclass
@@ -43,29 +55,37 @@ class GenerationResult:
   prompt_ids: list[int]
   ids: list[int]                  # new tokens (the stopping EOS excluded)
   text: str                       # decoded new text (stop string excluded)
-  finish_reason: str              # "eos" | "stop" | "length" | "context"
+  finish_reason: str              # "eos" | "stop" | "length" | "context" | "error"
   ttft_ms: float                  # prompt submitted -> first new token on the host
   tpot_ms: float                  # mean time per new token after the first
   tok_per_s: float                # decode tokens per second after the first
   token_times_ms: list[float]     # arrival time of each new token, from the prompt's submission
+  error: str | None = None        # what went wrong when finish_reason is "error"
+  reused_tokens: int = 0          # prompt tokens whose keys were already in the cache (reuse_cache)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
 
 class _StopText:
-  """Holds back text that could still become a stop string; reports when one appears."""
+  """Holds back text that could still become a stop string; reports when one appears.
+
+  Only the tail that could still hold a stop string is searched, so the cost per token does not grow with
+  the text generated.
+  """
 
   def __init__(self, stops: Sequence[str]):
     self.stops = [s for s in stops if s]
+    self.longest = max((len(s) for s in self.stops), default=0)
     self.text = ""
     self.emitted = 0
 
   def push(self, piece: str) -> tuple[str, bool]:
     """Adds decoded text; returns (text safe to show now, whether a stop string was hit)."""
+    tail_from = max(0, len(self.text) - self.longest + 1)
     self.text += piece
     for s in self.stops:
-      at = self.text.find(s)
+      at = self.text.find(s, tail_from)
       if at >= 0:
         self.text = self.text[:at]
         out = self.text[self.emitted:]
@@ -105,6 +125,23 @@ def _snapshot(x: jax.Array) -> jax.Array:
 _snapshot_jit = jax.jit(_snapshot)
 
 
+def _graphs_possible() -> bool:
+  """XLA command buffers exist on the GPU backend only."""
+  return jax.default_backend() == "gpu"
+
+
+def _spec(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
+def _final_chunk(config, weights, cache, tokens, lengths, start, last, pos, sampler, limit, eog, *, greedy_only,
+                 kernels):
+  """The last prefill chunk: extend the cache, then sample each row's first token."""
+  cache, hidden = extend(config, weights, cache, tokens, lengths, start, last, kernels=kernels)
+  return finish_prefill(config, weights, cache, hidden, pos, sampler, limit, eog, greedy_only=greedy_only,
+                        kernels=kernels)
+
+
 class Engine:
   """A loaded model plus its compiled prefill/decode executables and a reusable KV cache.
 
@@ -112,14 +149,15 @@ class Engine:
     config, weights, tokenizer: the model (see jaxllm.load).
     max_context: cache length S (prompt + generated tokens must fit).
     kernels: "auto" | "ffi" | "xla" (see jaxllm.kernels); `self.kernels` is the path that runs.
-    graphs: None = the JAXLLM_CUDA_GRAPHS default, True/False to force.
+    graphs_on: None = the JAXLLM_CUDA_GRAPHS default, True/False to force.
     dtype: activation/cache dtype; default bf16 on GPU, f32 on CPU.
+    prefill_chunk: prompt tokens per prefill chunk (default per backend, PREFILL_CHUNK).
   """
 
   def __init__(self, config: Config, weights: Weights, tokenizer: Tokenizer | None, max_context: int,
-               kernels: str = "auto", graphs_on: bool | None = None, dtype=None):
-    if not 2 <= max_context:
-      raise ValueError(f"max_context must be >= 2, got {max_context!r}")
+               kernels: str = "auto", graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None):
+    if not isinstance(max_context, int) or max_context < 2:
+      raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
     self.config = config
     self.weights = weights
     self.tokenizer = tokenizer
@@ -129,43 +167,55 @@ class Engine:
     self.compiler_options = graphs.compiler_options(self.graphs_requested)
     self.graphs_fallback: str | None = None   # why command buffers were dropped, if they were
     self.dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+    chunk = prefill_chunk or PREFILL_CHUNK.get(jax.default_backend(), 512)
+    if not isinstance(chunk, int) or chunk < MIN_BUCKET:
+      raise ValueError(f"prefill_chunk must be an integer >= {MIN_BUCKET}, got {chunk!r}")
+    self.prefill_chunk = chunk
     self._cache: KVCache | None = None
-    self._prefill: dict[tuple, Callable] = {}
-    self._step: dict[SamplingParams, Callable] = {}
+    self._history: list[list[int]] | None = None   # per row: the tokens whose keys the cache holds
+    self._exe: dict[tuple, Callable] = {}
+    self._lock = threading.Lock()
+    self._active: Iterator | None = None
+    self.last_reused: list[int] = []
     self.compile_seconds = 0.0
+    check_fits(config, 1, self.max_context, self.dtype)
 
   # ---- compilation ---------------------------------------------------------------------------
 
-  def _build(self, fn, donate: int, args) -> Callable:
-    """Compiles fn; with command buffers on, also runs it once on zeros. If either fails, warns once with
-    the reason, turns command buffers off for this engine, and compiles again without them."""
+  def _build(self, key: tuple, fn, donate: int, args) -> Callable:
+    """Compiles fn once per key; with command buffers on, also runs it once on zeros. If either fails,
+    warns once with the reason, turns command buffers off for this engine, and compiles again without."""
+    if key in self._exe:
+      return self._exe[key]
     t0 = time.perf_counter()
     try:
       compiled = _compile(fn, donate, self.compiler_options, args)
-      if self.graphs_requested and self.graphs_fallback is None and jax.default_backend() == "gpu":
+      if self.graphs_active:
         jax.block_until_ready(compiled(*_trial_args(args)))
     except Exception as e:  # XLA reports command-buffer failures as assorted runtime errors
-      if not self.graphs_requested or self.graphs_fallback is not None:
+      if not self.graphs_active:
         raise
       self.graphs_fallback = f"{type(e).__name__}: {e}".splitlines()[0][:300]
       warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) failed, running without them: "
                     f"{self.graphs_fallback}", RuntimeWarning, stacklevel=3)
       self.compiler_options = graphs.compiler_options(False)
-      self._prefill.clear()
-      self._step.clear()
+      self._exe.clear()
       compiled = _compile(fn, donate, self.compiler_options, args)
     self.compile_seconds += time.perf_counter() - t0
+    self._exe[key] = compiled
     return compiled
 
   @property
   def graphs_active(self) -> bool:
-    """Command buffers requested and not dropped by a fallback (whether XLA used them: graph_state())."""
-    return self.graphs_requested and self.graphs_fallback is None
+    """Command buffers requested, possible on this backend, and not dropped by a fallback."""
+    return self.graphs_requested and self.graphs_fallback is None and _graphs_possible()
 
   def _take_cache(self, batch: int) -> KVCache:
     """The engine's cache for `batch` sequences (reused across calls; the old one is given up)."""
     cache, self._cache = self._cache, None
     if cache is None or cache.k.is_deleted() or cache.batch != batch:
+      cache = None
+      self._history = None
       cache = create_cache(self.config, batch, self.max_context, self.dtype)
     return cache
 
@@ -174,29 +224,43 @@ class Engine:
     kv = jax.ShapeDtypeStruct((c.n_layers, batch, c.n_kv_heads, self.max_context, c.head_dim), self.dtype)
     return KVCache(k=kv, v=kv)
 
-  def prefill_fn(self, bucket: int, params: SamplingParams, batch: int = 1) -> Callable:
-    """Compiled prefill(weights, cache, tokens [B, bucket], lengths [B], key) -> DecodeState."""
-    key = (batch, bucket, params)
-    if key not in self._prefill:
-      fn = functools.partial(prefill, self.config, params=params, kernels=self.kernels)
-      args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32),
-              jnp.ones((batch,), jnp.int32), jax.random.PRNGKey(0))
-      self._prefill[key] = self._build(fn, 1, args)                      # (weights, cache, ...)
-    return self._prefill[key]
+  def _sampler_spec(self, batch: int) -> Sampler:
+    return _spec(Sampler.create(SamplingParams(), batch))
 
-  def step_fn(self, params: SamplingParams, batch: int = 1) -> Callable:
-    """Compiled decode_step(weights, state) -> state, the state donated."""
-    if (batch, params) not in self._step:
-      fn = functools.partial(decode_step, self.config, params=params, kernels=self.kernels)
-      self._step[batch, params] = self._build(fn, 1, (self.weights, self._state_spec(batch)))  # (weights, state)
-    return self._step[batch, params]
-
-  def _state_spec(self, batch: int = 1) -> DecodeState:
+  def _state_spec(self, batch: int) -> DecodeState:
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     return DecodeState(cache=self._cache_spec(batch), tokens=vec, pos=vec,
-                       key=jax.ShapeDtypeStruct((2,), jnp.uint32))
+                       done=jax.ShapeDtypeStruct((batch,), jnp.bool_), limit=vec,
+                       eog=jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32), sampler=self._sampler_spec(batch))
 
-  def graph_state(self, params: SamplingParams = SamplingParams(), dump_dir: str | None = None) -> dict:
+  def extend_fn(self, batch: int, size: int) -> Callable:
+    """Compiled extend(weights, cache, tokens [B, size], lengths, start, last) -> (cache, last)."""
+    fn = functools.partial(extend, self.config, kernels=self.kernels)
+    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, size), jnp.int32), vec, vec,
+            jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32))
+    return self._build(("extend", batch, size), fn, 1, args)                 # (weights, cache, ...)
+
+  def prefill_fn(self, batch: int, bucket: int, greedy: bool) -> Callable:
+    """Compiled final prefill chunk (weights, cache, tokens [B, bucket], lengths, start, last, pos, sampler,
+    limit, eog) -> DecodeState."""
+    fn = functools.partial(_final_chunk, self.config, greedy_only=greedy, kernels=self.kernels)
+    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
+            jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32), vec, self._sampler_spec(batch), vec,
+            jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
+    return self._build(("prefill", batch, bucket, greedy), fn, 1, args)
+
+  def step_fn(self, batch: int = 1, greedy: bool = True) -> Callable:
+    """Compiled decode_step(weights, state) -> state, the state donated."""
+    fn = functools.partial(decode_step, self.config, greedy_only=greedy, kernels=self.kernels)
+    return self._build(("step", batch, greedy), fn, 1, (self.weights, self._state_spec(batch)))
+
+  def executables(self) -> list[tuple]:
+    """Keys of the executables compiled so far (one per kind, batch size and chunk size)."""
+    return sorted(self._exe, key=str)
+
+  def graph_state(self, greedy: bool = True, dump_dir: str | None = None) -> dict:
     """What XLA actually did with the decode step: compiles it once more with a dump and reads it.
 
     Returns a dict with "state" ("on" | "off" | "unknown"), "requested", the command-buffer count and
@@ -210,18 +274,30 @@ class Engine:
       info.update(state="off", reason="XLA command buffers (CUDA graphs) exist only on the GPU backend")
       return info
     import tempfile
-    fn = functools.partial(decode_step, self.config, params=params, kernels=self.kernels)
+    fn = functools.partial(decode_step, self.config, greedy_only=greedy, kernels=self.kernels)
     with tempfile.TemporaryDirectory(prefix="jaxllm-dump-") as tmp:
       target = dump_dir or tmp
       options = dict(self.compiler_options, xla_dump_to=target)
-      _compile(fn, 1, options, (self.weights, self._state_spec()))
+      _compile(fn, 1, options, (self.weights, self._state_spec(1)))
       info.update(graphs.read_dump(target))
     return info
 
-  def warmup(self, prompt_len: int, params: SamplingParams = SamplingParams(), batch: int = 1) -> None:
-    """Compiles what generate() will run for this (longest) prompt length, outside any timing."""
-    self.prefill_fn(prompt_bucket(prompt_len, self.max_context), params, batch)
-    self.step_fn(params, batch)
+  def _chunks(self, n: int) -> list[int]:
+    """Chunk sizes (padded) for n new tokens: full chunks, then the last padded to a bucket."""
+    full, rest = divmod(max(n, 1), self.prefill_chunk)
+    if rest == 0:
+      full, rest = full - 1, self.prefill_chunk
+    return [self.prefill_chunk] * full + [prompt_bucket(rest, self.prefill_chunk)]
+
+  def warmup(self, prompt_len: int, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+             batch: int = 1) -> None:
+    """Compiles what a request of this (longest) prompt length will run, outside any timing."""
+    greedy = _all_greedy(params, batch)
+    sizes = self._chunks(prompt_len)
+    for size in sizes[:-1]:
+      self.extend_fn(batch, size)
+    self.prefill_fn(batch, sizes[-1], greedy)
+    self.step_fn(batch, greedy)
 
   # ---- generation ----------------------------------------------------------------------------
 
@@ -232,100 +308,196 @@ class Engine:
     if n >= self.max_context:
       raise ValueError(f"the prompt has {n} tokens but the context holds {self.max_context} "
                        f"(--max-context): it must be shorter than the context to leave room to generate")
-    bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+    bad = [t for t in prompt_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.config.vocab_size)]
     if bad:
-      raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}), got {bad[:5]}")
+      raise ValueError(f"prompt token ids must be integers in [0, {self.config.vocab_size}), got {bad[:5]}")
 
-  def _prefill_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int):
-    """Validates and pads the prompts, runs prefill; returns (state, lengths)."""
+  def _reusable(self, prompts: Sequence[Sequence[int]]) -> list[int]:
+    """Per row, how many leading prompt tokens the cache already holds (at least one token is left to run)."""
+    if self._history is None or len(self._history) != len(prompts) or self._cache is None:
+      return [0] * len(prompts)
+    out = []
+    for hist, p in zip(self._history, prompts):
+      n = 0
+      for a, b in zip(hist, p):
+        if a != b:
+          break
+        n += 1
+      out.append(min(n, len(p) - 1))
+    return out
+
+  def _prefill(self, prompts: Sequence[Sequence[int]], sampler: Sampler, limits: np.ndarray, eog: np.ndarray,
+               greedy: bool, reuse: bool) -> tuple[DecodeState, list[int]]:
+    """Runs the prompts chunk by chunk (from what the cache already holds, with reuse); returns the state
+    and, per row, how many prompt tokens were reused."""
+    b = len(prompts)
+    starts = self._reusable(prompts) if reuse else [0] * b
+    cache = self._take_cache(b)
+    self._history = None                        # the cache is being rewritten
+    new = [list(p[s:]) for p, s in zip(prompts, starts)]
+    n = np.asarray([len(x) for x in new], np.int32)
+    sizes = self._chunks(int(n.max()))
+    last = jnp.zeros((b, self.config.d_model), jnp.float32)
+    offset = 0
+    for j, size in enumerate(sizes):
+      tokens = np.zeros((b, size), np.int32)
+      lengths = np.clip(n - offset, 0, size).astype(np.int32)
+      for r in range(b):
+        tokens[r, :lengths[r]] = new[r][offset:offset + lengths[r]]
+      start = (np.asarray(starts, np.int32) + offset).astype(np.int32)
+      if j < len(sizes) - 1:
+        cache, last = self.extend_fn(b, size)(self.weights, cache, tokens, lengths, start, last)
+      else:
+        pos = (np.asarray(starts) + n).astype(np.int32)
+        state = self.prefill_fn(b, size, greedy)(self.weights, cache, tokens, lengths, start, last, pos, sampler,
+                                                 limits, eog)
+      offset += size
+    return state, starts
+
+  def _setup(self, prompts, max_tokens, params, seed, ignore_eos):
+    """Host arrays for a request: sampler, per-row token limits and end-of-generation tables."""
+    b = len(prompts)
+    rows = [params] * b if isinstance(params, SamplingParams) else list(params)
+    if len(rows) != b or not all(isinstance(p, SamplingParams) for p in rows):
+      raise ValueError(f"params must be one SamplingParams or one per prompt ({b}), got {params!r}")
+    sampler = Sampler.create(rows, b, seed, history=prompts, vocab_size=self.config.vocab_size)
+    limits = np.asarray([min(self.max_context, len(p) + max_tokens - 1) for p in prompts], np.int32)
+    eog_ids = () if ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
+    return sampler, limits, eog_table(eog_ids, b), all(p.greedy for p in rows)
+
+  def stream_tokens(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+                    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), seed: int = 0,
+                    pipelined: bool = True, ignore_eos: bool = False,
+                    reuse_cache: bool = False) -> Iterator[tuple[np.ndarray, float]]:
+    """Yields (tokens [B], seconds since submission) for up to max_tokens decode positions: the
+    prefill's token, then one per decode step, until every sequence is done on the device or the caller
+    stops iterating. Pipelined: step i+1 is dispatched before token i is read. A token is NONFINITE (-1)
+    where the model's logits were not finite."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+      raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if not prompts:
+      raise ValueError("no prompts given")
     for p in prompts:
       self.check_prompt(p)
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    bucket = prompt_bucket(int(lengths.max()), self.max_context)
-    tokens = np.zeros((len(prompts), bucket), np.int32)
-    for b, p in enumerate(prompts):
-      tokens[b, :len(p)] = p
-    prefill_fn = self.prefill_fn(bucket, params, len(prompts))
-    state = prefill_fn(self.weights, self._take_cache(len(prompts)), jnp.asarray(tokens), jnp.asarray(lengths),
-                       jax.random.PRNGKey(seed))
-    return state, lengths
+    sampler, limits, eog, greedy = self._setup(prompts, max_tokens, params, seed, ignore_eos)
+    if not self._lock.acquire(blocking=False):
+      raise RuntimeError("this Engine is running a request in another thread: an Engine serves one request at "
+                         "a time (use one Engine per thread)")
+    try:
+      self._close_abandoned()
+      gen = self._stream(prompts, max_tokens, sampler, limits, eog, greedy, pipelined, reuse_cache)
+      self._active = gen
+    finally:
+      self._lock.release()
+    return self._guarded(gen)
 
-  def _stream(self, prompts: Sequence[Sequence[int]], steps: int, params: SamplingParams, seed: int,
-              pipelined: bool) -> Iterator[tuple[np.ndarray, float]]:
-    """Yields (tokens [B], seconds since submission) for `steps` decode positions: the prefill's token,
-    then one per decode step. Pipelined: step i+1 is dispatched before token i is read."""
-    if not isinstance(steps, int) or steps < 1:
-      raise ValueError(f"max_tokens must be an integer >= 1, got {steps!r}")
+  def _guarded(self, gen):
+    """Runs a stream generator holding the engine's lock while it computes (not while it is suspended)."""
+    try:
+      while True:
+        if not self._lock.acquire(blocking=False):
+          raise RuntimeError("this Engine is running a request in another thread: an Engine serves one "
+                             "request at a time (use one Engine per thread)")
+        try:
+          item = next(gen)
+        except StopIteration:
+          return
+        finally:
+          self._lock.release()
+        yield item
+    finally:
+      gen.close()
+      if self._active is gen:
+        self._active = None
+
+  def _close_abandoned(self) -> None:
+    """A stream the caller stopped iterating without closing still holds the cache: close it."""
+    if self._active is not None:
+      gen, self._active = self._active, None
+      gen.close()
+
+  def _stream(self, prompts, steps, sampler, limits, eog, greedy, pipelined, reuse):
     t0 = time.perf_counter()
-    state, _ = self._prefill_batch(prompts, params, seed)
-    step = self.step_fn(params, len(prompts))
+    state, starts = self._prefill(prompts, sampler, limits, eog, greedy, reuse)
+    self.last_reused = starts
+    step = self.step_fn(len(prompts), greedy)
     pending = [_snapshot_jit(state.tokens)]
-    produced = 0
+    read: list[np.ndarray] = []
     try:
       while pending:
-        if pipelined and produced + len(pending) < steps:
+        if pipelined and len(read) + len(pending) < steps:
           state = step(self.weights, state)              # dispatch ahead, then read the older token
           pending.append(_snapshot_jit(state.tokens))
         tokens = np.asarray(pending.pop(0))
-        produced += 1
+        read.append(tokens)
         yield tokens, time.perf_counter() - t0
-        if produced >= steps:
+        if len(read) >= steps:
           break
         if not pipelined:
           state = step(self.weights, state)
           pending.append(_snapshot_jit(state.tokens))
     finally:
+      # What the cache now holds, per row: the prompt and the generated tokens written before it stopped.
+      pos = np.asarray(state.pos)
+      gen = np.stack(read, axis=1) if read else np.zeros((len(prompts), 0), np.int32)
+      self._history = [list(p) + [int(t) for t in gen[r, :max(0, pos[r] - len(p))]]
+                       for r, p in enumerate(prompts)]
       self._cache = state.cache
 
   def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
-                 seed: int = 0, pipelined: bool = True) -> Iterator[tuple[int, float]]:
+                 seed: int = 0, pipelined: bool = True, reuse_cache: bool = False) -> Iterator[tuple[int, float]]:
     """Yields (token id, seconds since the prompt was submitted) for up to max_tokens new tokens.
 
     The caller decides when to stop (EOS, stop strings) by ceasing to iterate. Generation also ends
     when the context is full.
     """
-    self.check_prompt(prompt_ids)
-    if isinstance(max_tokens, int) and max_tokens >= 1:
-      max_tokens = min(max_tokens, self.max_context - len(prompt_ids) + 1)
-    for tokens, t in self._stream([prompt_ids], max_tokens, params, seed, pipelined):
+    for tokens, t in self.stream_tokens([prompt_ids], max_tokens, params, seed, pipelined, ignore_eos=True,
+                                        reuse_cache=reuse_cache):
       yield int(tokens[0]), t
 
-  def burst_step_ms(self, prompt_ids: Sequence[int], steps: int,
-                    params: SamplingParams = SamplingParams()) -> float:
-    """Mean ms per decode step when `steps` steps are dispatched back to back and read once at the end:
-    the device-bound step time when host dispatch keeps ahead of the device."""
+  def burst_step_ms(self, prompt_ids: Sequence[int], steps: int) -> float:
+    """Mean ms per greedy decode step when `steps` steps are dispatched back to back and read once at the
+    end: the device-bound step time when host dispatch keeps ahead of the device."""
     steps = min(steps, self.max_context - len(prompt_ids))
-    state, _ = self._prefill_batch([prompt_ids], params, 0)
-    step = self.step_fn(params)
-    state = step(self.weights, state)
-    state.tokens.block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(steps - 1):
+    self.check_prompt(prompt_ids)
+    sampler, limits, eog, greedy = self._setup([prompt_ids], steps + 1, SamplingParams(), 0, True)
+    with self._lock:
+      self._close_abandoned()
+      state, _ = self._prefill([prompt_ids], sampler, limits, eog, greedy, False)
+      step = self.step_fn(1, greedy)
       state = step(self.weights, state)
-    state.tokens.block_until_ready()
-    elapsed = time.perf_counter() - t0
-    self._cache = state.cache
+      state.tokens.block_until_ready()
+      t0 = time.perf_counter()
+      for _ in range(steps - 1):
+        state = step(self.weights, state)
+      state.tokens.block_until_ready()
+      elapsed = time.perf_counter() - t0
+      self._cache, self._history = state.cache, None
     return elapsed / max(1, steps - 1) * 1e3
 
   def generate(self, prompt_ids: Sequence[int], max_tokens: int = 32, params: SamplingParams = SamplingParams(),
                seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False, pipelined: bool = True,
-               on_text: Callable[[str], None] | None = None) -> GenerationResult:
+               on_text: Callable[[str], None] | None = None, reuse_cache: bool = False) -> GenerationResult:
     """Generates from token ids; `on_text` receives text as it becomes final (for streaming)."""
     return self.generate_batch([prompt_ids], max_tokens, params, seed, stop, ignore_eos, pipelined,
-                               on_text=None if on_text is None else (lambda b, piece: on_text(piece)))[0]
+                               on_text=None if on_text is None else (lambda b, piece: on_text(piece)),
+                               reuse_cache=reuse_cache)[0]
 
   def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32,
-                     params: SamplingParams = SamplingParams(), seed: int = 0, stop: Sequence[str] = (),
-                     ignore_eos: bool = False, pipelined: bool = True,
-                     on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
+                     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), seed: int = 0,
+                     stop: Sequence[str] = (), ignore_eos: bool = False, pipelined: bool = True,
+                     on_text: Callable[[int, str], None] | None = None,
+                     reuse_cache: bool = False) -> list[GenerationResult]:
     """Generates for several prompts of any lengths at once, each stopping on its own.
 
-    Each sequence has its own positions and visible length on the device, so its padding never reaches
-    attention, and greedy output equals running it alone. `on_text(b, text)` streams sequence b's text.
+    Each sequence has its own positions, visible length, sampling settings (one SamplingParams per prompt,
+    or one for all) and PRNG key on the device, so its padding never reaches attention, and its output
+    equals running it alone. `on_text(b, text)` streams sequence b's text. With reuse_cache, prompts that
+    start with what the cache holds from the previous call (same batch size) prefill only the rest.
     """
     if self.tokenizer is None and stop:
       raise ValueError("stop strings need a tokenizer")
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
       raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
     if not prompts:
       raise ValueError("no prompts given")
@@ -334,15 +506,27 @@ class Engine:
     eog = frozenset() if ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
     seqs = [_Sequence(list(p), min(max_tokens, self.max_context - len(p) + 1), max_tokens, self.tokenizer,
                       stop, eog) for p in prompts]
-    steps = max(s.limit for s in seqs) if seqs else 0
-    for tokens, t in self._stream([s.prompt_ids for s in seqs], steps, params, seed, pipelined):
-      for b, s in enumerate(seqs):
-        piece = s.push(int(tokens[b]), t * 1e3)
-        if on_text and piece:
-          on_text(b, piece)
-      if all(s.finish for s in seqs):
-        break
+    steps = max(s.limit for s in seqs)
+    stream = self.stream_tokens([s.prompt_ids for s in seqs], steps, params, seed, pipelined, ignore_eos,
+                                reuse_cache)
+    try:
+      for tokens, t in stream:
+        for b, s in enumerate(seqs):
+          piece = s.push(int(tokens[b]), t * 1e3)
+          if on_text and piece:
+            on_text(b, piece)
+        if all(s.finish for s in seqs):
+          break
+    finally:
+      stream.close()
+    for s, reused in zip(seqs, self.last_reused):
+      s.reused = reused
     return [s.result() for s in seqs]
+
+
+def _all_greedy(params, batch: int) -> bool:
+  rows = [params] * batch if isinstance(params, SamplingParams) else list(params)
+  return all(p.greedy for p in rows)
 
 
 class _Sequence:
@@ -355,11 +539,18 @@ class _Sequence:
     self.ids: list[int] = []
     self.times: list[float] = []
     self.finish: str | None = None
+    self.error: str | None = None
+    self.reused = 0
 
   def push(self, token: int, t_ms: float) -> str:
     """Takes the next sampled token; returns the text it makes final ("" when finished or held back)."""
     if self.finish:
       return ""
+    if token == NONFINITE:
+      self.finish = "error"
+      self.error = (f"the model's logits were not finite (NaN or inf) at new token {len(self.ids)}: "
+                    "nothing was sampled from them")
+      return self._flush()
     self.times.append(t_ms)
     if token in self.eog:
       self.finish = "eos"
@@ -388,4 +579,5 @@ class _Sequence:
     return GenerationResult(prompt_ids=self.prompt_ids, ids=self.ids,
                             text=self.stops.text if self.stream is not None else "",
                             finish_reason=self.finish or "length", ttft_ms=times[0] if times else 0.0,
-                            tpot_ms=tpot, tok_per_s=1e3 / tpot if tpot > 0 else 0.0, token_times_ms=times)
+                            tpot_ms=tpot, tok_per_s=1e3 / tpot if tpot > 0 else 0.0, token_times_ms=times,
+                            error=self.error, reused_tokens=self.reused)

@@ -29,9 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--system", help="system message for --chat (else the template's default)")
   p.add_argument("--max-tokens", "-n", type=int, default=64, help="new tokens at most (default 64)")
   p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
-  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-  p.add_argument("--top-k", type=int, default=0, help="0 = off")
+  p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+  p.add_argument("--top-k", type=int, default=0, help="0 = off (at most 128)")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  p.add_argument("--min-p", type=float, default=0.0, help="0 = off: drop tokens below min_p x the best one's probability")
+  p.add_argument("--repeat-penalty", type=float, default=1.0,
+                 help="1 = off: divide (or, if negative, multiply) the logits of the last 64 tokens")
+  p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from tokens in the last 64")
+  p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence in the last 64")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   p.add_argument("--quant", choices=QUANT_CHOICES, default="w8a16", help="none = float weights (reference)")
@@ -61,6 +66,8 @@ def main(argv=None) -> int:
     raise SystemExit(f"error: model given twice ({args.model_pos!r} and --model {args.model!r})")
   if args.max_tokens < 1:
     raise SystemExit(f"error: --max-tokens must be >= 1, got {args.max_tokens}")
+  if not 0 <= args.seed < 2 ** 63:
+    raise SystemExit(f"error: --seed must be in [0, 2^63), got {args.seed}")
   if args.system and not args.chat:
     raise SystemExit("error: --system needs --chat")
   texts = list(args.prompt)
@@ -75,7 +82,9 @@ def main(argv=None) -> int:
 
   from jaxllm.sampling import SamplingParams  # imports jax: after argument errors
   try:
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
@@ -106,7 +115,7 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   engine.warmup(len(prompt_ids), params, batch=len(all_ids))
   compile_s = time.perf_counter() - t0
-  graph_state = engine.graph_state(params) if args.show_graph_state else None
+  graph_state = engine.graph_state(params.greedy) if args.show_graph_state else None
   if graph_state is not None:
     print("[jaxllm] graph state: " + json.dumps(graph_state), file=sys.stderr)
 
@@ -120,8 +129,8 @@ def main(argv=None) -> int:
   result = engine.generate(prompt_ids, args.max_tokens, params, seed=args.seed, stop=args.stop,
                            ignore_eos=args.ignore_eos, pipelined=args.loop == "pipelined",
                            on_text=None if args.json else show)
-  summary = (f"[jaxllm] {model} quant={args.quant} kernels={engine.kernels} "
-             f"graphs={'on' if engine.graphs_active else 'off'} | prompt {len(prompt_ids)} tok, "
+  summary = (f"[jaxllm] {model} quant={args.quant} kernels={engine.kernels} graphs={_graphs_word(engine)} | "
+             f"prompt {len(prompt_ids)} tok, "
              f"{len(result.ids)} new ({result.finish_reason}) | TTFT {result.ttft_ms:.1f} ms, "
              f"TPOT {result.tpot_ms:.2f} ms, decode {result.tok_per_s:.1f} tok/s | compile {compile_s:.1f} s")
   if args.json:
@@ -137,6 +146,14 @@ def main(argv=None) -> int:
       print(f"new ids:    {result.ids}")
   print(summary, file=sys.stderr)
   return 0
+
+
+def _graphs_word(engine) -> str:
+  """What the summary line says about CUDA graphs: true on this backend."""
+  import jax
+  if jax.default_backend() != "gpu":
+    return f"n/a ({jax.default_backend()})"
+  return "on" if engine.graphs_active else "off"
 
 
 def _main_batch(args, engine, all_ids, params, model, max_context, compile_s, graph_state) -> int:
@@ -157,7 +174,7 @@ def _main_batch(args, engine, all_ids, params, model, max_context, compile_s, gr
       print(r.text)
       if args.show_tokens:
         print(f"prompt ids: {r.prompt_ids}\nnew ids:    {r.ids}")
-  print(f"[jaxllm] {model} batch {len(results)} kernels={engine.kernels} graphs={'on' if engine.graphs_active else 'off'}"
+  print(f"[jaxllm] {model} batch {len(results)} kernels={engine.kernels} graphs={_graphs_word(engine)}"
         f" | {total} new tokens, {total / span_ms * 1e3 if span_ms > 0 else 0.0:.1f} tok/s in total"
         f" | compile {compile_s:.1f} s", file=sys.stderr)
   return 0

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxllm.cache import KVCache
 from jaxllm.config import Config
-from jaxllm.kernels import decode_attention, linear
+from jaxllm.kernels import decode_attention, linear, prefill_attention
 from jaxllm.quant import Linear
 
 
@@ -82,38 +82,21 @@ def embed(weights: Weights, tokens: jax.Array) -> jax.Array:
   return Linear(w=e.w[tokens], scale=None if e.scale is None else e.scale[tokens]).dequantize()
 
 
-def _prefill_attention(q, k_cache, v_cache, layer, positions):
-  """Causal attention of T new queries over the cache (new keys already written).
-
-  q [B, T, H, Dh]; caches [L, B, G, S, Dh]; positions [B, T] -> [B, T, H, Dh].
-  A key at cache position s is visible to a query at position p when s <= p.
-  """
-  k, v = k_cache[layer], v_cache[layer]                        # [B, G, S, Dh]
-  b, t, h, dh = q.shape
-  g, s = k.shape[1], k.shape[2]
-  qg = q.reshape(b, t, g, h // g, dh).astype(jnp.float32)       # [B, T, G, R, Dh]
-  scores = jnp.einsum("btgrd,bgsd->bgrts", qg, k.astype(jnp.float32)) * (dh ** -0.5)
-  visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-  p = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bgrts,bgsd->btgrd", p, v.astype(jnp.float32))
-  return out.reshape(b, t, h, dh).astype(q.dtype)
-
-
 def _write_cache(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """Writes new [B, T, G, Dh] at cache[layer, b, :, positions[b, t]]; out-of-range writes are dropped."""
+  """Writes new [B, T, G, Dh] at cache[layer, b, :, positions[b, t]]; positions >= S are dropped."""
   bi = jnp.arange(new.shape[0])[:, None]
   return cache.at[layer, bi, :, positions].set(new.astype(cache.dtype), mode="drop")
 
 
-def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache,
-          positions: jax.Array, angles: jax.Array, *, kernels: str) -> tuple[jax.Array, KVCache]:
+def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache, start: jax.Array,
+          writes: jax.Array, angles: jax.Array, *, kernels: str) -> tuple[jax.Array, KVCache]:
   """Transformer block i.
 
   Args:
     x: [B, T, D] f32 residual stream.
-    positions: [B, T] int32 cache positions of the new tokens (also their RoPE positions).
-    angles: [B, T, Dh/2] RoPE angles for those positions.
+    start: [B] int32 cache position of each sequence's first new token (token t sits at start + t).
+    writes: [B, T] int32 cache positions the new keys/values go to (S for tokens not to be written).
+    angles: [B, T, Dh/2] RoPE angles of the new tokens' positions.
   Returns:
     x [B, T, D] and the cache with this layer's new keys/values written.
   """
@@ -133,11 +116,11 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
     k = rms_norm(k, weights.k_norm[i], c.rms_eps).astype(dtype)
   q = apply_rope(q, angles, c.rope_style)
   k = apply_rope(k, angles, c.rope_style)
-  cache = KVCache(k=_write_cache(cache.k, i, k, positions), v=_write_cache(cache.v, i, v, positions))
+  cache = KVCache(k=_write_cache(cache.k, i, k, writes), v=_write_cache(cache.v, i, v, writes))
   if t == 1:
-    attn = decode_attention(q[:, 0], cache.k, cache.v, i, positions[:, 0] + 1, kernels=kernels)[:, None]
+    attn = decode_attention(q[:, 0], cache.k, cache.v, i, start + 1, kernels=kernels)[:, None]
   else:
-    attn = _prefill_attention(q, cache.k, cache.v, i, positions)
+    attn = prefill_attention(q, cache.k, cache.v, i, start, kernels=kernels)
   x = x + linear(attn.reshape(b, t, c.q_dim), weights.wo, i, kernels=kernels).astype(jnp.float32)
   h = rms_norm(x, weights.ffn_norm[i], c.rms_eps).astype(dtype)
   gate, up = jnp.split(linear(h, weights.w_gate_up, i, kernels=kernels), 2, axis=-1)
@@ -147,20 +130,24 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
 
 
 def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
-            *, kernels: str = "xla") -> tuple[jax.Array, KVCache]:
+            valid: jax.Array | None = None, *, kernels: str = "xla") -> tuple[jax.Array, KVCache]:
   """Runs T new tokens per sequence, written to the cache from position start[b].
 
   Args:
-    tokens: [B, T] int32.
+    tokens: [B, T] int32 (ids outside [0, V) read row 0 or V - 1).
     start: [B] int32 cache position of each sequence's first new token.
+    valid: [B, T] bool, the tokens whose keys/values are written (padding and stopped sequences are
+      not); all when None. Positions past the cache are never written.
   Returns:
     hidden [B, T, D] f32 after the final norm, and the updated cache.
   """
   positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+  s = cache.max_len
+  writes = positions if valid is None else jnp.where(valid, positions, s)
   angles = rope_angles(config, positions, weights.rope_freqs)
-  x = embed(weights, tokens)
+  x = embed(weights, jnp.clip(tokens, 0, config.vocab_size - 1))
   for i in range(config.n_layers):
-    x, cache = layer(config, weights, i, x, cache, positions, angles, kernels=kernels)
+    x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels)
   return rms_norm(x, weights.out_norm, config.rms_eps), cache
 
 

@@ -1,54 +1,214 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, in the order HF transformers applies them."""
+"""Sampling on the device, with every setting as data: one compiled step serves every request.
+
+`SamplingParams` is what a user asks for; `Sampler` is the same settings as per-sequence arrays [B] in the
+decode state, with each sequence's PRNG key and the window of its last PENALTY_WINDOW tokens. Changing a
+temperature, a top-p or a seed therefore changes data, never the compiled program, and a batch can mix
+settings row by row (what a server does).
+
+Order, per row (HF transformers' order for the first four; the penalties as llama.cpp applies them over
+the last 64 tokens, prompt included):
+  1. penalties on the logits of tokens in the window: repeat (x / r if x > 0 else x * r), then
+     frequency (- f * count) and presence (- p * [count > 0]);
+  2. temperature (0 = greedy: the argmax of the penalized logits);
+  3. top-k, top-p (nucleus, on the distribution top-k left), min-p (p >= min_p * p_max);
+  4. a draw: with none of top-k/top-p/min-p, exactly from the full softmax (Gumbel-max over all V logits);
+     with any, among the MAX_TOP_K most likely tokens. Top-p and min-p are therefore exact whenever the
+     tokens they keep are among those candidates; a nucleus wider than MAX_TOP_K tokens is cut to them.
+Candidates come from an exact two-stage top-k (block maxima, then the best blocks), never a sort of V.
+A row whose logits are not all finite samples token -1 and is reported, never drawn from.
+"""
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+MAX_TOP_K = 128          # candidates kept for top-k / top-p / min-p (top_k may not exceed it)
+PENALTY_WINDOW = 64      # last tokens the penalties look at (llama.cpp's repeat_last_n default)
+CANDIDATE_BLOCK = 128    # logits per block in the two-stage top-k
+NONFINITE = -1           # the token a row with NaN or inf logits gets
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """temperature 0 means greedy; top_k 0 means off; top_p 1 means off. Static: one compile per setting."""
+  """One request's sampling settings (host side). Defaults: greedy, no penalties.
+
+  temperature 0 = greedy; top_k 0 = off (at most MAX_TOP_K); top_p 1 = off; min_p 0 = off;
+  repeat_penalty 1 = off; presence/frequency 0 = off; seed None = derived from the engine's seed.
+  """
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
+  repeat_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  seed: int | None = None
 
   def __post_init__(self):
-    if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-            and self.temperature >= 0):
-      raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-      raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-    if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    def number(name, ok, expect):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be {expect}, got {value!r}")
+    number("temperature", lambda v: v >= 0, "a finite number >= 0")
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= MAX_TOP_K:
+      raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
+    number("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+    number("min_p", lambda v: 0 <= v < 1, "in [0, 1)")
+    number("repeat_penalty", lambda v: v > 0, "a finite number > 0 (1 = off)")
+    number("presence_penalty", lambda v: True, "a finite number (0 = off)")
+    number("frequency_penalty", lambda v: True, "a finite number (0 = off)")
+    if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                  or not 0 <= self.seed < 2 ** 63):
+      raise ValueError(f"seed must be an integer in [0, 2^63) or None, got {self.seed!r}")
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0 or self.top_k == 1
 
 
-def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-  """Draws one token per row.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  """Per-sequence sampling state: settings [B], PRNG keys [B, 2], penalty window [B, W] (V where empty)."""
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+  repeat_penalty: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  keys: jax.Array
+  recent: jax.Array
 
-  Args:
-    logits: [B, V] float32.
-    key: a PRNG key.
-  Returns:
-    [B] int32 token ids.
+  @staticmethod
+  def create(params: SamplingParams | Sequence[SamplingParams], batch: int, seed: int = 0,
+             history: Sequence[Sequence[int]] | None = None, vocab_size: int = 0) -> "Sampler":
+    """Host arrays for `batch` rows: one SamplingParams for all, or one per row.
+
+    A row's key is made from params.seed when the row sets one, else from seed + row (threefry's seeding,
+    computed on the host: jax.random.PRNGKey(s) for s < 2^32).
+    history: each row's tokens so far (the prompt), whose last PENALTY_WINDOW tokens fill the window;
+    vocab_size marks empty window slots (any id >= V; 0 leaves the window empty).
+    """
+    rows = [params] * batch if isinstance(params, SamplingParams) else list(params)
+    if len(rows) != batch:
+      raise ValueError(f"need one SamplingParams per row: {batch} rows, got {len(rows)}")
+    seeds = [p.seed if p.seed is not None else seed + b for b, p in enumerate(rows)]
+    if not all(isinstance(s, (int, np.integer)) and 0 <= s < 2 ** 63 for s in seeds):
+      raise ValueError(f"seeds must be integers in [0, 2^63), got {seeds[:4]}")
+    keys = np.asarray([[(s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF] for s in seeds], np.uint32)
+    empty = max(vocab_size, 1) if vocab_size else np.iinfo(np.int32).max
+    recent = np.full((batch, PENALTY_WINDOW), empty, np.int32)
+    for b, hist in enumerate(history or []):
+      recent[b] = window_of(hist, empty)
+
+    def col(name, dtype):
+      return np.asarray([getattr(p, name) for p in rows], dtype)
+    return Sampler(temperature=col("temperature", np.float32), top_k=col("top_k", np.int32),
+                   top_p=col("top_p", np.float32), min_p=col("min_p", np.float32),
+                   repeat_penalty=col("repeat_penalty", np.float32),
+                   presence_penalty=col("presence_penalty", np.float32),
+                   frequency_penalty=col("frequency_penalty", np.float32), keys=keys, recent=recent)
+
+  def push(self, tokens: jax.Array, index: jax.Array, active: jax.Array) -> "Sampler":
+    """Puts each active row's new token (its `index`-th token, [B]) into the penalty window."""
+    b = jnp.arange(tokens.shape[0])
+    slot = index % PENALTY_WINDOW
+    recent = jnp.asarray(self.recent)
+    new = jnp.where(active, tokens, recent[b, slot])
+    return dataclasses.replace(self, recent=recent.at[b, slot].set(new))
+
+
+def window_of(history: Sequence[int], empty: int) -> np.ndarray:
+  """The penalty window [W] of a token history: token i sits in slot i % W; slots with no token hold `empty`."""
+  out = np.full((PENALTY_WINDOW,), empty, np.int32)
+  n = len(history)
+  for i in range(max(0, n - PENALTY_WINDOW), n):
+    out[i % PENALTY_WINDOW] = history[i]
+  return out
+
+
+def apply_penalties(logits: jax.Array, sampler: Sampler) -> jax.Array:
+  """logits [B, V] f32 with the repeat, frequency and presence penalties of the window applied."""
+  b, v = logits.shape
+  recent = sampler.recent                                                   # [B, W]
+  valid = (recent >= 0) & (recent < v)
+  counts = jnp.sum((recent[:, :, None] == recent[:, None, :]) & valid[:, None, :], axis=-1)   # [B, W]
+  idx = jnp.clip(recent, 0, v - 1)
+  x = jnp.take_along_axis(logits, idx, axis=-1)                            # [B, W]
+  r = sampler.repeat_penalty[:, None]
+  x = jnp.where(x > 0, x / r, x * r)
+  x = x - sampler.frequency_penalty[:, None] * counts - sampler.presence_penalty[:, None] * (counts > 0)
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], recent.shape)
+  cols = jnp.where(valid, recent, v)                                        # empty slots: dropped
+  return logits.at[rows, cols].set(x, mode="drop")
+
+
+def top_candidates(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The k largest values of each row of x [B, V] and their ids, descending: [B, k], [B, k] int32.
+
+  Exact, without sorting V: the blocks holding the top k are among the k blocks with the largest maxima
+  (a block whose maximum ranks below k holds no element that does), so top-k runs over V / block maxima
+  and then over those k blocks' k * block values.
   """
-  if params.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  x = logits / params.temperature
-  if params.top_k > 0:
-    k = min(params.top_k, x.shape[-1])
-    kth = jax.lax.top_k(x, k)[0][..., -1:]
-    x = jnp.where(x < kth, -jnp.inf, x)
-  if params.top_p < 1:
-    desc = -jnp.sort(-x, axis=-1)                                   # [B, V] descending
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs                     # mass strictly above each token
-    cutoff = jnp.min(jnp.where(before < params.top_p, desc, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x < cutoff, -jnp.inf, x)
-  return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+  b, v = x.shape
+  c = CANDIDATE_BLOCK
+  k = min(k, v)
+  n = -(-v // c)
+  xp = jnp.pad(x, ((0, 0), (0, n * c - v)), constant_values=-jnp.inf).reshape(b, n, c)
+  if n <= k:
+    vals, ids = jax.lax.top_k(x, k)
+    return vals, ids.astype(jnp.int32)
+  _, blocks = jax.lax.top_k(jnp.max(xp, axis=-1), k)                        # [B, k]
+  cand = jnp.take_along_axis(xp, blocks[:, :, None], axis=1).reshape(b, k * c)
+  vals, at = jax.lax.top_k(cand, k)
+  ids = jnp.take_along_axis(blocks, at // c, axis=1) * c + at % c
+  return vals, ids.astype(jnp.int32)
+
+
+def _split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-row keys [B, 2] -> (next keys, key for the full draw, key for the candidate draw)."""
+  split = jax.vmap(lambda k: jax.random.split(k, 3))(keys)                 # [B, 3, 2]
+  return split[:, 0], split[:, 1], split[:, 2]
+
+
+def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False) -> tuple[jax.Array, Sampler]:
+  """Draws one token per row: logits [B, V] f32 -> (tokens [B] int32, sampler with advanced keys).
+
+  greedy_only (static) compiles just the argmax, for batches where every row is greedy; the settings
+  still come from `sampler` (penalties apply), so the result equals the full path's for such rows.
+  """
+  x = apply_penalties(logits, sampler)
+  finite = jnp.all(jnp.isfinite(logits), axis=-1)
+  greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
+  if greedy_only:
+    return jnp.where(finite, greedy_tok, NONFINITE), sampler
+  keys, k_full, k_cand = _split_keys(sampler.keys)
+  t = sampler.temperature
+  is_greedy = (t == 0) | (sampler.top_k == 1)
+  z = x / jnp.where(t > 0, t, 1.0)[:, None]                                 # [B, V]
+  # Exactly from the full softmax: Gumbel-max over all V.
+  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[1:], jnp.float32))(k_full)
+  full_tok = jnp.argmax(z + gumbel, axis=-1).astype(jnp.int32)
+  # Among the candidates: top-k, then top-p on what top-k left, then min-p.
+  vals, ids = top_candidates(z, MAX_TOP_K)                                  # [B, K] descending
+  rank = jnp.arange(vals.shape[1])[None, :]
+  top_k = sampler.top_k[:, None]
+  keep = (top_k == 0) | (rank < top_k)
+  denom = jnp.where(top_k > 0, jax.nn.logsumexp(jnp.where(keep, vals, -jnp.inf), axis=-1, keepdims=True),
+                    jax.nn.logsumexp(z, axis=-1, keepdims=True))
+  probs = jnp.where(keep, jnp.exp(vals - denom), 0.0)
+  before = jnp.cumsum(probs, axis=-1) - probs                               # mass strictly above each
+  keep &= before < sampler.top_p[:, None]
+  keep &= probs >= sampler.min_p[:, None] * probs[:, :1]
+  g = jax.vmap(lambda k: jax.random.gumbel(k, vals.shape[1:], jnp.float32))(k_cand)
+  pick = jnp.argmax(jnp.where(keep, vals + g, -jnp.inf), axis=-1)
+  cand_tok = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
+  truncated = (sampler.top_k > 0) | (sampler.top_p < 1) | (sampler.min_p > 0)
+  tokens = jnp.where(is_greedy, greedy_tok, jnp.where(truncated, cand_tok, full_tok))
+  return jnp.where(finite, tokens, NONFINITE), dataclasses.replace(sampler, keys=keys)

@@ -3,7 +3,7 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxllm import Engine, GGUFError, GGUFFile, SamplingParams, Tokenizer, fetch_demo_model
+from jaxllm import Engine, GGUFError, GGUFFile, Tokenizer, fetch_demo_model
 from jaxllm.generate import main as cli_main
 from jaxllm.weights import load_weights
 from tiny import write_tiny_model
@@ -92,7 +92,7 @@ def test_prompt_longer_than_context(engine):
 def test_empty_prompt_and_bad_ids(engine):
   with pytest.raises(ValueError, match="the prompt is empty"):
     engine.generate([], 4)
-  with pytest.raises(ValueError, match=r"must be in \[0, 262\), got \[999\]"):
+  with pytest.raises(ValueError, match=r"must be integers in \[0, 262\), got \[999\]"):
     engine.generate([1, 999], 4)
   with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
     engine.generate([1, 2], 0)
@@ -101,19 +101,6 @@ def test_empty_prompt_and_bad_ids(engine):
 def test_engine_still_works_after_errors(engine):
   result = engine.generate([5, 6, 7], 4, ignore_eos=True)
   assert len(result.ids) == 4
-
-
-@pytest.mark.parametrize("kw, msg", [
-    (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
-    (dict(top_k=-3), r"top_k must be an integer >= 0 \(0 = off\), got -3"),
-    (dict(top_k=2.5), r"top_k must be an integer >= 0 \(0 = off\), got 2.5"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-])
-def test_bad_sampling_values(kw, msg):
-  with pytest.raises(ValueError, match=msg):
-    SamplingParams(**kw)
 
 
 def test_unknown_demo_model():

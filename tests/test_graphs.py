@@ -38,16 +38,26 @@ def _tokens(engine, n):
   return engine.generate(list(range(3, 19)), n, ignore_eos=True).ids
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_parity_tiny(tiny_models, arch):
+def test_parity_tiny_gpu(tiny_models, arch):
   gf = GGUFFile(tiny_models[arch])
   weights = load_weights(gf, progress=False)
   tok = Tokenizer(gf.metadata)
   on = Engine(gf.config, weights, tok, max_context=160, graphs_on=True)
   off = Engine(gf.config, weights, tok, max_context=160, graphs_on=False)
   assert on.compiler_options == {} and off.compiler_options == {"xla_gpu_enable_command_buffer": ""}
+  assert on.graphs_active and not off.graphs_active
   a, b = _tokens(on, 128), _tokens(off, 128)
   assert len(a) == 128 and a == b
+
+
+def test_graphs_are_never_reported_active_on_the_cpu(tiny_models):
+  if ON_GPU:
+    pytest.skip("CPU-only statement")
+  gf = GGUFFile(tiny_models["qwen2"])
+  engine = Engine(gf.config, load_weights(gf, progress=False), None, max_context=32, graphs_on=True)
+  assert engine.graphs_requested and not engine.graphs_active
 
 
 @pytest.mark.gpu
@@ -141,6 +151,7 @@ def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   weights = load_weights(gf, progress=False)
   tok = Tokenizer(gf.metadata)
   reference = _tokens(Engine(gf.config, weights, tok, max_context=64, graphs_on=False), 24)
+  monkeypatch.setattr(engine_mod, "_graphs_possible", lambda: True)    # as on a GPU: the mechanism under test
   monkeypatch.setattr(engine_mod, "_compile", failing)
   engine = Engine(gf.config, weights, tok, max_context=64, graphs_on=True)
   with pytest.warns(RuntimeWarning, match="CUDA graphs .* failed, running without them: RuntimeError: INTERNAL"):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels import decode_attention_reference, ffi, linear_reference
+from jaxllm.kernels import decode_attention_reference, ffi, linear_reference, prefill_attention_reference
 from jaxllm.quant import Linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None,
@@ -33,6 +33,19 @@ if ON_GPU:
 def _rel(a, b):
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def _attention_error(got, ref, dtype) -> float:
+  """How far got is from ref in units of what the output's rounding explains (<= 1 passes).
+
+  The kernels compute in f32 from the same inputs the f32 reference reads; a bf16 output then carries at
+  most half a bf16 ulp (2^-9 relative) per element, so bf16 is allowed 2^-8 |ref| per element plus 1e-5 of
+  the largest; f32 (whose accumulation order differs) 2e-5 of the largest.
+  """
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  big = np.max(np.abs(ref))
+  allowed = 2.0 ** -8 * np.abs(ref) + 1e-5 * big if dtype == jnp.bfloat16 else 2e-5 * big + 0 * ref
+  return float(np.max(np.abs(got - ref) / allowed))
 
 
 def _quantized(rng, layers, n, k):
@@ -104,6 +117,9 @@ def test_w8a16_rejects_bad_input():
     ffi.w8a16_matmul(jnp.ones((1, 128), jnp.int32), lin, 0)
   with pytest.raises(ValueError, match="needs int8 weights"):
     ffi.w8a16_matmul(jnp.ones((1, 128)), Linear(w=jnp.ones((32, 128))), 0)
+  empty = Linear(w=jnp.zeros((1, 32, 0), jnp.int8), scale=jnp.ones((1, 32, 1), jnp.float32))
+  with pytest.raises(ValueError, match="expected K >= 1"):
+    ffi.w8a16_matmul(jnp.ones((1, 0)), empty, 0)
 
 
 # (B, H, G, S, Dh): Qwen2.5-0.5B, SmolLM2, Qwen3-0.6B / Llama-3.2-1B-like, odd sizes.
@@ -129,7 +145,11 @@ def test_decode_attention_matches_reference(b, h, g, s, d, dtype):
     got = call(q, k, v, n, jnp.full((b, h, d), jnp.nan, dtype))
     ref = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1, n)
     assert not np.isnan(np.asarray(got, np.float32)).any(), f"unwritten outputs for lengths {lens}"
-    assert _rel(got, ref) < TOL[dtype] * 2, (lens, _rel(got, ref))
+    assert _attention_error(got, ref, dtype) <= 1, (lens, _attention_error(got, ref, dtype))
+    if min(lens) >= 1024:   # the bound is tight enough to catch a kernel that drops the last visible key
+      short = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1,
+                                         n - 1).astype(dtype)
+      assert _attention_error(short, ref, dtype) > 1, (lens, _attention_error(short, ref, dtype))
 
 
 def test_decode_attention_ignores_stale_cache():
@@ -144,6 +164,17 @@ def test_decode_attention_ignores_stale_cache():
   v[0, 1, :, 300:] = -1e4
   dirty = ffi.decode_attention(q, jnp.asarray(k), jnp.asarray(v), 0, lens)
   np.testing.assert_array_equal(np.asarray(clean), np.asarray(dirty))
+
+
+def test_decode_attention_clips_lengths_to_the_cache():
+  """Lengths outside [1, S] are clipped (the contract of every path): 0 sees one key, S + 5 sees S."""
+  rng = np.random.default_rng(6)
+  k = jnp.asarray(rng.standard_normal((1, 2, 2, 40, 64)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((1, 2, 2, 40, 64)), jnp.float32)
+  q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+  got = ffi.decode_attention(q, k, v, 0, jnp.asarray([0, 45], jnp.int32))
+  want = decode_attention_reference(q, k, v, 0, jnp.asarray([1, 40], jnp.int32))
+  assert _attention_error(got, want, jnp.float32) <= 1
 
 
 def test_decode_attention_rejects_bad_input():
@@ -174,3 +205,33 @@ def test_attention_supported_on_gpu_geometries(monkeypatch):
   assert not ffi.attention_supported(128, 32, 1)
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   assert ffi.attention_supported(32, 32, 1)
+
+
+# (B, T, H, G, S, Dh, starts): Qwen2.5-0.5B and Qwen3/Llama geometries, chunks after a prefix, odd sizes.
+PREFILL_SHAPES = [(1, 256, 14, 2, 1024, 64, [0]), (1, 100, 14, 2, 1000, 64, [700]), (2, 77, 16, 8, 600, 128, [0, 333]),
+                  (1, 64, 32, 8, 256, 128, [64]), (3, 33, 9, 3, 200, 64, [0, 17, 150]), (1, 1, 4, 4, 70, 64, [69]),
+                  (1, 300, 4, 1, 300, 128, [0])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, t, h, g, s, d, starts", PREFILL_SHAPES)
+def test_flash_prefill_attention_matches_reference(b, t, h, g, s, d, starts):
+  """The CUDA flash prefill kernel (bf16) against the f32 masked-softmax reference, poisoned output; the
+  cache past the chunk's last position is filled with huge values that must not reach the result."""
+  rng = np.random.default_rng(t * 31 + s)
+  k = rng.standard_normal((2, b, g, s, d)).astype(np.float32)
+  v = rng.standard_normal((2, b, g, s, d)).astype(np.float32)
+  for r, st in enumerate(starts):
+    k[1, r, :, st + t:] = 3e4
+    v[1, r, :, st + t:] = -3e4
+  k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+  q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
+  st = jnp.asarray(starts, jnp.int32)
+  call = jax.jit(lambda q, k, v, st, p: ffi.prefill_attention(q, k, v, 1, st, poison=p))
+  got = call(q, k, v, st, jnp.full((b, t, h, d), jnp.nan, jnp.bfloat16))
+  ref = prefill_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1, st)
+  assert not np.isnan(np.asarray(got, np.float32)).any(), "unwritten outputs"
+  # P is rounded to bf16 before it meets v (as in FlashAttention): allow 2^-7 relative beyond the output's own.
+  err = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
+  allowed = 2.0 ** -7 * np.abs(np.asarray(ref, np.float64)) + 4e-3 * np.max(np.abs(np.asarray(ref)))
+  assert np.max(err / allowed) <= 1, float(np.max(err / allowed))

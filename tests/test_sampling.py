@@ -1,32 +1,40 @@
-"""Device sampling: greedy, temperature, top-k, top-p, checked by their distributions on fresh keys."""
+"""Device sampling against independent expectations: numpy argmax, the softmax the settings define (by the
+frequencies of many draws), llama.cpp's penalty formula written in numpy; settings as data (one compiled
+sampler serves them all) and non-finite logits reported, not sampled."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import SamplingParams, sample
+from jaxllm.sampling import (MAX_TOP_K, NONFINITE, PENALTY_WINDOW, Sampler, SamplingParams, sample,
+                             top_candidates, window_of)
 
 N = 20000
 
 
-def _draws(logits, params, seed=0):
-  keys = jax.random.split(jax.random.PRNGKey(seed), N)
-  out = jax.vmap(lambda k: sample(jnp.asarray(logits)[None], k, params)[0])(keys)
-  return np.bincount(np.asarray(out), minlength=len(logits)) / N
+def _draws(logits, params):
+  """Frequencies of N draws for one row of logits, each draw with its own seed (one compiled call)."""
+  logits = np.asarray(logits, np.float32)
+  sampler = Sampler.create([params] * N, N, seed=0)
+  tokens, _ = jax.jit(sample)(jnp.broadcast_to(jnp.asarray(logits), (N, len(logits))), sampler)
+  return np.bincount(np.asarray(tokens), minlength=len(logits)) / N
 
 
-def test_greedy_is_argmax():
-  logits = jax.random.normal(jax.random.PRNGKey(1), (7, 1000))
-  got = sample(logits, jax.random.PRNGKey(2), SamplingParams())
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(logits, -1)))
-  assert SamplingParams(temperature=0.9, top_k=1).greedy
+def test_greedy_is_numpy_argmax():
+  rng = np.random.default_rng(1)
+  logits = rng.standard_normal((7, 1000)).astype(np.float32)
+  for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=1)):
+    for greedy_only in (False, True):
+      got, _ = sample(jnp.asarray(logits), Sampler.create(params, 7), greedy_only=greedy_only)
+      np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
 
 
-def test_temperature_matches_softmax():
-  logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+def test_temperature_matches_softmax_over_the_full_vocabulary():
+  logits = np.log(np.array([0.5, 0.3, 0.15, 0.05] + [1e-3] * 200))   # tail mass ~0.17: not truncated
   freq = _draws(logits, SamplingParams(temperature=2.0))
   want = np.exp(logits / 2) / np.exp(logits / 2).sum()
-  np.testing.assert_allclose(freq, want, atol=0.015)
+  np.testing.assert_allclose(freq[:4], want[:4], atol=0.012)
+  assert abs(freq[4:].sum() - want[4:].sum()) < 0.012
 
 
 def test_top_k_keeps_k_best():
@@ -37,7 +45,7 @@ def test_top_k_keeps_k_best():
   np.testing.assert_allclose(freq[[1, 4]], want, atol=0.015)
 
 
-@pytest.mark.parametrize("top_p, kept", [(0.7, [0, 1]), (0.5, [0]), (0.9, [0, 1, 2]), (1.0, [0, 1, 2, 3])])
+@pytest.mark.parametrize("top_p, kept", [(0.7, [0, 1]), (0.45, [0]), (0.9, [0, 1, 2]), (1.0, [0, 1, 2, 3])])
 def test_top_p_keeps_smallest_nucleus(top_p, kept):
   probs = np.array([0.5, 0.3, 0.15, 0.05])
   freq = _draws(np.log(probs), SamplingParams(temperature=1.0, top_p=top_p))
@@ -53,9 +61,110 @@ def test_top_k_then_top_p():
   np.testing.assert_allclose(freq, [4 / 7, 3 / 7, 0, 0], atol=0.015)
 
 
-def test_seeded_sampling_is_reproducible():
-  logits = jax.random.normal(jax.random.PRNGKey(3), (2, 500))
-  p = SamplingParams(temperature=1.0, top_p=0.9)
-  a = sample(logits, jax.random.PRNGKey(11), p)
-  b = sample(logits, jax.random.PRNGKey(11), p)
-  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def test_min_p_drops_tokens_below_its_share_of_the_best():
+  probs = np.array([0.5, 0.3, 0.12, 0.08])
+  freq = _draws(np.log(probs), SamplingParams(temperature=1.0, min_p=0.2))   # keeps p >= 0.1
+  np.testing.assert_allclose(freq, [0.5 / 0.92, 0.3 / 0.92, 0.12 / 0.92, 0], atol=0.015)
+
+
+def _numpy_penalties(logits, history, r, f, p):
+  """llama.cpp's penalties over the last PENALTY_WINDOW tokens, written independently."""
+  out = logits.astype(np.float64).copy()
+  window = history[-PENALTY_WINDOW:]
+  for tok in set(window):
+    count = window.count(tok)
+    x = out[tok]
+    x = x / r if x > 0 else x * r
+    out[tok] = x - count * f - p
+  return out
+
+
+@pytest.mark.parametrize("r, f, p", [(1.3, 0.0, 0.0), (1.0, 0.4, 0.0), (1.0, 0.0, 0.7), (1.1, 0.2, 0.3)])
+def test_penalties_match_llama_cpp_formula(r, f, p):
+  rng = np.random.default_rng(7)
+  v = 300
+  logits = rng.standard_normal((2, v)).astype(np.float32) * 3
+  histories = [list(rng.integers(0, 40, 100)), [5, 5, 5, 9]]
+  params = SamplingParams(repeat_penalty=r, frequency_penalty=f, presence_penalty=p)
+  sampler = Sampler.create(params, 2, history=histories, vocab_size=v)
+  from jaxllm.sampling import apply_penalties
+  got = np.asarray(apply_penalties(jnp.asarray(logits), sampler))
+  for b in range(2):
+    np.testing.assert_allclose(got[b], _numpy_penalties(logits[b], histories[b], r, f, p), rtol=1e-6, atol=1e-6)
+  tokens, _ = sample(jnp.asarray(logits), sampler)
+  np.testing.assert_array_equal(np.asarray(tokens), [_numpy_penalties(logits[b], histories[b], r, f, p).argmax()
+                                                     for b in range(2)])
+
+
+def test_window_holds_the_last_tokens():
+  hist = list(range(100, 100 + 70))
+  w = window_of(hist, -9)
+  assert sorted(w.tolist()) == hist[-PENALTY_WINDOW:]
+  assert sorted(window_of([1, 2, 3], -9).tolist()) == [-9] * (PENALTY_WINDOW - 3) + [1, 2, 3]
+
+
+@pytest.mark.parametrize("v, k", [(151936, MAX_TOP_K), (49152, 40), (1000, 128), (100, 128), (5000, 1)])
+def test_top_candidates_equal_a_full_sort(v, k):
+  rng = np.random.default_rng(v)
+  x = rng.standard_normal((3, v)).astype(np.float32)
+  x[1, :50] += 10                                  # the best all in one block
+  vals, ids = top_candidates(jnp.asarray(x), k)
+  want = np.argsort(-x, axis=-1, kind="stable")[:, :min(k, v)]
+  np.testing.assert_array_equal(np.asarray(ids), want)
+  np.testing.assert_array_equal(np.asarray(vals), np.take_along_axis(x, want, -1))
+
+
+def test_a_row_is_drawn_the_same_in_any_batch():
+  """Each row has its own key: its draw does not depend on the other rows or its position."""
+  rng = np.random.default_rng(3)
+  logits = rng.standard_normal((4, 500)).astype(np.float32)
+  p = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in (11, 12, 13, 14)]
+  together, _ = sample(jnp.asarray(logits), Sampler.create(p, 4))
+  alone = [int(sample(jnp.asarray(logits[b:b + 1]), Sampler.create([p[b]], 1))[0][0]) for b in range(4)]
+  assert np.asarray(together).tolist() == alone
+  swapped, _ = sample(jnp.asarray(logits[::-1]), Sampler.create(p[::-1], 4))
+  assert np.asarray(swapped).tolist() == alone[::-1]
+  other, _ = sample(jnp.asarray(logits), Sampler.create([SamplingParams(temperature=1.0, seed=s) for s in
+                                                         (21, 22, 23, 24)], 4))
+  assert np.asarray(other).tolist() != alone
+
+
+def test_non_finite_logits_are_reported_not_sampled():
+  logits = np.zeros((3, 50), np.float32)
+  logits[0, 7] = np.nan
+  logits[1, 3] = np.inf
+  logits[2, 9] = 5.0
+  for params in (SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)):
+    got, _ = sample(jnp.asarray(logits), Sampler.create(params, 3))
+    assert np.asarray(got).tolist()[:2] == [NONFINITE, NONFINITE]
+    assert 0 <= int(got[2]) < 50
+
+
+def test_one_compiled_sampler_serves_every_setting():
+  """Settings are arrays: a jitted sample() compiles once for any temperature, top-k, top-p or seed."""
+  def draw(logits, sampler):      # a function of its own: jit's cache then holds this test's entries only
+    return sample(logits, sampler)
+  fn = jax.jit(draw)
+  logits = jnp.asarray(np.random.default_rng(0).standard_normal((2, 100)), jnp.float32)
+  for params in (SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=1.3, top_k=5),
+                 SamplingParams(min_p=0.1, temperature=0.5, repeat_penalty=1.2)):
+    fn(logits, Sampler.create(params, 2))
+  assert fn._cache_size() == 1
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+    (dict(top_k=-3), r"top_k must be an integer in \[0, 128\] \(0 = off\), got -3"),
+    (dict(top_k=2.5), r"top_k must be an integer in \[0, 128\] \(0 = off\), got 2.5"),
+    (dict(top_k=500), r"top_k must be an integer in \[0, 128\]"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(min_p=1.0), r"min_p must be in \[0, 1\), got 1.0"),
+    (dict(repeat_penalty=0.0), r"repeat_penalty must be a finite number > 0"),
+    (dict(presence_penalty=float("inf")), r"presence_penalty must be a finite number"),
+    (dict(seed=-1), r"seed must be an integer in \[0, 2\^63\) or None, got -1"),
+])
+def test_bad_sampling_values(kw, msg):
+  with pytest.raises(ValueError, match=msg):
+    SamplingParams(**kw)

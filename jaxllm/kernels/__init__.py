@@ -4,9 +4,11 @@
 jaxllm's own kernels through the XLA FFI (see jaxllm/kernels/ffi.py), "auto" picks "ffi" where the
 extension is built and loads, else "xla".
 """
-from jaxllm.kernels.attention import decode_attention, decode_attention_reference
+from jaxllm.kernels.attention import (decode_attention, decode_attention_reference, prefill_attention,
+                                     prefill_attention_blocked, prefill_attention_reference)
 from jaxllm.kernels.linear import linear, linear_reference
 from jaxllm.kernels.select import KERNEL_CHOICES, resolve_kernels
 
 __all__ = ["KERNEL_CHOICES", "decode_attention", "decode_attention_reference", "linear",
-           "linear_reference", "resolve_kernels"]
+           "linear_reference", "prefill_attention", "prefill_attention_blocked", "prefill_attention_reference",
+           "resolve_kernels"]

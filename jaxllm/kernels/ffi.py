@@ -127,6 +127,9 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
   k = x.shape[-1]
   if k != w.shape[2]:
     raise ValueError(f"x has K={k} but the weight has K={w.shape[2]}")
+  if k < 1 or w.shape[1] < 1 or k % scale.shape[-1] or (k // scale.shape[-1]) % 16:
+    raise ValueError(f"expected K >= 1 and N >= 1 with K a multiple of the scale groups (each a multiple of "
+                     f"16 inputs); got w {w.shape}, scale {scale.shape}")
   lead = x.shape[:-1]
   m = int(np.prod(lead)) if lead else 1
   if m > max_m() and poison is None:
@@ -192,3 +195,43 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
   args = (q, k_cache, v_cache, lengths.astype(jnp.int32)) + ((poison,) if poison is not None else ())
   out, _ = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", **kw)(*args, layer=np.int64(layer))
   return out
+
+
+PREFILL_HEAD_DIMS = (64, 128)   # head dims the CUDA flash prefill kernel is built for
+
+
+def prefill_attention_supported(head_dim: int, n_heads: int, n_kv_heads: int, dtype) -> bool:
+  """Whether the CUDA flash prefill attention takes this geometry (GPU, built, bf16, Dh 64 or 128).
+
+  The CPU has no FFI prefill kernel: it runs the blocked jnp form (attention.prefill_attention_blocked)."""
+  if jax.default_backend() != "gpu" or unavailable_reason() is not None:
+    return False
+  from jaxllm import _ffi
+  return (_ffi.with_cuda and jnp.dtype(dtype) == jnp.bfloat16 and head_dim in PREFILL_HEAD_DIMS
+          and n_heads % n_kv_heads == 0)
+
+
+def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int, start: jax.Array, *,
+                      poison: jax.Array | None = None) -> jax.Array:
+  """jaxllm's flash prefill attention (CUDA); see attention.prefill_attention_reference for the contract.
+
+  q [B, T, H, Dh] bf16, caches [L, B, G, S, Dh] bf16, start [B] int32 -> [B, T, H, Dh].
+  `poison` (tests only): a [B, T, H, Dh] buffer the kernel writes into, to catch unwritten outputs.
+  """
+  _ensure_registered()
+  if q.ndim != 4 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+    raise ValueError(f"expected q [B, T, H, Dh] and caches [L, B, G, S, Dh]; got q {q.shape}, "
+                     f"k {k_cache.shape}, v {v_cache.shape}")
+  n_layers, b, g, s, dh = k_cache.shape
+  if q.shape[0] != b or q.shape[3] != dh or q.shape[2] % g:
+    raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}")
+  if q.dtype != jnp.bfloat16 or k_cache.dtype != jnp.bfloat16 or v_cache.dtype != jnp.bfloat16:
+    raise ValueError(f"the flash prefill kernel takes bf16 q and caches, got {q.dtype}, {k_cache.dtype}")
+  if start.shape != (b,):
+    raise ValueError(f"start must be [B]={b}, got {start.shape}")
+  if not 0 <= layer < n_layers:
+    raise ValueError(f"layer must be in [0, {n_layers}), got {layer!r}")
+  name, kw = _target("jaxllm_prefill_attention", poison, 4)
+  args = (q, k_cache, v_cache, start.astype(jnp.int32)) + ((poison,) if poison is not None else ())
+  return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential",
+                          **kw)(*args, layer=np.int64(layer))
