@@ -51,7 +51,7 @@ def child(model: str, steps: int) -> None:
   prompt = list(range(1, 33))
   mark("warmup")                                      # compile, record, first replays
   engine.burst_step_ms(prompt, 4)
-  cache = create_cache(config, 1, engine.max_context, engine.dtype)
+  cache = create_cache(config, 1, engine.max_context, engine.dtype, engine.cache_dtype)
   state = prefill(config, weights, cache, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32),
                   Sampler.create(SamplingParams(), 1), kernels=engine.kernels)
   step = engine.step_fn(1, greedy=True)

@@ -62,11 +62,12 @@ inline ffi::Error CheckAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
                                  const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& out, int64_t layer,
                                  AttentionShape* shape) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ld = lengths.dimensions();
-  if (q.element_type() != ffi::F32 && q.element_type() != ffi::BF16)
-    return ffi::Error::InvalidArgument("jaxllm_decode_attention: q must be f32 or bf16");
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
-      out.element_type() != q.element_type())
-    return ffi::Error::InvalidArgument("jaxllm_decode_attention: q, caches and output must share a dtype");
+  auto float_type = [](ffi::DataType t) { return t == ffi::F32 || t == ffi::BF16; };
+  if (!float_type(q.element_type()) || !float_type(k.element_type()))
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention: q and caches must be f32 or bf16");
+  if (v.element_type() != k.element_type() || out.element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention: k and v caches must share a dtype, and the "
+                                       "output must have q's");
   if (lengths.element_type() != ffi::S32)
     return ffi::Error::InvalidArgument("jaxllm_decode_attention: lengths must be int32");
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || ld.size() != 1)

@@ -186,7 +186,7 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               int64_t layer) {
   AttentionShape s;
   if (auto err = CheckAttention(q, k, v, lengths, *out, layer, &s); err.failure()) return err;
-  const ffi::DataType t = q.element_type();
+  const ffi::DataType t = q.element_type(), tkv = k.element_type();   // f32 q may meet a bf16 cache
   // Visible lengths are clipped to [1, S], the contract of every path (jaxllm/kernels/attention.py).
   const int32_t* len_in = static_cast<const int32_t*>(lengths.untyped_data());
   std::vector<int32_t> len(s.b);
@@ -194,14 +194,14 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   const int64_t rep = s.h / s.g;
   const float softmax_scale = 1.f / std::sqrt(float(s.d));
   // One task per (b, kv head): it reads that head's keys/values once for all `rep` query heads.
-  ParallelFor(pool, s.b * s.g, [&, rep, softmax_scale](int64_t bg) {
+  ParallelFor(pool, s.b * s.g, [&, t, tkv, rep, softmax_scale](int64_t bg) {
     const int64_t b = bg / s.g, g = bg % s.g;
     const int64_t base = (((layer * s.b + b) * s.g + g) * s.s) * s.d;   // cache[layer, b, g, 0, 0]
     std::vector<float> qf(rep * s.d), acc(rep * s.d, 0.f), kf(s.d), vf(s.d), mx(rep, -INFINITY), den(rep, 0.f);
     for (int64_t r = 0; r < rep; ++r) LoadF32(q.untyped_data(), t, (b * s.h + g * rep + r) * s.d, s.d, &qf[r * s.d]);
     for (int64_t pos = 0; pos < len[b]; ++pos) {
-      LoadF32(k.untyped_data(), t, base + pos * s.d, s.d, kf.data());
-      LoadF32(v.untyped_data(), t, base + pos * s.d, s.d, vf.data());
+      LoadF32(k.untyped_data(), tkv, base + pos * s.d, s.d, kf.data());
+      LoadF32(v.untyped_data(), tkv, base + pos * s.d, s.d, vf.data());
       for (int64_t r = 0; r < rep; ++r) {
         const float* qr = &qf[r * s.d];
         float dot = 0.f;

@@ -368,6 +368,8 @@ ffi::Error DecodeAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::Result<ffi::AnyBuffer> workspace, int64_t layer) {
   AttentionShape s;
   if (auto err = CheckAttention(q, k, v, lengths, *out, layer, &s); err.failure()) return err;
+  if (k.element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention: the CUDA kernel takes q in the caches' dtype");
   auto wd = workspace->dimensions();
   const int P = wd.size() == 4 ? int(wd[2]) : 0;
   if (workspace->element_type() != ffi::F32 || wd.size() != 4 || wd[0] != s.b || wd[1] != s.h || P < 1 ||

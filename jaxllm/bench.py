@@ -83,6 +83,16 @@ def _peak_memory() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
+def _peak_rss() -> int:
+  """This process's peak resident memory in bytes (Linux reports ru_maxrss in KiB)."""
+  import resource
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gb(n) -> str:
+  return "n/a" if n is None else f"{n / 1e9:.2f}"
+
+
 def load_model(model: str, quant: str, seed: int):
   """(config, weights, tokenizer or None, synthetic?) for a path, demo name or synthetic preset."""
   from jaxllm.load import default_dtype, load
@@ -116,13 +126,13 @@ def write_records(records: list[dict], out: str | None) -> None:
     sys.stdout.write(lines)
 
 
-def measure(engine, prompts, decode_len: int, repeat: int, warmup: int, pipelined: bool) -> dict:
+def measure(engine, prompts, decode_len: int, repeat: int, warmup: int, pipelined: bool, params=None) -> dict:
   """TTFT and per-step times of `repeat` requests (each a batch of `prompts`) after `warmup` ones."""
   from jaxllm.sampling import SamplingParams
-  requests = [[t for _, t in engine.stream_tokens(prompts, decode_len, SamplingParams(), i, pipelined,
-                                                  ignore_eos=True)]
+  params = params or SamplingParams()
+  requests = [[t for _, t in engine.stream_tokens(prompts, decode_len, params, i, pipelined, ignore_eos=True)]
               for i in range(warmup + repeat)][warmup:]
-  burst = engine.burst_step_ms(prompts[0], min(decode_len, 64)) if len(prompts) == 1 else None
+  burst = engine.burst_step_ms(prompts[0], min(decode_len, 64)) if len(prompts) == 1 and params.greedy else None
   return {"step_ms_burst": burst, **timing_stats(requests)}
 
 
@@ -137,42 +147,50 @@ def run(args) -> list[dict]:
   prompts = [[int(t) for t in rng.integers(0, config.vocab_size, args.prompt_len)] for _ in range(args.batch)]
   max_context = args.max_context or args.prompt_len + args.decode_len + 8
   env = environment()
-  bandwidth = copy_bandwidth_gb_s()
   wbytes = weight_bytes_per_token(weights)
   all_weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
   graphs_on = {"on": True, "off": False, "env": None}[args.graphs]
+  from jaxllm.sampling import SamplingParams
+  params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
   records = []
   for kernels in (["ffi", "xla"] if args.kernels == "both" else [args.kernels]):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
                     prefill_chunk=args.prefill_chunk)
     t0 = time.perf_counter()
-    engine.warmup(args.prompt_len, batch=args.batch)
+    engine.warmup(args.prompt_len, params, batch=args.batch)
     compile_s = time.perf_counter() - t0
     state = engine.graph_state() if args.graph_state else {"state": "not inspected"}
     for loop in (["pipelined", "streaming"] if args.loop == "both" else [args.loop]):
-      m = measure(engine, prompts, args.decode_len, args.repeat, args.warmup, loop == "pipelined")
+      m = measure(engine, prompts, args.decode_len, args.repeat, args.warmup, loop == "pipelined", params)
       m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch
+      peak = _peak_memory()                  # before the bandwidth probe below allocates its own buffer
       rec = {"schema_version": SCHEMA_VERSION, "label": args.label, "model": args.model, "synthetic": synthetic,
              "arch": config.arch, "quant": args.quant, "kernels": engine.kernels,
              "graphs_requested": engine.graphs_requested, "graph_state": state,
              "compiler_options": engine.compiler_options, "loop": loop, "batch": args.batch,
              "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,
+             "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
              "repeat": args.repeat, "compile_s": compile_s, **m,
              "weight_bytes_per_token": wbytes,
              "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,   # one weight pass per step, whatever the batch
-             "byte_floor_ms": wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None,
-             "copy_gb_s": bandwidth, "peak_memory_bytes": _peak_memory(), "weights_bytes": all_weight_bytes,
-             "cache_bytes": cache_bytes(config, args.batch, max_context, engine.dtype),
+             "peak_memory_bytes": peak, "peak_rss_bytes": _peak_rss(), "weights_bytes": all_weight_bytes,
+             "cache_bytes": cache_bytes(config, args.batch, max_context, engine.cache_dtype),
              "prefill_chunk": engine.prefill_chunk, "env": env}
       if rec["peak_memory_bytes"] is not None:
         rec["peak_beyond_weights_and_cache_bytes"] = rec["peak_memory_bytes"] - all_weight_bytes - rec["cache_bytes"]
       records.append(rec)
-      print(f"[bench] {args.model} kernels={rec['kernels']} graphs={'on' if rec['graphs_requested'] else 'off'}"
-            f"({state.get('state')}) loop={loop}: TTFT {rec['ttft_ms']:.2f} ms, TPOT {rec['tpot_ms_mean']:.3f} ms "
-            f"(p50 {rec['tpot_ms_p50']:.3f}, p90 {rec['tpot_ms_p90']:.3f}), burst step {rec['step_ms_burst'] or 0:.3f} ms, "
-            f"batch {args.batch}: {rec['decode_tok_s']:.1f} tok/s per sequence, {rec['decode_tok_s_total']:.1f} total, "
-            f"weights {rec['weight_gb_s']:.0f} GB/s of {bandwidth:.0f}, floor {rec['byte_floor_ms']:.3f} ms",
-            file=sys.stderr)
+  bandwidth = copy_bandwidth_gb_s()
+  for rec in records:
+    rec["copy_gb_s"] = bandwidth
+    rec["byte_floor_ms"] = wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None
+    print(f"[bench] {args.model} kernels={rec['kernels']} graphs={'on' if rec['graphs_requested'] else 'off'}"
+          f"({rec['graph_state'].get('state')}) loop={rec['loop']}: TTFT {rec['ttft_ms']:.2f} ms, "
+          f"TPOT {rec['tpot_ms_mean']:.3f} ms (p50 {rec['tpot_ms_p50']:.3f}, p90 {rec['tpot_ms_p90']:.3f}), "
+          f"burst step {rec['step_ms_burst'] or 0:.3f} ms, batch {args.batch}: {rec['decode_tok_s']:.1f} tok/s per "
+          f"sequence, {rec['decode_tok_s_total']:.1f} total, weights {rec['weight_gb_s']:.0f} GB/s of "
+          f"{bandwidth:.0f}, floor {rec['byte_floor_ms']:.3f} ms, peak device {_gb(rec['peak_memory_bytes'])} GB "
+          f"(beyond weights and cache {_gb(rec.get('peak_beyond_weights_and_cache_bytes'))}), "
+          f"peak RSS {_gb(rec['peak_rss_bytes'])} GB", file=sys.stderr)
   return records
 
 
@@ -184,6 +202,7 @@ def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
     cmd += ["--max-context", str(args.max_context)]
   if args.prefill_chunk:
     cmd += ["--prefill-chunk", str(args.prefill_chunk)]
+  cmd += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p)]
   if args.graph_state:
     cmd.append("--graph-state")
   subprocess.run(cmd, check=True, env={**os.environ, **env_extra})
@@ -315,6 +334,9 @@ def build_parser():
                  help="XLA flag sets, each run in its own process: files with one set per line, or sets such as "
                       "default 'xla_gpu_enable_command_buffer=FUSION' (leading -- optional)")
   p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk")
+  p.add_argument("--temperature", type=float, default=0.0, help="sampling (default greedy)")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--label", default="")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="append JSON lines here (default: stdout)")

@@ -14,12 +14,19 @@ from jaxllm.config import Config
 class KVCache:
   """Keys and values of every layer.
 
-  k, v: [L, B, G, S, Dh] in the activation dtype. Position s of sequence b holds the key of that
-  sequence's token s once it has been run; positions past a sequence's length hold stale values that
-  attention masks out.
+  k, v: [L, B, G, S, Dh] in the cache dtype (bf16 by default: half the memory and half the bytes decode
+  attention reads; llama.cpp keeps f16). Position s of sequence b holds the key of that sequence's token s
+  once it has been run; positions past a sequence's length hold stale values that attention masks out.
+  compute: the activation dtype the model runs in with this cache (static: matmul inputs, q, outputs).
   """
   k: jax.Array
   v: jax.Array
+  compute: str = dataclasses.field(default="", metadata=dict(static=True))
+
+  @property
+  def compute_dtype(self):
+    """The activation dtype (the cache's own dtype when none was given)."""
+    return jnp.dtype(self.compute) if self.compute else self.k.dtype
 
   @property
   def batch(self) -> int:
@@ -62,10 +69,15 @@ def check_fits(config: Config, batch: int, max_len: int, dtype) -> None:
                      "use a smaller context (--max-context) or batch")
 
 
-def create_cache(config: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-  """An empty cache for `batch` sequences of up to `max_len` tokens."""
+def create_cache(config: Config, batch: int, max_len: int, dtype=jnp.float32, cache_dtype=None) -> KVCache:
+  """An empty cache for `batch` sequences of up to `max_len` tokens.
+
+  dtype: the activation dtype; cache_dtype: what keys and values are stored in (default: dtype).
+  """
   if batch < 1 or max_len < 1:
     raise ValueError(f"cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
-  check_fits(config, batch, max_len, dtype)
+  cache_dtype = cache_dtype or dtype
+  check_fits(config, batch, max_len, cache_dtype)
   shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+  return KVCache(k=jnp.zeros(shape, cache_dtype), v=jnp.zeros(shape, cache_dtype),
+                 compute=jnp.dtype(dtype).name if jnp.dtype(dtype) != jnp.dtype(cache_dtype) else "")

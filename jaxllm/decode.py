@@ -72,8 +72,8 @@ def _last_hidden(hidden: jax.Array, lengths: jax.Array, last: jax.Array | None) 
 
 
 def extend(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
-           start: jax.Array, last: jax.Array | None = None, *,
-           kernels: str = "xla") -> tuple[KVCache, jax.Array]:
+           start: jax.Array, last: jax.Array | None = None, *, kernels: str = "xla",
+           layers: str = "unrolled") -> tuple[KVCache, jax.Array]:
   """Runs each row's first lengths[b] tokens from cache position start[b]; samples nothing.
 
   The building block of chunked prefill: the cache keeps what it held before start (an earlier chunk or
@@ -81,11 +81,12 @@ def extend(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, 
   Args:
     tokens: [B, T] int32, right-padded; lengths: [B] int32 in [0, T]; start: [B] int32.
     last: [B, D] f32 carried for rows with lengths 0 (their last token was in an earlier chunk).
+    layers: "unrolled" or "scan" (see model.forward).
   Returns:
     the cache and each row's final hidden state [B, D] f32 at its last new token.
   """
   valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-  hidden, cache = forward(config, weights, cache, tokens, start, valid, kernels=kernels)
+  hidden, cache = forward(config, weights, cache, tokens, start, valid, kernels=kernels, layers=layers)
   return cache, _last_hidden(hidden, lengths, last)
 
 
@@ -93,7 +94,7 @@ def finish_prefill(config: Config, weights: Weights, cache: KVCache, hidden: jax
                    sampler: Sampler, limit: jax.Array, eog: jax.Array, *, greedy_only: bool = False,
                    kernels: str = "xla") -> DecodeState:
   """Samples each row's first new token from its last hidden state [B, D]; pos [B] = tokens in the cache."""
-  step_logits = logits(weights, hidden, cache.k.dtype, kernels=kernels)                 # [B, V]
+  step_logits = logits(weights, hidden, cache.compute_dtype, kernels=kernels)                 # [B, V]
   tokens, sampler = sample(step_logits, sampler, greedy_only=greedy_only)
   sampler = sampler.push(tokens, pos, jnp.ones_like(pos, bool))
   return DecodeState(cache=cache, tokens=tokens, pos=pos, done=_stopped(tokens, pos, limit, eog),
@@ -135,7 +136,7 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
   active = ~state.done
   hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, active[:, None],
                           kernels=kernels)
-  step_logits = logits(weights, hidden[:, 0], cache.k.dtype, kernels=kernels)          # [B, V]
+  step_logits = logits(weights, hidden[:, 0], cache.compute_dtype, kernels=kernels)          # [B, V]
   new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only)
   tokens = jnp.where(active, new, state.tokens)
   pos = jnp.where(active, state.pos + 1, state.pos)
@@ -149,4 +150,4 @@ def sequence_logits(config: Config, weights: Weights, cache: KVCache, tokens: ja
                     start: jax.Array, *, kernels: str = "xla") -> tuple[jax.Array, KVCache]:
   """Logits [B, T, V] f32 of every position of tokens [B, T] written from cache position start [B]."""
   hidden, cache = forward(config, weights, cache, tokens, start, kernels=kernels)
-  return logits(weights, hidden, cache.k.dtype, kernels=kernels), cache
+  return logits(weights, hidden, cache.compute_dtype, kernels=kernels), cache

@@ -40,6 +40,7 @@ from jaxllm.tokenizer import StreamDecoder, Tokenizer
 
 MIN_BUCKET = 16
 PREFILL_CHUNK = {"gpu": 2048, "cpu": 512}   # tokens per prefill chunk (docs/results: chosen by measurement)
+PREFILL_LAYERS = {"cpu": "scan"}            # how prefill runs the layers per backend (model.forward)
 
 
 def prompt_bucket(length: int, cap: int) -> int:
@@ -135,9 +136,9 @@ def _spec(tree):
 
 
 def _final_chunk(config, weights, cache, tokens, lengths, start, last, pos, sampler, limit, eog, *, greedy_only,
-                 kernels):
+                 kernels, layers):
   """The last prefill chunk: extend the cache, then sample each row's first token."""
-  cache, hidden = extend(config, weights, cache, tokens, lengths, start, last, kernels=kernels)
+  cache, hidden = extend(config, weights, cache, tokens, lengths, start, last, kernels=kernels, layers=layers)
   return finish_prefill(config, weights, cache, hidden, pos, sampler, limit, eog, greedy_only=greedy_only,
                         kernels=kernels)
 
@@ -150,12 +151,18 @@ class Engine:
     max_context: cache length S (prompt + generated tokens must fit).
     kernels: "auto" | "ffi" | "xla" (see jaxllm.kernels); `self.kernels` is the path that runs.
     graphs_on: None = the JAXLLM_CUDA_GRAPHS default, True/False to force.
-    dtype: activation/cache dtype; default bf16 on GPU, f32 on CPU.
+    dtype: activation dtype; default bf16 on GPU, f32 on CPU.
+    cache_dtype: the KV cache's dtype; default the activation dtype. bf16 under f32 activations halves the
+      cache's memory on the CPU (the FFI attention reads it as it is), but XLA's CPU scatter upcasts a
+      bf16 array whole for each write, which makes prefill slower: not the default there.
     prefill_chunk: prompt tokens per prefill chunk (default per backend, PREFILL_CHUNK).
+    cache_executables: keep compiled executables on disk (jaxllm.store) and load them on a later run
+      instead of tracing and compiling again.
   """
 
   def __init__(self, config: Config, weights: Weights, tokenizer: Tokenizer | None, max_context: int,
-               kernels: str = "auto", graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None):
+               kernels: str = "auto", graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
+               cache_executables: bool = False, cache_dtype=None):
     if not isinstance(max_context, int) or max_context < 2:
       raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
     self.config = config
@@ -167,18 +174,24 @@ class Engine:
     self.compiler_options = graphs.compiler_options(self.graphs_requested)
     self.graphs_fallback: str | None = None   # why command buffers were dropped, if they were
     self.dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+    self.cache_dtype = cache_dtype or self.dtype
     chunk = prefill_chunk or PREFILL_CHUNK.get(jax.default_backend(), 512)
     if not isinstance(chunk, int) or chunk < MIN_BUCKET:
       raise ValueError(f"prefill_chunk must be an integer >= {MIN_BUCKET}, got {chunk!r}")
     self.prefill_chunk = chunk
+    # The CPU's prefill scans over the layers (a working set of one layer, and a program that compiles in a
+    # fraction of the time); the GPU's is unrolled, like the decode step, for its kernels and command buffers.
+    self.prefill_layers = PREFILL_LAYERS.get(jax.default_backend(), "unrolled")
     self._cache: KVCache | None = None
     self._history: list[list[int]] | None = None   # per row: the tokens whose keys the cache holds
     self._exe: dict[tuple, Callable] = {}
     self._lock = threading.Lock()
     self._active: Iterator | None = None
+    self._active_thread: threading.Thread | None = None
     self.last_reused: list[int] = []
     self.compile_seconds = 0.0
-    check_fits(config, 1, self.max_context, self.dtype)
+    self.cache_executables = cache_executables
+    check_fits(config, 1, self.max_context, self.cache_dtype)
 
   # ---- compilation ---------------------------------------------------------------------------
 
@@ -188,6 +201,18 @@ class Engine:
     if key in self._exe:
       return self._exe[key]
     t0 = time.perf_counter()
+    disk_key = None
+    if self.cache_executables:
+      from jaxllm import store
+      disk_key = store.executable_key(key, self.config, self.kernels, jnp.dtype(self.dtype).name,
+                                      jnp.dtype(self.cache_dtype).name, self.max_context,
+                                      sorted(self.compiler_options.items()), jax.tree.structure(args),
+                                      [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
+      compiled = store.load_executable(disk_key)
+      if compiled is not None:
+        self.compile_seconds += time.perf_counter() - t0
+        self._exe[key] = compiled
+        return compiled
     try:
       compiled = _compile(fn, donate, self.compiler_options, args)
       if self.graphs_active:
@@ -201,6 +226,10 @@ class Engine:
       self.compiler_options = graphs.compiler_options(False)
       self._exe.clear()
       compiled = _compile(fn, donate, self.compiler_options, args)
+      disk_key = None                   # the options changed: this key no longer describes the executable
+    if disk_key is not None:
+      from jaxllm import store
+      store.save_executable(disk_key, compiled)
     self.compile_seconds += time.perf_counter() - t0
     self._exe[key] = compiled
     return compiled
@@ -216,13 +245,14 @@ class Engine:
     if cache is None or cache.k.is_deleted() or cache.batch != batch:
       cache = None
       self._history = None
-      cache = create_cache(self.config, batch, self.max_context, self.dtype)
+      cache = create_cache(self.config, batch, self.max_context, self.dtype, self.cache_dtype)
     return cache
 
   def _cache_spec(self, batch: int) -> KVCache:
     c = self.config
-    kv = jax.ShapeDtypeStruct((c.n_layers, batch, c.n_kv_heads, self.max_context, c.head_dim), self.dtype)
-    return KVCache(k=kv, v=kv)
+    kv = jax.ShapeDtypeStruct((c.n_layers, batch, c.n_kv_heads, self.max_context, c.head_dim), self.cache_dtype)
+    compute = jnp.dtype(self.dtype).name if jnp.dtype(self.dtype) != jnp.dtype(self.cache_dtype) else ""
+    return KVCache(k=kv, v=kv, compute=compute)
 
   def _sampler_spec(self, batch: int) -> Sampler:
     return _spec(Sampler.create(SamplingParams(), batch))
@@ -235,7 +265,7 @@ class Engine:
 
   def extend_fn(self, batch: int, size: int) -> Callable:
     """Compiled extend(weights, cache, tokens [B, size], lengths, start, last) -> (cache, last)."""
-    fn = functools.partial(extend, self.config, kernels=self.kernels)
+    fn = functools.partial(extend, self.config, kernels=self.kernels, layers=self.prefill_layers)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, size), jnp.int32), vec, vec,
             jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32))
@@ -244,7 +274,8 @@ class Engine:
   def prefill_fn(self, batch: int, bucket: int, greedy: bool) -> Callable:
     """Compiled final prefill chunk (weights, cache, tokens [B, bucket], lengths, start, last, pos, sampler,
     limit, eog) -> DecodeState."""
-    fn = functools.partial(_final_chunk, self.config, greedy_only=greedy, kernels=self.kernels)
+    fn = functools.partial(_final_chunk, self.config, greedy_only=greedy, kernels=self.kernels,
+                           layers=self.prefill_layers)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
             jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32), vec, self._sampler_spec(batch), vec,
@@ -290,14 +321,24 @@ class Engine:
     return [self.prefill_chunk] * full + [prompt_bucket(rest, self.prefill_chunk)]
 
   def warmup(self, prompt_len: int, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-             batch: int = 1) -> None:
-    """Compiles what a request of this (longest) prompt length will run, outside any timing."""
+             batch: int = 1, trial: bool = False) -> None:
+    """Compiles what a request of this (longest) prompt length will run, outside any timing.
+
+    trial=True also runs a request through the same executables (token 0s, at most one full chunk plus
+    the same last chunk, two new tokens) and throws it away, so what a first run costs beyond compiling
+    (allocating the cache, first executions) is paid here too.
+    """
     greedy = _all_greedy(params, batch)
     sizes = self._chunks(prompt_len)
     for size in sizes[:-1]:
       self.extend_fn(batch, size)
     self.prefill_fn(batch, sizes[-1], greedy)
     self.step_fn(batch, greedy)
+    if trial:
+      n = prompt_len if len(sizes) == 1 else prompt_len - (len(sizes) - 2) * self.prefill_chunk
+      n = min(n, self.max_context - 2)
+      self.generate_batch([[0] * n] * batch, 2, params, ignore_eos=True)
+      self._history = None
 
   # ---- generation ----------------------------------------------------------------------------
 
@@ -386,7 +427,7 @@ class Engine:
     try:
       self._close_abandoned()
       gen = self._stream(prompts, max_tokens, sampler, limits, eog, greedy, pipelined, reuse_cache)
-      self._active = gen
+      self._active, self._active_thread = gen, threading.current_thread()
     finally:
       self._lock.release()
     return self._guarded(gen)
@@ -411,10 +452,16 @@ class Engine:
         self._active = None
 
   def _close_abandoned(self) -> None:
-    """A stream the caller stopped iterating without closing still holds the cache: close it."""
-    if self._active is not None:
-      gen, self._active = self._active, None
-      gen.close()
+    """A stream this thread (or a thread that has ended) stopped iterating without closing still holds the
+    cache: close it. One that another live thread is still reading makes this request an error."""
+    if self._active is None:
+      return
+    owner = self._active_thread
+    if owner is not threading.current_thread() and owner.is_alive():
+      raise RuntimeError("this Engine is running a request in another thread: an Engine serves one request at "
+                         "a time (use one Engine per thread)")
+    gen, self._active = self._active, None
+    gen.close()
 
   def _stream(self, prompts, steps, sampler, limits, eog, greedy, pipelined, reuse):
     t0 = time.perf_counter()

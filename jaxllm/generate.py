@@ -1,7 +1,10 @@
-"""Command line: python -m jaxllm.generate [MODEL] --prompt TEXT [options].
+"""Command line: python -m jaxllm.generate [MODEL] (--prompt TEXT | -f FILE | -i) [options].
 
 MODEL is a .gguf path or a demo-model name (default smollm2-135m). Text streams to stdout as it is
-generated; a closing line with TTFT, TPOT and decode tok/s goes to stderr. See docs/usage.md.
+generated; one line per start-up stage and a closing line with TTFT, TPOT and decode tok/s go to stderr
+(-q keeps them quiet). -i starts an interactive chat that keeps the KV cache of earlier turns. The first
+run of a model converts it and caches the conversion and the compiled steps; later runs start in seconds.
+See docs/usage.md.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS
 from jaxllm.weights import QUANT_CHOICES
 
 CONTEXT_ROUND = 256
+CHAT_CONTEXT = 4096     # default context of an interactive chat (capped at the model's)
+VERSION = "0.1.0"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,10 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--model", "-m", help="same as MODEL")
   p.add_argument("--prompt", "-p", action="append", default=[],
                  help="the prompt text; repeat for a batch generated together")
+  p.add_argument("--file", "-f", help="read one prompt from this file (UTF-8)")
   p.add_argument("--prompts-file", help="a file with one prompt per line (added to --prompt)")
+  p.add_argument("--interactive", "-i", action="store_true",
+                 help="chat: read turns from the terminal (/exit to leave, /reset to forget, Ctrl-C stops an answer)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-  p.add_argument("--system", help="system message for --chat (else the template's default)")
-  p.add_argument("--max-tokens", "-n", type=int, default=64, help="new tokens at most (default 64)")
+  p.add_argument("--system", help="system message for --chat and -i (else the template's default)")
+  p.add_argument("--max-tokens", "-n", type=int, default=None,
+                 help="new tokens at most (default 64; -i: until the end of the answer or 1024)")
   p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
   p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
   p.add_argument("--top-k", type=int, default=0, help="0 = off (at most 128)")
@@ -42,15 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--quant", choices=QUANT_CHOICES, default="w8a16", help="none = float weights (reference)")
   p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                  help="ffi = jaxllm's kernels, xla = pure jnp, auto = ffi where built")
-  p.add_argument("--max-context", type=int, default=None,
-                 help=f"KV cache length (default: prompt + max tokens rounded up to {CONTEXT_ROUND})")
+  p.add_argument("--max-context", "--ctx-size", "-c", dest="max_context", type=int, default=None,
+                 help=f"KV cache length (default: prompt + max tokens rounded up to {CONTEXT_ROUND}; -i: "
+                      f"{CHAT_CONTEXT}; at most the model's trained context)")
+  p.add_argument("--allow-long-context", action="store_true",
+                 help="allow a context longer than the model was trained for (it may not cope)")
   p.add_argument("--no-graphs", action="store_true", help="turn CUDA graphs (XLA command buffers) off")
   p.add_argument("--show-graph-state", action="store_true",
                  help="report whether the decode step compiled into CUDA graphs and their coverage (from XLA's dump)")
   p.add_argument("--loop", choices=("pipelined", "streaming"), default="pipelined",
                  help="pipelined dispatches step i+1 before reading token i; streaming waits for each")
   p.add_argument("--show-tokens", action="store_true", help="print token ids as well as text")
-  p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of text")
+  p.add_argument("--json", action="store_true", help="print one JSON object at the end (-i: one per turn) instead of text")
+  p.add_argument("--quiet", "-q", action="store_true", help="no start-up lines or summary on stderr")
+  p.add_argument("--no-cache", action="store_true", help="convert the model again and do not cache the conversion")
+  p.add_argument("--no-compile-cache", action="store_true",
+                 help="do not keep compiled steps on disk (same as JAXLLM_COMPILE_CACHE=0)")
+  p.add_argument("--clear-cache", action="store_true",
+                 help="remove cached conversions and compiled steps (downloaded models stay), then exit")
+  p.add_argument("--version", action="version", version=f"jaxllm {VERSION}")
   return p
 
 
@@ -59,28 +78,57 @@ def _default_context(prompt_len: int, max_tokens: int, model_ctx: int) -> int:
   return max(min(want, model_ctx), prompt_len + 1)
 
 
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-  model = args.model or args.model_pos or DEFAULT_MODEL
+def _read_text(path: str, what: str) -> str:
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise SystemExit(f"error: cannot read {what}: {e}") from None
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise SystemExit(f"error: {what} {path!r} is not UTF-8 text: byte {data[e.start:e.start + 1]!r} at "
+                     f"offset {e.start}") from None
+
+
+def _check_args(args) -> list[str]:
+  """Argument errors before anything heavy is imported; returns the prompt texts."""
   if args.model and args.model_pos and args.model != args.model_pos:
     raise SystemExit(f"error: model given twice ({args.model_pos!r} and --model {args.model!r})")
-  if args.max_tokens < 1:
+  if args.max_tokens is not None and args.max_tokens < 1:
     raise SystemExit(f"error: --max-tokens must be >= 1, got {args.max_tokens}")
   if not 0 <= args.seed < 2 ** 63:
     raise SystemExit(f"error: --seed must be in [0, 2^63), got {args.seed}")
-  if args.system and not args.chat:
-    raise SystemExit("error: --system needs --chat")
+  if args.system and not (args.chat or args.interactive):
+    raise SystemExit("error: --system needs --chat or -i")
+  if args.max_context is not None and args.max_context < 2:
+    raise SystemExit(f"error: --max-context must be >= 2, got {args.max_context}")
   texts = list(args.prompt)
+  if args.file:
+    texts.append(_read_text(args.file, "--file"))
   if args.prompts_file:
-    try:
-      with open(args.prompts_file, encoding="utf-8") as f:
-        texts += [line.rstrip("\n") for line in f if line.strip()]
-    except OSError as e:
-      raise SystemExit(f"error: cannot read --prompts-file: {e}") from None
-  if not texts:
-    raise SystemExit("error: give a prompt (--prompt TEXT, repeatable, or --prompts-file FILE)")
+    texts += [line for line in _read_text(args.prompts_file, "--prompts-file").splitlines() if line.strip()]
+  if args.interactive and texts:
+    raise SystemExit("error: -i reads its prompts from the terminal: drop --prompt / --file / --prompts-file")
+  if not texts and not args.interactive:
+    raise SystemExit("error: give a prompt (--prompt TEXT, repeatable, -f FILE, --prompts-file FILE) or -i")
+  return texts
 
-  from jaxllm.sampling import SamplingParams  # imports jax: after argument errors
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.clear_cache:
+    from jaxllm import store
+    removed = store.clear()
+    print("removed " + (", ".join(removed) if removed else "nothing (the cache was empty)"), file=sys.stderr)
+    return 0
+  texts = _check_args(args)
+  model = args.model or args.model_pos or DEFAULT_MODEL
+  t_start = time.perf_counter()
+
+  from jaxllm.progress import Stages  # imports jax: after argument errors
+  from jaxllm.sampling import SamplingParams
+  stages = Stages(quiet=args.quiet)
   try:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
@@ -88,64 +136,175 @@ def main(argv=None) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
+  from jaxllm import store
   from jaxllm.engine import Engine
   from jaxllm.load import load
   try:
-    config, weights, tok = load(model, quant=args.quant)
+    config, weights, tok = load(model, quant=args.quant, progress=stages, cache=not args.no_cache)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise SystemExit(f"error: {e}") from None
 
-  def render(text: str) -> str:
-    if not args.chat:
-      return text
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    return tok.apply_chat_template(system + [{"role": "user", "content": text}])
-
-  all_ids = [tok.encode(render(t)) for t in texts]
-  prompt_ids = max(all_ids, key=len)
-  max_context = args.max_context or _default_context(len(prompt_ids), args.max_tokens, config.context_length)
+  chat = args.chat or args.interactive
+  system = [{"role": "system", "content": args.system}] if args.system else []
+  try:
+    all_ids = [tok.encode(tok.apply_chat_template(system + [{"role": "user", "content": t}]) if chat else t)
+               for t in texts]
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+  max_tokens = args.max_tokens or (1024 if args.interactive else 64)
+  longest = max((len(i) for i in all_ids), default=1)
+  max_context = args.max_context or (min(CHAT_CONTEXT, config.context_length) if args.interactive else
+                                     _default_context(longest, max_tokens, config.context_length))
+  if max_context > config.context_length:
+    if not args.allow_long_context:
+      raise SystemExit(f"error: --max-context {max_context} is longer than the {config.context_length} tokens "
+                       f"the model was trained for; use at most {config.context_length}, or add "
+                       "--allow-long-context to run anyway")
+    print(f"[jaxllm] warning: context {max_context} is longer than the model's trained {config.context_length}",
+          file=sys.stderr)
   try:
     engine = Engine(config, weights, tok, max_context=max_context, kernels=args.kernels,
-                    graphs_on=False if args.no_graphs else None)
+                    graphs_on=False if args.no_graphs else None,
+                    cache_executables=not args.no_compile_cache and store.compile_cache_enabled())
     for ids in all_ids:
       engine.check_prompt(ids)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
-  t0 = time.perf_counter()
-  engine.warmup(len(prompt_ids), params, batch=len(all_ids))
-  compile_s = time.perf_counter() - t0
+  with stages.stage("compile and warm up", "compiled steps cached" if not args.no_compile_cache else ""):
+    engine.warmup(longest, params, batch=max(1, len(all_ids)), trial=True)
   graph_state = engine.graph_state(params.greedy) if args.show_graph_state else None
   if graph_state is not None:
     print("[jaxllm] graph state: " + json.dumps(graph_state), file=sys.stderr)
+  run = _Run(args, engine, params, model, max_tokens, max_context, stages, graph_state, t_start)
+  if args.interactive:
+    return run.interactive(system)
+  if len(all_ids) > 1:
+    return run.batch(all_ids)
+  return run.single(all_ids[0])
 
+
+class _Run:
+  """What main() has set up: the engine and the settings, and how each mode reports."""
+
+  def __init__(self, args, engine, params, model, max_tokens, max_context, stages, graph_state, t_start):
+    self.args, self.engine, self.params, self.model = args, engine, params, model
+    self.max_tokens, self.max_context, self.stages, self.graph_state = max_tokens, max_context, stages, graph_state
+    self.t_start = t_start
+
+  @staticmethod
   def show(piece: str) -> None:
     sys.stdout.write(piece)
     sys.stdout.flush()
 
-  if len(all_ids) > 1:
-    return _main_batch(args, engine, all_ids, params, model, max_context, compile_s, graph_state)
-  prompt_ids = all_ids[0]
-  result = engine.generate(prompt_ids, args.max_tokens, params, seed=args.seed, stop=args.stop,
-                           ignore_eos=args.ignore_eos, pipelined=args.loop == "pipelined",
-                           on_text=None if args.json else show)
-  summary = (f"[jaxllm] {model} quant={args.quant} kernels={engine.kernels} graphs={_graphs_word(engine)} | "
-             f"prompt {len(prompt_ids)} tok, "
-             f"{len(result.ids)} new ({result.finish_reason}) | TTFT {result.ttft_ms:.1f} ms, "
-             f"TPOT {result.tpot_ms:.2f} ms, decode {result.tok_per_s:.1f} tok/s | compile {compile_s:.1f} s")
-  if args.json:
-    out = result.to_json()
-    out.update(model=model, quant=args.quant, kernels=engine.kernels, graphs=engine.graphs_active,
-               graphs_fallback=engine.graphs_fallback, graph_state=graph_state, max_context=max_context,
-               compile_s=compile_s)
-    print(json.dumps(out, ensure_ascii=False))
-  else:
-    print()
-    if args.show_tokens:
-      print(f"prompt ids: {result.prompt_ids}")
-      print(f"new ids:    {result.ids}")
-  print(summary, file=sys.stderr)
-  return 0
+  def _summary(self, prompt_len: int, result) -> str:
+    e = self.engine
+    reused = f", {result.reused_tokens} reused" if result.reused_tokens else ""
+    return (f"[jaxllm] {self.model} quant={self.args.quant} kernels={e.kernels} graphs={_graphs_word(e)} | "
+            f"prompt {prompt_len} tok{reused}, {len(result.ids)} new ({result.finish_reason}) | "
+            f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms, decode {result.tok_per_s:.1f} tok/s")
+
+  def _record(self) -> dict:
+    import resource
+    e = self.engine
+    return {"model": self.model, "quant": self.args.quant, "kernels": e.kernels, "graphs": e.graphs_active,
+            "graphs_fallback": e.graphs_fallback, "graph_state": self.graph_state, "max_context": self.max_context,
+            "stage_s": self.stages.times, "compile_s": self.stages.times.get("compile and warm up", 0.0),
+            "load_s": sum(v for k, v in self.stages.times.items() if k != "compile and warm up"),
+            "startup_s": time.perf_counter() - self.t_start,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+  def _generate(self, ids, on_text=None, reuse=False):
+    a = self.args
+    return self.engine.generate(ids, self.max_tokens, self.params, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
+                                pipelined=a.loop == "pipelined", on_text=on_text, reuse_cache=reuse)
+
+  def single(self, prompt_ids) -> int:
+    a = self.args
+    result = self._generate(prompt_ids, on_text=None if a.json else self.show)
+    if result.finish_reason == "error":
+      print(f"\n[jaxllm] error: {result.error}", file=sys.stderr)
+    if a.json:
+      print(json.dumps({**result.to_json(), **self._record()}, ensure_ascii=False))
+    else:
+      print()
+      if a.show_tokens:
+        print(f"prompt ids: {result.prompt_ids}")
+        print(f"new ids:    {result.ids}")
+    if not a.quiet:
+      print(self._summary(len(prompt_ids), result), file=sys.stderr)
+    return 1 if result.finish_reason == "error" else 0
+
+  def batch(self, all_ids) -> int:
+    """Several prompts generated together; each one's text printed once it is done."""
+    a, e = self.args, self.engine
+    results = e.generate_batch(all_ids, self.max_tokens, self.params, seed=a.seed, stop=a.stop,
+                               ignore_eos=a.ignore_eos, pipelined=a.loop == "pipelined")
+    total = sum(len(r.ids) for r in results)
+    span_ms = max(r.token_times_ms[-1] for r in results if r.token_times_ms) - \
+        min(r.token_times_ms[0] for r in results if r.token_times_ms)
+    rate = total / span_ms * 1e3 if span_ms > 0 else 0.0
+    if a.json:
+      print(json.dumps({"results": [r.to_json() for r in results], **self._record(), "total_tok_per_s": rate},
+                       ensure_ascii=False))
+    else:
+      for b, r in enumerate(results):
+        print(f"--- [{b}] ({len(r.ids)} tokens, {r.finish_reason})")
+        print(r.text)
+        if a.show_tokens:
+          print(f"prompt ids: {r.prompt_ids}\nnew ids:    {r.ids}")
+    if not a.quiet:
+      print(f"[jaxllm] {self.model} batch {len(results)} kernels={e.kernels} graphs={_graphs_word(e)}"
+            f" | {total} new tokens, {rate:.1f} tok/s in total", file=sys.stderr)
+    return 0
+
+  def interactive(self, system: list[dict]) -> int:
+    """A multi-turn chat: each turn's prompt is the whole history in the chat template, and the engine
+    reuses the KV cache of what the previous turns already ran."""
+    a, tok = self.args, self.engine.tokenizer
+    history: list[dict] = []
+    self.stages.line(f"chat with {self.model}: /exit to leave, /reset to start over, Ctrl-C stops an answer")
+    while True:
+      try:
+        line = input("> ")
+      except (EOFError, KeyboardInterrupt):
+        print(file=sys.stderr)
+        return 0
+      if line.strip() in ("/exit", "/quit"):
+        return 0
+      if line.strip() == "/reset":
+        history = []
+        continue
+      if not line.strip():
+        continue
+      turn = history + [{"role": "user", "content": line}]
+      try:
+        ids = tok.encode(tok.apply_chat_template(system + turn))
+        self.engine.check_prompt(ids)
+      except ValueError as e:
+        print(f"[jaxllm] error: {e} (/reset starts a new chat)", file=sys.stderr)
+        continue
+      pieces: list[str] = []
+
+      def collect(piece: str) -> None:
+        pieces.append(piece)
+        if not a.json:
+          self.show(piece)
+      try:
+        result = self._generate(ids, on_text=collect, reuse=True)
+        answer = result.text
+      except KeyboardInterrupt:
+        result, answer = None, "".join(pieces)
+        print("\n[jaxllm] (stopped)", file=sys.stderr)
+      history = turn + [{"role": "assistant", "content": answer}]
+      if result is None:
+        continue
+      if a.json:
+        print(json.dumps({**result.to_json(), **self._record()}, ensure_ascii=False), flush=True)
+      else:
+        print()
+      if not a.quiet:
+        print(self._summary(len(ids), result), file=sys.stderr)
 
 
 def _graphs_word(engine) -> str:
@@ -154,30 +313,6 @@ def _graphs_word(engine) -> str:
   if jax.default_backend() != "gpu":
     return f"n/a ({jax.default_backend()})"
   return "on" if engine.graphs_active else "off"
-
-
-def _main_batch(args, engine, all_ids, params, model, max_context, compile_s, graph_state) -> int:
-  """Several prompts generated together; each one's text printed once it is done."""
-  results = engine.generate_batch(all_ids, args.max_tokens, params, seed=args.seed, stop=args.stop,
-                                  ignore_eos=args.ignore_eos, pipelined=args.loop == "pipelined")
-  total = sum(len(r.ids) for r in results)
-  span_ms = max(r.token_times_ms[-1] for r in results if r.token_times_ms) - \
-      min(r.token_times_ms[0] for r in results if r.token_times_ms)
-  if args.json:
-    print(json.dumps({"results": [r.to_json() for r in results], "model": model, "quant": args.quant,
-                      "kernels": engine.kernels, "graphs": engine.graphs_active, "graph_state": graph_state,
-                      "max_context": max_context, "compile_s": compile_s,
-                      "total_tok_per_s": total / span_ms * 1e3 if span_ms > 0 else 0.0}, ensure_ascii=False))
-  else:
-    for b, r in enumerate(results):
-      print(f"--- [{b}] ({len(r.ids)} tokens, {r.finish_reason})")
-      print(r.text)
-      if args.show_tokens:
-        print(f"prompt ids: {r.prompt_ids}\nnew ids:    {r.ids}")
-  print(f"[jaxllm] {model} batch {len(results)} kernels={engine.kernels} graphs={_graphs_word(engine)}"
-        f" | {total} new tokens, {total / span_ms * 1e3 if span_ms > 0 else 0.0:.1f} tok/s in total"
-        f" | compile {compile_s:.1f} s", file=sys.stderr)
-  return 0
 
 
 if __name__ == "__main__":

@@ -300,6 +300,23 @@ class GGUFFile:
     data = gguf.quants.dequantize(raw, t.type)
     return np.asarray(data, np.float32).reshape(t.shape)
 
+  def tensor_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of a 2-D tensor dequantized to float32 [stop - start, K]."""
+    t = self._tensors[name]
+    rows, k = t.shape
+    row_bytes = t.nbytes // rows
+    raw = np.frombuffer(self._map, np.uint8, (stop - start) * row_bytes, t.offset + start * row_bytes)
+    return np.asarray(gguf.quants.dequantize(raw.reshape(stop - start, row_bytes), t.type), np.float32).reshape(-1, k)
+
+  def release(self, name: str) -> None:
+    """Tells the kernel the tensor's pages are not needed again (they leave this process's resident set)."""
+    t = self._tensors[name]
+    page = mmap.PAGESIZE
+    start = t.offset // page * page
+    end = -(-(t.offset + t.nbytes) // page) * page
+    if hasattr(mmap, "MADV_DONTNEED") and end > start:
+      self._map.madvise(mmap.MADV_DONTNEED, start, min(end, len(self._map)) - start)
+
   def tensor_types(self) -> dict[str, int]:
     """How many tensors of each type the file holds."""
     counts: dict[str, int] = {}

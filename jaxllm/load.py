@@ -1,35 +1,29 @@
-"""load(): a model path or demo name -> (config, weights, tokenizer)."""
+"""load(): a model path or demo name -> (config, weights, tokenizer), through the cache of converted models.
+
+First run of a file: parse and validate the GGUF, convert it layer by layer to W8A16 (each finished array
+written to the cache and moved to the device), build the tokenizer. Later runs: the cached arrays are
+mapped from disk and copied to the device, the config and tokenizer read back; the GGUF is not parsed.
+"""
 from __future__ import annotations
+
+import time
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm import store
 from jaxllm.config import Config
 from jaxllm.gguf import GGUFError, GGUFFile
 from jaxllm.model import Weights
 from jaxllm.models import resolve_model
+from jaxllm.progress import Stages
 from jaxllm.tokenizer import Tokenizer
-from jaxllm.weights import load_weights
+from jaxllm.weights import assemble, convert, progress_total
 
 
 def default_dtype():
   """bf16 activations on GPU; f32 on CPU, where XLA's bf16 matmuls are slow."""
   return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-
-
-def load(model: str, quant: str = "w8a16", dtype=None, progress: bool = True) -> tuple[Config, Weights, Tokenizer]:
-  """Loads a GGUF model.
-
-  Args:
-    model: a .gguf path or a demo-model name (jaxllm.DEMO_MODELS).
-    quant: "w8a16" or "none" (float weights, for reference runs).
-    dtype: activation dtype (default_dtype() if None); float weights are stored in it.
-  Returns:
-    (config, weights, tokenizer).
-  """
-  gf, tokenizer = read_model(resolve_model(model))
-  weights = load_weights(gf, quant=quant, dtype=dtype or default_dtype(), progress=progress)
-  return gf.config, weights, tokenizer
 
 
 def read_model(path) -> tuple[GGUFFile, Tokenizer]:
@@ -43,3 +37,59 @@ def read_model(path) -> tuple[GGUFFile, Tokenizer]:
     raise GGUFError(f"{gf.path!r}: the tokenizer has {tokenizer.vocab_size} tokens, but the model's embedding "
                     f"has {gf.config.vocab_size} rows")
   return gf, tokenizer
+
+
+def load(model: str, quant: str = "w8a16", dtype=None, progress: bool | Stages = True,
+         cache: bool = True) -> tuple[Config, Weights, Tokenizer]:
+  """Loads a GGUF model.
+
+  Args:
+    model: a .gguf path or a demo-model name (jaxllm.DEMO_MODELS).
+    quant: "w8a16" or "none" (float weights, for reference runs).
+    dtype: activation dtype (default_dtype() if None); float weights are stored in it.
+    progress: True prints a line per stage (and a bar on a terminal), False nothing; or a Stages.
+    cache: use and fill the cache of converted models (jaxllm.store).
+  Returns:
+    (config, weights, tokenizer). With a Stages for `progress`, its `times` hold each stage's seconds.
+  """
+  stages = progress if isinstance(progress, Stages) else Stages(quiet=not progress)
+  dtype = dtype or default_dtype()
+  t0 = time.perf_counter()
+  path = resolve_model(model)
+  took = time.perf_counter() - t0
+  stages.line(f"download: {took:.1f} s ({path})" if took > 0.5 else f"model: {path}")
+  key = store.model_key(path, quant, jnp.dtype(dtype).name) if cache else None
+  hit = store.load(key) if cache else None
+  if hit is not None:
+    with stages.stage("load cached conversion"):
+      config, tokenizer_state, arrays = hit
+      tokenizer = Tokenizer.from_state(tokenizer_state)
+      weights = assemble(arrays)
+      jax.block_until_ready(weights)
+    return config, weights, tokenizer
+  with stages.stage("read model"):
+    gf, tokenizer = read_model(path)
+  entry = store.Entry(key) if cache else None
+  c = gf.config
+  try:
+    with stages.stage(f"convert to {quant} on the device", "cached for the next run" if cache else ""), \
+        stages.bar(progress_total(c), f"convert {c.arch}") as bar:
+      done: dict[str, int] = {}
+
+      def advance(name, n):
+        bar.update(n - done.get(name, 0))
+        done[name] = n
+
+      def sink(name, array):
+        if entry is not None:
+          entry.add(name, array)
+        return jnp.asarray(array)
+      weights = assemble(convert(gf, quant, dtype, advance, sink))
+      jax.block_until_ready(weights)
+    if entry is not None:
+      entry.commit(c, tokenizer.to_state())
+  except BaseException:
+    if entry is not None:
+      entry.abort()
+    raise
+  return c, weights, tokenizer

@@ -89,19 +89,24 @@ def _write_cache(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Ar
 
 
 def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache, start: jax.Array,
-          writes: jax.Array, angles: jax.Array, *, kernels: str) -> tuple[jax.Array, KVCache]:
+          writes: jax.Array, angles: jax.Array, *, kernels: str,
+          cache_layer: int | jax.Array | None = None) -> tuple[jax.Array, KVCache]:
   """Transformer block i.
 
   Args:
+    i: the layer's index into the stacked weights (a Python int).
     x: [B, T, D] f32 residual stream.
     start: [B] int32 cache position of each sequence's first new token (token t sits at start + t).
     writes: [B, T] int32 cache positions the new keys/values go to (S for tokens not to be written).
     angles: [B, T, Dh/2] RoPE angles of the new tokens' positions.
+    cache_layer: the layer's index into the cache when it differs from i (a traced index under
+      forward(layers="scan"), T > 1 only); default i.
   Returns:
     x [B, T, D] and the cache with this layer's new keys/values written.
   """
   c = config
-  dtype = cache.k.dtype
+  li = i if cache_layer is None else cache_layer
+  dtype = cache.compute_dtype
   b, t, _ = x.shape
   h = rms_norm(x, weights.attn_norm[i], c.rms_eps).astype(dtype)
   qkv = linear(h, weights.wqkv, i, kernels=kernels)              # [B, T, H*Dh + 2*G*Dh]
@@ -116,11 +121,11 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
     k = rms_norm(k, weights.k_norm[i], c.rms_eps).astype(dtype)
   q = apply_rope(q, angles, c.rope_style)
   k = apply_rope(k, angles, c.rope_style)
-  cache = KVCache(k=_write_cache(cache.k, i, k, writes), v=_write_cache(cache.v, i, v, writes))
+  cache = dataclasses.replace(cache, k=_write_cache(cache.k, li, k, writes), v=_write_cache(cache.v, li, v, writes))
   if t == 1:
-    attn = decode_attention(q[:, 0], cache.k, cache.v, i, start + 1, kernels=kernels)[:, None]
+    attn = decode_attention(q[:, 0], cache.k, cache.v, li, start + 1, kernels=kernels)[:, None]
   else:
-    attn = prefill_attention(q, cache.k, cache.v, i, start, kernels=kernels)
+    attn = prefill_attention(q, cache.k, cache.v, li, start, kernels=kernels)
   x = x + linear(attn.reshape(b, t, c.q_dim), weights.wo, i, kernels=kernels).astype(jnp.float32)
   h = rms_norm(x, weights.ffn_norm[i], c.rms_eps).astype(dtype)
   gate, up = jnp.split(linear(h, weights.w_gate_up, i, kernels=kernels), 2, axis=-1)
@@ -129,10 +134,22 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
   return x, cache
 
 
+LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm")
+
+
+def _layer_slices(weights: Weights) -> dict:
+  """The per-layer weights, stacked [L, ...]: a scan's xs."""
+  return {f: getattr(weights, f) for f in LAYER_FIELDS if getattr(weights, f) is not None}
+
+
 def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
-            valid: jax.Array | None = None, *, kernels: str = "xla") -> tuple[jax.Array, KVCache]:
+            valid: jax.Array | None = None, *, kernels: str = "xla",
+            layers: str = "unrolled") -> tuple[jax.Array, KVCache]:
   """Runs T new tokens per sequence, written to the cache from position start[b].
 
+  layers: "unrolled" (a Python loop: every layer in the program, which XLA's command buffers need) or
+  "scan" (lax.scan over the layers, T > 1 only: a program a layer long, whose working set is one layer's:
+  XLA then never holds every layer's dequantized weights at once; what the CPU's prefill uses).
   Args:
     tokens: [B, T] int32 (ids outside [0, V) read row 0 or V - 1).
     start: [B] int32 cache position of each sequence's first new token.
@@ -146,8 +163,20 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
   writes = positions if valid is None else jnp.where(valid, positions, s)
   angles = rope_angles(config, positions, weights.rope_freqs)
   x = embed(weights, jnp.clip(tokens, 0, config.vocab_size - 1))
-  for i in range(config.n_layers):
-    x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels)
+  if layers == "scan" and tokens.shape[1] > 1:
+    def body(carry, xs):
+      x, k, v, li = carry
+      # This layer's weights as a one-layer stack [1, ...] (a reshape inside the loop: no copy of the
+      # stacked arrays), which layer(..., i=0) indexes as usual.
+      view = dataclasses.replace(weights, **jax.tree.map(lambda a: a[None], xs))
+      x, kv = layer(config, view, 0, x, dataclasses.replace(cache, k=k, v=v), start, writes, angles,
+                    kernels=kernels, cache_layer=li)
+      return (x, kv.k, kv.v, li + 1), None
+    (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), _layer_slices(weights))
+    cache = dataclasses.replace(cache, k=k, v=v)
+  else:
+    for i in range(config.n_layers):
+      x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels)
   return rms_norm(x, weights.out_norm, config.rms_eps), cache
 
 

@@ -104,6 +104,8 @@ def resolve_model(model: str) -> Path:
   """A .gguf path as given, or a demo model's cached path (fetched if needed)."""
   path = Path(model).expanduser()
   if path.suffix == ".gguf" or path.exists():
+    if path.is_dir():
+      raise FileNotFoundError(f"{model!r} is a directory, not a model file: give the .gguf file inside it")
     if not path.is_file():
       raise FileNotFoundError(f"no such model file: {model!r}")
     return path

@@ -133,10 +133,34 @@ class Tokenizer:
     eog |= {i for i in special if tokens[i] in _EOG_TEXTS}
     self.eog_ids = frozenset(eog)
 
+  def to_state(self) -> dict:
+    """Everything the tokenizer is, as JSON-able values (for the model cache)."""
+    return {"hf": self._tok.to_str(), "bytes": [b.decode("latin-1") for b in self._bytes],
+            "special": sorted(self._special), "bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos,
+            "chat_template": self.chat_template, "eog_ids": sorted(self.eog_ids)}
+
+  @classmethod
+  def from_state(cls, state: dict) -> "Tokenizer":
+    """The tokenizer to_state() described (without the GGUF metadata it was built from)."""
+    self = cls.__new__(cls)
+    self._tok = _HFTokenizer.from_str(state["hf"])
+    self._bytes = [b.encode("latin-1") for b in state["bytes"]]
+    self._special = frozenset(state["special"])
+    self.vocab_size = len(self._bytes)
+    self.bos_id, self.eos_id, self.add_bos = state["bos_id"], state["eos_id"], state["add_bos"]
+    self.chat_template = state["chat_template"]
+    self.eog_ids = frozenset(state["eog_ids"])
+    return self
+
   def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
     """Text -> ids; special-token texts such as <|im_start|> become their ids. BOS per the model."""
     if not isinstance(text, str):
       raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise ValueError(f"the text is not valid Unicode: {e.reason} at position {e.start} ({text[e.start:e.end]!r}); "
+                       "was it read from bytes that are not UTF-8?") from None
     ids = self._tok.encode(text, add_special_tokens=False).ids
     if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
       ids = [self.bos_id] + ids
@@ -157,11 +181,14 @@ class Tokenizer:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_template_error
-    token = self._bytes[self.bos_id].decode() if self.bos_id is not None else ""
-    eos = self._bytes[self.eos_id].decode() if self.eos_id is not None else ""
-    return env.from_string(self.chat_template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=token,
-        eos_token=eos, tools=None)
+    token = self._bytes[self.bos_id].decode("utf-8", "replace") if self.bos_id is not None else ""
+    eos = self._bytes[self.eos_id].decode("utf-8", "replace") if self.eos_id is not None else ""
+    try:
+      return env.from_string(self.chat_template).render(
+          messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=token,
+          eos_token=eos, tools=None)
+    except jinja2.TemplateError as e:   # syntax errors, undefined names, sandbox refusals: the file's template
+      raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
 
 
 def _token_id(metadata: Mapping, key: str, vocab_size: int) -> int | None:

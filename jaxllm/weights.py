@@ -1,15 +1,22 @@
 """Building the Weights pytree: from a GGUF file (dequantize, fuse, re-quantize) or at random.
 
 Matrices are fused where the model multiplies the same input by several of them (q/k/v, gate/up) and
-stacked over layers, then quantized per output channel (jaxllm.quant). `quant="none"` keeps them float
+stacked over layers, then quantized in groups of 64 inputs (jaxllm.quant). `quant="none"` keeps them float
 for reference runs.
+
+Loading streams: each stacked matrix is converted one layer at a time into a preallocated int8 array and
+its scales (the embedding and head in blocks of rows), so the float working set is one layer's tensors,
+and each finished array goes to the device before the next is built. The file's pages are released as
+they are read. Peak host memory: the converted weights plus one layer's floats (plus, on the CPU, where
+the device is host memory, the device copy of what is already done).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxllm.config import Config
 from jaxllm.gguf import GGUFFile
@@ -17,6 +24,7 @@ from jaxllm.model import Weights
 from jaxllm.quant import GROUP, Linear, quantize_int8
 
 QUANT_CHOICES = ("w8a16", "none")
+ROW_BLOCK = 8192   # rows of the embedding / head converted at a time
 
 
 def _check_quant(quant: str) -> None:
@@ -24,63 +32,142 @@ def _check_quant(quant: str) -> None:
     raise ValueError(f"quant must be one of {QUANT_CHOICES}, got {quant!r}")
 
 
-def _linear(w: np.ndarray, quant: str, dtype) -> Linear:
-  """w [..., N, K] float32 -> device Linear (int8 + scale, or float in dtype)."""
-  if quant == "none":
-    return Linear(w=jnp.asarray(w, dtype))
-  q, scale = quantize_int8(w)
-  return Linear(w=jnp.asarray(q), scale=jnp.asarray(scale))
+def _layer_parts(c: Config) -> dict[str, tuple[str, ...]]:
+  """Stacked weight -> the GGUF tensors of one layer it concatenates (rows of q, k, v, and gate, up)."""
+  parts = {"attn_norm": ("attn_norm.weight",), "wqkv": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+           "wo": ("attn_output.weight",), "ffn_norm": ("ffn_norm.weight",),
+           "w_gate_up": ("ffn_gate.weight", "ffn_up.weight"), "w_down": ("ffn_down.weight",)}
+  if c.qkv_bias:
+    parts["bqkv"] = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+  if c.qk_norm:
+    parts["q_norm"] = ("attn_q_norm.weight",)
+    parts["k_norm"] = ("attn_k_norm.weight",)
+  return parts
 
 
-def load_weights(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32, progress: bool = True) -> Weights:
-  """Reads, fuses and quantizes the model's weights.
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
-  Args:
-    gf: an open GGUF file.
-    quant: "w8a16" (int8 weights, per-channel scales) or "none" (float weights in `dtype`).
-    dtype: activation dtype; float weights are stored in it.
-    progress: show a progress bar over the layers.
+
+def progress_total(c: Config) -> int:
+  """The units convert() reports progress in: layers of each stacked array, rows of the embedding/head."""
+  return len(_layer_parts(c)) * c.n_layers + c.vocab_size * (1 if c.tied_embeddings else 2)
+
+
+def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
+            on_array: Callable[[str, int], None] | None = None,
+            sink: Callable[[str, np.ndarray], object] | None = None) -> dict[str, object]:
+  """The model's arrays by name ("wqkv.w", "wqkv.scale", "attn_norm", ...), built one at a time on the host.
+
+  Matrices become int8 with float32 scales (quant "w8a16") or stay float in `dtype` (quant "none");
+  norms and biases are float32. Each finished array goes to sink(name, array), whose result is what the
+  dict holds (default: the host array itself; e.g. jnp.asarray to move it to the device at once, so its
+  host copy can go). on_array(name, rows_done) reports progress after each layer or row block. The tied
+  head is not repeated ("head.*" absent when the config ties it).
   """
   _check_quant(quant)
   c = gf.config
-  per_layer: dict[str, list[np.ndarray]] = {k: [] for k in (
-      "attn_norm", "wqkv", "bqkv", "wo", "ffn_norm", "w_gate_up", "w_down", "q_norm", "k_norm")}
-  for i in tqdm(range(c.n_layers), desc=f"load+quantize {c.arch}", unit="layer", disable=not progress,
-                leave=False):
-    def t(name, i=i):
-      return gf.tensor(f"blk.{i}.{name}")
-    per_layer["attn_norm"].append(t("attn_norm.weight"))
-    per_layer["wqkv"].append(np.concatenate([t("attn_q.weight"), t("attn_k.weight"), t("attn_v.weight")]))
-    if c.qkv_bias:
-      per_layer["bqkv"].append(np.concatenate([t("attn_q.bias"), t("attn_k.bias"), t("attn_v.bias")]))
-    if c.qk_norm:
-      per_layer["q_norm"].append(t("attn_q_norm.weight"))
-      per_layer["k_norm"].append(t("attn_k_norm.weight"))
-    per_layer["wo"].append(t("attn_output.weight"))
-    per_layer["ffn_norm"].append(t("ffn_norm.weight"))
-    per_layer["w_gate_up"].append(np.concatenate([t("ffn_gate.weight"), t("ffn_up.weight")]))
-    per_layer["w_down"].append(t("ffn_down.weight"))
-  stacked = {k: np.stack(v) for k, v in per_layer.items() if v}
-  embed = _linear(gf.tensor("token_embd.weight"), quant, dtype)
-  head = embed if c.tied_embeddings else _linear(gf.tensor("output.weight"), quant, dtype)
+  out: dict[str, object] = {}
+  float_dtype = jnp.dtype(dtype) if quant == "none" else None
 
-  def vector(name):
-    return jnp.asarray(stacked[name], jnp.float32) if name in stacked else None
-  return Weights(
-      embed=embed,
-      attn_norm=vector("attn_norm"),
-      wqkv=_linear(stacked["wqkv"], quant, dtype),
-      wo=_linear(stacked["wo"], quant, dtype),
-      ffn_norm=vector("ffn_norm"),
-      w_gate_up=_linear(stacked["w_gate_up"], quant, dtype),
-      w_down=_linear(stacked["w_down"], quant, dtype),
-      out_norm=jnp.asarray(gf.tensor("output_norm.weight"), jnp.float32),
-      head=head,
-      bqkv=vector("bqkv"),
-      q_norm=vector("q_norm"),
-      k_norm=vector("k_norm"),
-      rope_freqs=jnp.asarray(gf.tensor("rope_freqs.weight")) if "rope_freqs.weight" in gf else None,
-  )
+  def done(name, array):
+    out[name] = array if sink is None else sink(name, array)
+  parts = _layer_parts(c)
+
+  def layer_rows(name: str, i: int) -> np.ndarray:
+    rows = [gf.tensor(f"blk.{i}.{t}") for t in parts[name]]
+    for t in parts[name]:
+      gf.release(f"blk.{i}.{t}")
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+  for name in parts:
+    first = layer_rows(name, 0)
+    if name in MATRICES:
+      n, k = first.shape
+      if quant == "none":
+        w = np.empty((c.n_layers, n, k), float_dtype)
+      else:
+        w, s = np.empty((c.n_layers, n, k), np.int8), np.empty((c.n_layers, n, k // GROUP), np.float32)
+      for i in range(c.n_layers):
+        rows = first if i == 0 else layer_rows(name, i)
+        if quant == "none":
+          w[i] = rows.astype(float_dtype)
+        else:
+          w[i], s[i] = quantize_int8(rows)
+        if on_array:
+          on_array(name, i + 1)
+      done(name + ".w", w)
+      if quant != "none":
+        done(name + ".scale", s)
+    else:
+      v = np.empty((c.n_layers, *first.shape), np.float32)
+      for i in range(c.n_layers):
+        v[i] = first if i == 0 else layer_rows(name, i)
+      done(name, v)
+      if on_array:
+        on_array(name, c.n_layers)
+  heads = ["token_embd.weight"] + ([] if c.tied_embeddings else ["output.weight"])
+  for tensor, name in zip(heads, ("embed", "head")):
+    rows, k = gf.tensor_shape(tensor)
+    if quant == "none":
+      w = np.empty((rows, k), float_dtype)
+    else:
+      w, s = np.empty((rows, k), np.int8), np.empty((rows, k // GROUP), np.float32)
+    for r0 in range(0, rows, ROW_BLOCK):
+      block = gf.tensor_rows(tensor, r0, min(rows, r0 + ROW_BLOCK))
+      if quant == "none":
+        w[r0:r0 + len(block)] = block.astype(float_dtype)
+      else:
+        w[r0:r0 + len(block)], s[r0:r0 + len(block)] = quantize_int8(block)
+      if on_array:
+        on_array(name, min(rows, r0 + ROW_BLOCK))
+    gf.release(tensor)
+    done(name + ".w", w)
+    if quant != "none":
+      done(name + ".scale", s)
+  done("out_norm", gf.tensor("output_norm.weight"))
+  if "rope_freqs.weight" in gf:
+    done("rope_freqs", gf.tensor("rope_freqs.weight"))
+  return out
+
+
+def assemble(arrays: dict[str, object]) -> Weights:
+  """The Weights pytree from named arrays (convert's, or the model cache's), put on the device where they
+  are not yet; each is dropped from `arrays` once it is there, so a host copy can be freed."""
+  def take(name):
+    return jnp.asarray(arrays.pop(name)) if name in arrays else None
+
+  def linear(name):
+    w = take(name + ".w")
+    return None if w is None else Linear(w=w, scale=take(name + ".scale"))
+
+  embed = linear("embed")
+  head = linear("head")
+  return Weights(embed=embed, attn_norm=take("attn_norm"), wqkv=linear("wqkv"), wo=linear("wo"),
+                 ffn_norm=take("ffn_norm"), w_gate_up=linear("w_gate_up"), w_down=linear("w_down"),
+                 out_norm=take("out_norm"), head=embed if head is None else head, bqkv=take("bqkv"),
+                 q_norm=take("q_norm"), k_norm=take("k_norm"), rope_freqs=take("rope_freqs"))
+
+
+def load_weights(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32, progress: bool = True) -> Weights:
+  """Reads, fuses and quantizes the model's weights (see convert) and puts them on the device.
+
+  Args:
+    gf: an open GGUF file.
+    quant: "w8a16" (int8 weights, group scales) or "none" (float weights in `dtype`).
+    dtype: activation dtype; float weights are stored in it.
+    progress: show a progress bar over the conversion.
+  """
+  from tqdm.auto import tqdm
+  c = gf.config
+  with tqdm(total=progress_total(c), desc=f"convert {c.arch}", unit="row", disable=None if progress else True,
+            leave=False) as bar:
+    done: dict[str, int] = {}
+
+    def advance(name, n):
+      bar.update(n - done.get(name, 0))
+      done[name] = n
+    arrays = convert(gf, quant, dtype, advance, sink=lambda name, a: jnp.asarray(a))
+  return assemble(arrays)
 
 
 def random_weights(config: Config, seed: int = 0, quant: str = "w8a16", dtype=jnp.bfloat16) -> Weights:

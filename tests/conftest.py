@@ -35,6 +35,18 @@ def _jax_ok():
     return False
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_model_cache(tmp_path_factory):
+  """Converted models and compiled executables go to a temporary directory, not the user's cache (demo
+  model downloads stay where they are)."""
+  from jaxllm import store
+  root = tmp_path_factory.mktemp("jaxllm-cache")
+  saved = store.models_dir, store.compile_dir
+  store.models_dir, store.compile_dir = (lambda: root / "models"), (lambda: root / "xla")
+  yield root
+  store.models_dir, store.compile_dir = saved
+
+
 @pytest.fixture(scope="session", params=ARCHS)
 def tiny_path(request, tmp_path_factory):
   """A tiny random model file of each architecture."""

@@ -9,7 +9,8 @@ FIELDS = {"schema_version", "label", "model", "synthetic", "arch", "quant", "ker
           "graph_state", "compiler_options", "loop", "batch", "prompt_len", "decode_len", "max_context",
           "repeat", "compile_s", "ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p90", "decode_tok_s",
           "decode_tok_s_total", "step_ms_burst", "weight_bytes_per_token", "weight_gb_s", "byte_floor_ms",
-          "copy_gb_s", "peak_memory_bytes", "env"}
+          "copy_gb_s", "peak_memory_bytes", "peak_rss_bytes", "weights_bytes", "cache_bytes", "prefill_chunk",
+          "env"}
 
 
 def test_bench_smoke_schema(tmp_path, monkeypatch):

@@ -120,3 +120,75 @@ def test_cli_reports_errors(capsys, tmp_path):
     cli_main([path, "--prompt", "hi", "--max-tokens", "0"])
   with pytest.raises(SystemExit, match="no such model file"):
     cli_main([str(tmp_path / "missing.gguf"), "--prompt", "hi"])
+
+
+def test_cli_rejects_hostile_text_inputs(tmp_path, capsys):
+  path = write_tiny_model(tmp_path / "m.gguf", "llama")
+  bad = tmp_path / "bad.txt"
+  bad.write_bytes(b"fine line\n\xff\xfe not utf-8\n")
+  with pytest.raises(SystemExit, match=r"--prompts-file .* is not UTF-8 text: byte b'\\xff' at offset 10"):
+    cli_main([path, "--prompts-file", str(bad)])
+  with pytest.raises(SystemExit, match=r"--file .* is not UTF-8 text"):
+    cli_main([path, "-f", str(bad)])
+  with pytest.raises(SystemExit, match=r"cannot read --file"):
+    cli_main([path, "-f", str(tmp_path / "absent.txt")])
+  with pytest.raises(SystemExit, match=r"the text is not valid Unicode: surrogates not allowed at position 1"):
+    cli_main([path, "-p", "a\udcff", "-q"])                       # what undecodable argv bytes become
+  with pytest.raises(SystemExit, match="is a directory"):
+    cli_main([str(tmp_path), "-p", "hi"])
+  with pytest.raises(SystemExit, match="-i reads its prompts from the terminal"):
+    cli_main([path, "-i", "-p", "hi"])
+  with pytest.raises(SystemExit, match=r"--seed must be in \[0, 2\^63\)"):
+    cli_main([path, "-p", "hi", "--seed", "-1"])
+
+
+def test_a_broken_chat_template_is_a_clear_error(tmp_path):
+  good = write_tiny_model(tmp_path / "ok.gguf", "qwen2")
+  broken = tmp_path / "broken.gguf"
+  r = gguf.GGUFReader(good)
+  w = gguf.GGUFWriter(str(broken), "qwen2")
+  for k, f in r.fields.items():
+    if k.startswith("GGUF.") or k == "general.architecture":
+      continue
+    value = "{% for m in messages %}{{ m.content | nosuchfilter }}" if k == "tokenizer.chat_template" else f.contents()
+    vtype = f.types[0]
+    w.add_key_value(k, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+  for t in r.tensors:
+    w.add_tensor(t.name, np.asarray(t.data))
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+  with pytest.raises(SystemExit, match="the model.s chat template failed: TemplateSyntaxError: Unexpected end of template"):
+    cli_main([str(broken), "--chat", "-p", "hi", "-q"])
+
+
+def test_engine_serves_one_request_at_a_time(engine):
+  """A second request while a stream is suspended closes the abandoned stream (its cache comes back); a
+  request from another thread while one computes is refused with a clear error."""
+  import threading
+  stream = engine.stream_tokens([[5, 6, 7]], 10, ignore_eos=True)
+  next(stream)
+  assert engine._cache is None                               # the suspended stream holds the cache
+  assert len(engine.generate([5, 6, 7], 4, ignore_eos=True).ids) == 4
+  assert list(stream) == []                                  # the abandoned stream was closed
+  errors = []
+  started, release = threading.Event(), threading.Event()
+
+  def slow_text(piece):
+    started.set()
+    release.wait(10)
+
+  def first():
+    engine.generate([1, 2, 3], 6, ignore_eos=True, on_text=slow_text)
+
+  t = threading.Thread(target=first)
+  t.start()
+  started.wait(10)
+  try:
+    try:
+      engine.generate([4, 5], 2)
+    except RuntimeError as e:
+      errors.append(str(e))
+  finally:
+    release.set()
+    t.join(30)
+  assert errors and "running a request in another thread" in errors[0]
+  assert len(engine.generate([5, 6, 7], 3, ignore_eos=True).ids) == 3   # and it still works

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from jaxllm.bench import SCHEMA_VERSION, environment, timing_stats, write_records
+from jaxllm.bench import SCHEMA_VERSION, _peak_rss, environment, timing_stats, write_records
 from jaxllm.models import resolve_model
 
 
@@ -24,6 +24,7 @@ def main(argv=None) -> int:
   p.add_argument("--prompt-len", type=int, default=128)
   p.add_argument("--decode-len", type=int, default=128)
   p.add_argument("--repeat", type=int, default=3)
+  p.add_argument("--max-context", type=int, default=None, help="n_ctx (default: prompt + decode + 8)")
   p.add_argument("--threads", type=int, default=os.cpu_count())
   p.add_argument("--n-gpu-layers", type=int, default=0)
   p.add_argument("--seed", type=int, default=0)
@@ -34,7 +35,8 @@ def main(argv=None) -> int:
   except ImportError:
     raise SystemExit("llama-cpp-python is not installed (pip install llama-cpp-python)")
   path = str(resolve_model(args.model))
-  llm = llama_cpp.Llama(model_path=path, n_ctx=args.prompt_len + args.decode_len + 8, n_threads=args.threads,
+  n_ctx = args.max_context or args.prompt_len + args.decode_len + 8
+  llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=args.threads,
                         n_gpu_layers=args.n_gpu_layers, verbose=False, seed=args.seed)
   rng = np.random.default_rng(args.seed)
   prompt = [int(t) for t in rng.integers(0, llm.n_vocab(), args.prompt_len)]
@@ -52,11 +54,12 @@ def main(argv=None) -> int:
   rec = {"schema_version": SCHEMA_VERSION, "label": "llama.cpp", "model": args.model, "synthetic": False,
          "engine": f"llama-cpp-python {llama_cpp.__version__}", "threads": args.threads,
          "n_gpu_layers": args.n_gpu_layers, "quant": os.path.basename(path), "loop": "streaming", "batch": 1,
-         "prompt_len": args.prompt_len, "decode_len": args.decode_len, "repeat": args.repeat,
-         **timing_stats(requests), "env": environment()}
+         "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": n_ctx, "repeat": args.repeat,
+         **timing_stats(requests), "peak_rss_bytes": _peak_rss(), "env": environment()}
   write_records([rec], args.out)
   print(f"[llama.cpp] {args.model}: TTFT {rec['ttft_ms']:.1f} ms, TPOT {rec['tpot_ms_mean']:.2f} ms, "
-        f"{rec['decode_tok_s']:.1f} tok/s ({args.threads} threads)", file=sys.stderr)
+        f"{rec['decode_tok_s']:.1f} tok/s ({args.threads} threads), peak RSS {rec['peak_rss_bytes'] / 1e9:.2f} GB",
+        file=sys.stderr)
   return 0
 
 

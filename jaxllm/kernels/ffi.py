@@ -182,19 +182,23 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
   n_layers, b, g, s, dh = k_cache.shape
   if q.shape[0] != b or q.shape[2] != dh or q.shape[1] % g:
     raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}")
-  if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-    raise ValueError(f"q and caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+  _check_dtype("the cache", k_cache)
+  if v_cache.dtype != k_cache.dtype:
+    raise ValueError(f"k and v caches must share a dtype, got {k_cache.dtype}, {v_cache.dtype}")
+  out_dtype = q.dtype
+  if k_cache.dtype != q.dtype and jax.default_backend() != "cpu":   # the CUDA kernel reads q in the cache's dtype
+    q = q.astype(k_cache.dtype)
   if lengths.shape != (b,):
     raise ValueError(f"lengths must be [B]={b}, got {lengths.shape}")
   if not 0 <= layer < n_layers:
     raise ValueError(f"layer must be in [0, {n_layers}), got {layer!r}")
-  splits = attention_splits(b, g, s, q.dtype.itemsize, dh)
+  splits = attention_splits(b, g, s, k_cache.dtype.itemsize, dh)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, q.shape[1], splits, dh + 2), jnp.float32))
   name, kw = _target("jaxllm_decode_attention", poison, 4)
   args = (q, k_cache, v_cache, lengths.astype(jnp.int32)) + ((poison,) if poison is not None else ())
   out, _ = jax.ffi.ffi_call(name, out_types, vmap_method="sequential", **kw)(*args, layer=np.int64(layer))
-  return out
+  return out.astype(out_dtype)
 
 
 PREFILL_HEAD_DIMS = (64, 128)   # head dims the CUDA flash prefill kernel is built for
