@@ -32,7 +32,7 @@ import numpy as np
 from jaxllm.config import Config
 from jaxllm.models import cache_dir
 
-FORMAT = 1          # bump when what convert() writes changes
+FORMAT = 2          # bump when what convert() writes changes
 _EDGE = 1 << 20     # bytes hashed at each end of the GGUF
 
 
@@ -124,13 +124,13 @@ class Entry:
     self.tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=models_dir()))
     self.files: dict[str, dict] = {}
 
-  def add(self, name: str, array: np.ndarray) -> np.ndarray:
-    """Writes one array; returns it mapped from the file (so the caller can drop the host copy)."""
+  def add(self, name: str, array: np.ndarray) -> None:
+    """Writes one array (bfloat16, which .npy cannot describe, as its 16-bit words)."""
     path = self.tmp / f"{name}.npy"
-    np.save(path, np.ascontiguousarray(array))
-    self.files[name] = {"file": path.name, "shape": list(array.shape), "dtype": array.dtype.str,
+    stored = array.view(np.uint16) if array.dtype.name == "bfloat16" else array
+    np.save(path, np.ascontiguousarray(stored))
+    self.files[name] = {"file": path.name, "shape": list(array.shape), "dtype": array.dtype.name,
                         "bytes": path.stat().st_size}
-    return np.load(path, mmap_mode="r")
 
   def commit(self, config: Config, tokenizer_state: dict) -> None:
     """Writes the config, tokenizer and manifest, then renames the entry into place (first writer wins)."""
@@ -165,7 +165,10 @@ def load(key: str) -> tuple[Config, dict, dict[str, np.ndarray]] | None:
       if path.stat().st_size != info["bytes"]:
         raise ValueError(name)
       a = np.load(path, mmap_mode="r")
-      if list(a.shape) != info["shape"] or a.dtype.str != info["dtype"]:
+      if info["dtype"] == "bfloat16" and a.dtype == np.uint16:
+        import ml_dtypes
+        a = a.view(ml_dtypes.bfloat16)
+      if list(a.shape) != info["shape"] or a.dtype.name != info["dtype"]:
         raise ValueError(name)
       arrays[name] = a
     config = Config(**json.loads((d / "config.json").read_text()))

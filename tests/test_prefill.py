@@ -11,6 +11,18 @@ from jaxllm.kernels import prefill_attention_blocked, prefill_attention_referenc
 from tiny import numpy_forward
 
 CHUNK = 16
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture(autouse=True)
+def _exact_on_gpu():
+  """The equalities below hold to float32 rounding: on the GPU run them in f32 with full-precision dots
+  (XLA's GPU dots default to TF32 for f32, and the engine to bf16)."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+F32 = dict(dtype=jnp.float32)
 
 
 def _rel(a, b):
@@ -88,8 +100,8 @@ def test_engine_chunked_prefill_equals_one_chunk(model, kernels):
   """The engine's chunked prefill (chunk 32, prompt 3.5 chunks) gives the tokens one big chunk gives."""
   _, config, weights, tok = model
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, config.vocab_size, 112)]
-  small = Engine(config, weights, tok, max_context=160, kernels=kernels, prefill_chunk=32)
-  big = Engine(config, weights, tok, max_context=160, kernels=kernels, prefill_chunk=128)
+  small = Engine(config, weights, tok, max_context=160, kernels=kernels, prefill_chunk=32, **F32)
+  big = Engine(config, weights, tok, max_context=160, kernels=kernels, prefill_chunk=128, **F32)
   a = small.generate(prompt, 12, ignore_eos=True)
   assert a.ids == big.generate(prompt, 12, ignore_eos=True).ids
   assert [k for k in small.executables() if k[0] == "extend"] == [("extend", 1, 32)]
@@ -102,14 +114,15 @@ def test_reuse_cache_prefills_only_the_new_tokens(model):
   """A second turn that starts with the first turn's prompt and answer reuses their keys, and its output
   equals a run of the whole history from scratch."""
   _, config, weights, tok = model
-  engine = Engine(config, weights, tok, max_context=160, prefill_chunk=CHUNK)
+  engine = Engine(config, weights, tok, max_context=160, prefill_chunk=CHUNK, **F32)
   turn1 = [int(t) for t in np.random.default_rng(9).integers(0, config.vocab_size, 40)]
   first = engine.generate(turn1, 10, ignore_eos=True, reuse_cache=True)
   assert first.reused_tokens == 0
   turn2 = turn1 + first.ids + [5, 6, 7, 8, 9]
   second = engine.generate(turn2, 10, ignore_eos=True, reuse_cache=True)
   assert second.reused_tokens == len(turn1) + len(first.ids) - 1    # the last answer token was never written
-  fresh = Engine(config, weights, tok, max_context=160, prefill_chunk=CHUNK).generate(turn2, 10, ignore_eos=True)
+  fresh = Engine(config, weights, tok, max_context=160, prefill_chunk=CHUNK, **F32).generate(turn2, 10,
+                                                                                             ignore_eos=True)
   assert second.ids == fresh.ids
   third = engine.generate([1, 2, 3] + turn2, 4, ignore_eos=True, reuse_cache=True)   # no common prefix
   assert third.reused_tokens == 0
@@ -133,18 +146,18 @@ def test_blocked_prefill_attention_matches_reference():
 @pytest.mark.parametrize("kernels", ["xla", "ffi"])
 def test_full_sequence_stops_advancing_on_every_path(tiny_models, kernels):
   """max_context 32, prompts of 30 and 2 tokens, 20 new tokens: (context, length), never an error."""
-  config, weights, tok = jaxllm.load(tiny_models["qwen2"], progress=False)
-  engine = Engine(config, weights, tok, max_context=32, kernels=kernels)
+  config, weights, tok = jaxllm.load(tiny_models["qwen2"], progress=False, **F32)
+  engine = Engine(config, weights, tok, max_context=32, kernels=kernels, **F32)
   prompts = [list(range(3, 33)), [5, 6]]
   got = engine.generate_batch(prompts, 20, ignore_eos=True)
   assert [(r.finish_reason, len(r.ids)) for r in got] == [("context", 3), ("length", 20)]
-  assert [r.ids for r in got] == [r.ids for r in Engine(config, weights, tok, max_context=32, kernels="xla")
+  assert [r.ids for r in got] == [r.ids for r in Engine(config, weights, tok, max_context=32, kernels="xla", **F32)
                                   .generate_batch(prompts, 20, ignore_eos=True)]
 
 
 def test_done_rows_write_nothing_past_the_cache(tiny_models):
   """Driving decode_step past the end: the full row stops (pos, token, cache unchanged), the other goes on."""
-  config, weights, _ = jaxllm.load(tiny_models["llama"], progress=False)
+  config, weights, _ = jaxllm.load(tiny_models["llama"], progress=False, **F32)
   s = 12
   tokens = jnp.asarray([[1] * 10, [2, 3] + [0] * 8], jnp.int32)
   state = jaxllm.prefill(config, weights, create_cache(config, 2, s), tokens, jnp.asarray([10, 2], jnp.int32),
@@ -162,7 +175,7 @@ def test_done_rows_write_nothing_past_the_cache(tiny_models):
 
 
 def test_limit_and_eog_stop_rows_on_the_device(tiny_models):
-  config, weights, tok = jaxllm.load(tiny_models["qwen2"], progress=False)
+  config, weights, tok = jaxllm.load(tiny_models["qwen2"], progress=False, **F32)
   tokens = jnp.asarray([[5, 6, 7], [8, 9, 10]], jnp.int32)
   state = jaxllm.prefill(config, weights, create_cache(config, 2, 64), tokens, jnp.asarray([3, 3], jnp.int32),
                          Sampler.create(SamplingParams(), 2), limit=jnp.asarray([5, 64], jnp.int32))
@@ -177,18 +190,18 @@ def test_limit_and_eog_stop_rows_on_the_device(tiny_models):
 
 
 def test_nonfinite_logits_end_a_sequence_with_an_error(tiny_models):
-  config, weights, tok = jaxllm.load(tiny_models["qwen2"], progress=False)
+  config, weights, tok = jaxllm.load(tiny_models["qwen2"], progress=False, **F32)
   import dataclasses
   bad = dataclasses.replace(weights, out_norm=weights.out_norm.at[3].set(jnp.nan))
   for kernels in ("xla", "ffi"):
-    r = Engine(config, bad, tok, max_context=32, kernels=kernels).generate([5, 6, 7], 5, ignore_eos=True)
+    r = Engine(config, bad, tok, max_context=32, kernels=kernels, **F32).generate([5, 6, 7], 5, ignore_eos=True)
     assert r.finish_reason == "error" and "not finite" in r.error and r.ids == []
 
 
 def test_sampling_settings_do_not_recompile(tiny_models):
   """Two requests with different sampling settings run on the executables the first one compiled."""
-  config, weights, tok = jaxllm.load(tiny_models["llama"], progress=False)
-  engine = Engine(config, weights, tok, max_context=64)
+  config, weights, tok = jaxllm.load(tiny_models["llama"], progress=False, **F32)
+  engine = Engine(config, weights, tok, max_context=64, **F32)
   p1 = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
   p2 = SamplingParams(temperature=1.2, top_k=20, min_p=0.05, repeat_penalty=1.3, presence_penalty=0.5, seed=2)
   engine.generate([5, 6, 7], 8, p1, ignore_eos=True)
