@@ -5,6 +5,10 @@
 #   STAGES="parity replay kernels" TESTS="tests/test_kernels.py tests/test_graphs.py" bash bench/gpu_check.sh
 # Knobs: GEMV_SWEEP (non-empty: run bench/gemv_sweep.cu), GEMV_SHAPES (its shapes, e.g. gate_up,lm_head), STAGES (suite stages; empty: none), TESTS (empty: none), T_TESTS (s), PAIRS, JAXLLM_GIT_COMMIT.
 set -u
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "bench/gpu_check.sh builds and runs the CUDA handlers: it needs an NVIDIA GPU, and nvidia-smi finds none here"
+  exit 0
+fi
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT/suite"
 export PYTHONUNBUFFERED=1

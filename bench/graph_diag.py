@@ -91,6 +91,11 @@ def child(model: str, steps: int) -> None:
   mark("end")
 
 
+def _has_gpu() -> bool:
+  import jax
+  return any(d.platform == "gpu" for d in jax.devices())
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="synthetic:qwen2.5-0.5b")
@@ -101,6 +106,10 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.child:
     child(args.model, args.steps)
+    return 0
+  if not _has_gpu():
+    print("bench/graph_diag.py reads XLA's command-buffer log, which only a GPU writes: no GPU here, nothing "
+          "to do", file=sys.stderr)
     return 0
   env = dict(os.environ, TF_CPP_VMODULE="command_buffer_thunk=3", TF_CPP_MIN_LOG_LEVEL="0")
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model", args.model,

@@ -11,7 +11,9 @@ GPU stages (synthetic Qwen2.5-0.5B shape, random weights):
   peers    HF transformers + StaticCache: manual CUDA graph (seed 001) and torch.compile reduce-overhead
   batch    batch 1, 4, 16, 64, both kernel paths, pipelined loop
 CPU stages (smollm2-135m, the real GGUF):
-  cpu      jaxllm W8A16 (FFI and XLA paths) and llama.cpp (llama-cpp-python) on the same file
+  cpu      jaxllm W8A16 (FFI and XLA paths) and llama.cpp (llama-cpp-python) on the same file; needs
+           llama-cpp-python built for the CPU: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON
+           -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" pip install llama-cpp-python==0.3.36
 
 Each stage runs in its own processes with a time limit and logs into the folder; a stage that fails or
 times out is reported as such. `--stages` picks stages (their files are replaced, others kept), and
@@ -376,6 +378,12 @@ def main(argv=None) -> int:
   os.makedirs(d, exist_ok=True)
   status_path = os.path.join(d, "stages.json")
   status = {s["stage"]: s for s in (_json(status_path) or [])}
+  if not args.render and args.target == "gpu":
+    import jax
+    if not any(d.platform == "gpu" for d in jax.devices()):
+      print("bench/suite.py gpu runs its stages on a GPU, and JAX sees none here: nothing to do (--render "
+            "rewrites a report from results already there)", file=sys.stderr)
+      return 0
   if not args.render:
     model = args.model or (GPU_MODEL if args.target == "gpu" else CPU_MODEL)
     table = stages(args.target, d, args.pairs, model)

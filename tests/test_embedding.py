@@ -19,11 +19,11 @@ def qwen2(tiny_models):
   return tiny_models["qwen2"], config, weights, tok
 
 
-def test_embedding_doc_runs(tiny_models):
-  """Every python block of docs/embedding.md, in order, in one namespace."""
+def test_embedding_doc_runs():
+  """Every python block of docs/embedding.md, in order, in one namespace, as written (the demo model)."""
   blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
   assert len(blocks) >= 5
-  ns = {"MODEL": tiny_models["llama"]}
+  ns = {}
   for block in blocks:
     exec(compile(block, str(DOC), "exec"), ns)
   engine_ids = [r.ids for r in ns["results"]]
