@@ -142,7 +142,10 @@ def run(args) -> list[dict]:
   from jaxllm.cache import cache_bytes
   from jaxllm.engine import Engine
   from jaxllm.presets import weight_bytes_per_token
+  t_load = time.perf_counter()
   config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
+  jax.block_until_ready(weights)
+  load_s = time.perf_counter() - t_load
   rng = np.random.default_rng(args.seed)
   prompts = [[int(t) for t in rng.integers(0, config.vocab_size, args.prompt_len)] for _ in range(args.batch)]
   max_context = args.max_context or args.prompt_len + args.decode_len + 8
@@ -170,7 +173,7 @@ def run(args) -> list[dict]:
              "compiler_options": engine.compiler_options, "loop": loop, "batch": args.batch,
              "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,
              "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
-             "repeat": args.repeat, "compile_s": compile_s, **m,
+             "repeat": args.repeat, "load_s": load_s, "compile_s": compile_s, **m,
              "weight_bytes_per_token": wbytes,
              "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,   # one weight pass per step, whatever the batch
              "peak_memory_bytes": peak, "peak_rss_bytes": _peak_rss(), "weights_bytes": all_weight_bytes,

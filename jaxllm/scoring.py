@@ -10,14 +10,19 @@ import numpy as np
 
 from jaxllm.cache import create_cache
 from jaxllm.config import Config
-from jaxllm.decode import sequence_logits
-from jaxllm.model import Weights
+from jaxllm.model import Weights, forward, logits
+
+
+LOGIT_CHUNK = 128   # positions whose logits exist at once: [B, LOGIT_CHUNK, V] f32, not [B, T, V]
 
 
 def continuation_logprobs(config: Config, weights: Weights, tokens: jax.Array, prompt_lens: jax.Array,
-                          total_lens: jax.Array, *, kernels: str = "xla", dtype=jnp.float32) -> jax.Array:
+                          total_lens: jax.Array, *, kernels: str = "xla", dtype=jnp.float32,
+                          chunk: int = LOGIT_CHUNK) -> jax.Array:
   """Sum of log p(token) over each sequence's continuation, teacher-forced. Pure: jit/vmap as you like.
 
+  The logits are made `chunk` positions at a time and reduced at once, so memory stays at
+  [B, chunk, V] whatever T (a 151936-token vocabulary over 4096 positions would be 2.5 GB per sequence).
   Args:
     tokens: [B, T] int32, prompt then continuation, right-padded.
     prompt_lens: [B] prompt lengths (>= 1); total_lens: [B] prompt + continuation lengths (<= T).
@@ -26,12 +31,22 @@ def continuation_logprobs(config: Config, weights: Weights, tokens: jax.Array, p
   """
   b, t = tokens.shape
   cache = create_cache(config, b, t, dtype)
-  logits, _ = sequence_logits(config, weights, cache, tokens, jnp.zeros((b,), jnp.int32), kernels=kernels)
-  logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)                            # [B, T-1, V]
-  picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]      # [B, T-1]
-  j = jnp.arange(t - 1)[None, :]                                                # predicts token j + 1
+  hidden, _ = forward(config, weights, cache, tokens, jnp.zeros((b,), jnp.int32), kernels=kernels)   # [B, T, D]
+  n = -(-(t - 1) // chunk) * chunk                                             # positions 0..T-2 predict 1..T-1
+  h = jnp.pad(hidden[:, :t - 1], ((0, 0), (0, n - (t - 1)), (0, 0)))            # [B, n, D]
+  targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, n - (t - 1))))                  # [B, n]
+  j = jnp.arange(n)[None, :]                                                   # predicts token j + 1
   mask = (j + 1 >= prompt_lens[:, None]) & (j + 1 < total_lens[:, None])
-  return jnp.sum(jnp.where(mask, picked, 0.0), axis=-1)
+
+  def piece(args):
+    hc, tc, mc = args                                                          # [B, C, D], [B, C], [B, C]
+    lc = logits(weights, hc, dtype, kernels=kernels)                           # [B, C, V]
+    picked = jnp.take_along_axis(lc, tc[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(lc, axis=-1)
+    return jnp.sum(jnp.where(mc, picked, 0.0), axis=-1)                        # [B]
+
+  def split(a):
+    return jnp.moveaxis(a.reshape(b, n // chunk, chunk, *a.shape[2:]), 1, 0)
+  return jnp.sum(jax.lax.map(piece, (split(h), split(targets), split(mask))), axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "dtype"))

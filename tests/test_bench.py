@@ -7,7 +7,7 @@ from jaxllm.bench import SCHEMA_VERSION, main
 
 FIELDS = {"schema_version", "label", "model", "synthetic", "arch", "quant", "kernels", "graphs_requested",
           "graph_state", "compiler_options", "loop", "batch", "prompt_len", "decode_len", "max_context",
-          "repeat", "compile_s", "ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p90", "decode_tok_s",
+          "repeat", "load_s", "compile_s", "ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p90", "decode_tok_s",
           "decode_tok_s_total", "step_ms_burst", "weight_bytes_per_token", "weight_gb_s", "byte_floor_ms",
           "copy_gb_s", "peak_memory_bytes", "peak_rss_bytes", "weights_bytes", "cache_bytes", "prefill_chunk",
           "env"}

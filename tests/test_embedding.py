@@ -105,3 +105,27 @@ def test_batched_greedy_equals_alone_smollm2():
   batch = engine.generate_batch(prompts, 16, ignore_eos=True)
   for p, r in zip(prompts, batch):
     assert r.ids == engine.generate(p, 16, ignore_eos=True).ids
+
+
+def test_score_memory_does_not_grow_with_the_vocabulary_times_length():
+  """The logits exist LOGIT_CHUNK positions at a time: going from 256 to 1024 positions adds to the compiled
+  scorer's temporaries well under the [B, 768, V] f32 (403 MB) that whole logits would add, and chunking
+  changes nothing in the result."""
+  from jaxllm.presets import PRESETS
+  from jaxllm.scoring import continuation_logprobs
+  config = PRESETS["tiny"].replace(vocab_size=65536)
+  weights = jaxllm.random_weights(config, seed=1, dtype=jnp.float32)
+  b = 2
+
+  def temp(t):
+    tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+    fn = jax.jit(lambda tk, p, q: continuation_logprobs(config, weights, tk, p, q, chunk=64))
+    return fn.lower(tokens, lens, lens).compile().memory_analysis().temp_size_in_bytes
+  grown = temp(1024) - temp(256)
+  assert grown < b * 768 * config.vocab_size * 4 / 4, grown     # the forward itself grows by ~50 MB
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (b, 300), 0, config.vocab_size)
+  lens = (jnp.asarray([3, 10]), jnp.asarray([300, 200]))
+  chunked = continuation_logprobs(config, weights, tokens, *lens, chunk=64)
+  whole = continuation_logprobs(config, weights, tokens, *lens, chunk=512)
+  np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5)

@@ -192,3 +192,19 @@ def test_engine_serves_one_request_at_a_time(engine):
     t.join(30)
   assert errors and "running a request in another thread" in errors[0]
   assert len(engine.generate([5, 6, 7], 3, ignore_eos=True).ids) == 3   # and it still works
+
+
+def test_a_cache_that_cannot_fit_fails_before_allocating(engine):
+  """Asking for a context whose KV cache exceeds the device's free memory fails at once, with the size."""
+  with pytest.raises(ValueError, match=r"a KV cache of 1000000000 tokens x batch 1 needs [0-9.]+ GiB .* but the "
+                                       r"device has [0-9.]+ GiB free"):
+    Engine(engine.config, engine.weights, engine.tokenizer, max_context=10**9)
+
+
+def test_cli_summary_says_what_is_true_about_graphs(tmp_path, capsys):
+  import jax
+  path = write_tiny_model(tmp_path / "m.gguf", "llama")
+  cli_main([path, "-p", "hi", "-n", "2", "--ignore-eos"])
+  err = capsys.readouterr().err
+  want = "graphs=n/a (cpu)" if jax.default_backend() == "cpu" else "graphs=on"
+  assert want in err, err

@@ -92,24 +92,41 @@ def _hf_greedy(hf, ids, n):
   return out, rows
 
 
+def _check_against_hf(both, ids, ours, what):
+  """Our greedy tokens against HF's from the same prompt ids: equal, or diverging where HF itself rates our
+  token within MARGIN of its own (the two saw the same tokens up to there)."""
+  theirs, hf_logits = _hf_greedy(both["hf"], ids, len(ours))
+  first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+  if first_diff is None:
+    print(f"{both['name']} {what}: {len(ours)} tokens identical")
+    return
+  row = hf_logits[first_diff]
+  gap = float(row[theirs[first_diff]] - row[ours[first_diff]])
+  assert gap < MARGIN, (f"{both['name']} {what}: diverged at step {first_diff}, where HF rates our token "
+                        f"{gap:.3f} below its own (ours {ours}, HF {theirs})")
+  print(f"{both['name']} {what}: diverged at {first_diff}, a near tie there (gap {gap:.4f})")
+
+
 def test_greedy_matches_hf(both):
   tok = both["tok"]
   engine = Engine(both["config"], both["wf"], tok, max_context=256, kernels="xla", dtype=jnp.float32)
   for prompt in GREEDY_PROMPTS:
     text = prompt if prompt is not None else tok.apply_chat_template([{"role": "user", "content": CHAT}])
     ids = tok.encode(text)
+    _check_against_hf(both, ids, engine.generate(ids, NEW_TOKENS, ignore_eos=True).ids, repr(prompt))
+
+
+def test_chunked_prefill_of_a_long_prompt_matches_hf(both):
+  """A prompt of 5 chunks (64 tokens each; the last one padded) through the engine's chunked prefill, on
+  both kernel paths, against HF on the same prompt."""
+  tok = both["tok"]
+  ids = tok.encode(LONG_TEXT)[:300]
+  for kernels in ("xla", "ffi"):
+    engine = Engine(both["config"], both["wf"], tok, max_context=512, kernels=kernels, dtype=jnp.float32,
+                    prefill_chunk=64)
     ours = engine.generate(ids, NEW_TOKENS, ignore_eos=True).ids
-    theirs, hf_logits = _hf_greedy(both["hf"], ids, NEW_TOKENS)
-    first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if first_diff is not None:
-      # Up to the divergence both saw the same tokens: there HF must rate our choice within MARGIN of its own.
-      row = hf_logits[first_diff]
-      gap = float(row[theirs[first_diff]] - row[ours[first_diff]])
-      assert gap < MARGIN, (f"{both['name']} {text!r}: diverged at step {first_diff}, where HF rates our token "
-                            f"{gap:.3f} below its own (ours {ours}, HF {theirs})")
-      print(f"{both['name']} {prompt!r}: diverged at {first_diff}, a near tie there (gap {gap:.4f})")
-    else:
-      print(f"{both['name']} {prompt!r}: {NEW_TOKENS} tokens identical")
+    assert ("extend", 1, 64) in engine.executables()
+    _check_against_hf(both, ids, ours, f"300-token prompt in chunks of 64, {kernels} path")
 
 
 def _our_logits(config, weights, ids):
