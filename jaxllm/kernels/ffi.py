@@ -143,6 +143,18 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
   return y.reshape(*lead, w.shape[1])
 
 
+def _check_caches(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_layout: str) -> tuple[int, ...]:
+  """(L, B, G, S, Dh) of caches [L, B, G, S, Dh] that queries laid out as q_layout ("[B, H, Dh]" or
+  "[B, T, H, Dh]": batch first, heads and head dim last) fit; ValueError naming both shapes otherwise."""
+  if q.ndim != q_layout.count(",") + 1 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+    raise ValueError(f"expected q {q_layout} and caches [L, B, G, S, Dh]; got q {q.shape}, "
+                     f"k {k_cache.shape}, v {v_cache.shape}")
+  n_layers, b, g, s, dh = k_cache.shape
+  if q.shape[0] != b or q.shape[-1] != dh or q.shape[-2] % g:
+    raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}")
+  return n_layers, b, g, s, dh
+
+
 CUDA_HEAD_DIMS = (64, 128)   # head dims the CUDA attention kernel is built for
 CUDA_MAX_GROUP = 16          # query heads per kv head one CUDA block takes (kMaxGroup in cuda_kernels.cu)
 
@@ -176,12 +188,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
   """
   _ensure_registered()
   _check_dtype("q", q)
-  if q.ndim != 3 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-    raise ValueError(f"expected q [B, H, Dh] and caches [L, B, G, S, Dh]; got q {q.shape}, "
-                     f"k {k_cache.shape}, v {v_cache.shape}")
-  n_layers, b, g, s, dh = k_cache.shape
-  if q.shape[0] != b or q.shape[2] != dh or q.shape[1] % g:
-    raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}")
+  n_layers, b, g, s, dh = _check_caches(q, k_cache, v_cache, "[B, H, Dh]")
   _check_dtype("the cache", k_cache)
   if v_cache.dtype != k_cache.dtype:
     raise ValueError(f"k and v caches must share a dtype, got {k_cache.dtype}, {v_cache.dtype}")
@@ -223,12 +230,7 @@ def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, laye
   `poison` (tests only): a [B, T, H, Dh] buffer the kernel writes into, to catch unwritten outputs.
   """
   _ensure_registered()
-  if q.ndim != 4 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-    raise ValueError(f"expected q [B, T, H, Dh] and caches [L, B, G, S, Dh]; got q {q.shape}, "
-                     f"k {k_cache.shape}, v {v_cache.shape}")
-  n_layers, b, g, s, dh = k_cache.shape
-  if q.shape[0] != b or q.shape[3] != dh or q.shape[2] % g:
-    raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}")
+  n_layers, b, g, s, dh = _check_caches(q, k_cache, v_cache, "[B, T, H, Dh]")
   if q.dtype != jnp.bfloat16 or k_cache.dtype != jnp.bfloat16 or v_cache.dtype != jnp.bfloat16:
     raise ValueError(f"the flash prefill kernel takes bf16 q and caches, got {q.dtype}, {k_cache.dtype}")
   if start.shape != (b,):
