@@ -5,8 +5,9 @@ F feed-forward width, V vocabulary, L layers, S cache length.
 
 One forward serves prefill (T > 1: causal attention over the cache, written first) and decode (T = 1:
 the decode-attention kernel). The layer loop is a Python loop, unrolled into the compiled program:
-`lax.scan` over layers defeats XLA's command buffers (DESIGN.md). The residual stream is float32;
-matmul inputs and the KV cache use the cache's dtype (bf16 on GPU, f32 on CPU).
+`lax.scan` over layers defeats XLA's command buffers (DESIGN.md); only the CPU's prefill scans
+(forward(layers="scan")). The residual stream is float32; matmul inputs use the activation dtype
+(`cache.compute_dtype`: bf16 on GPU, f32 on CPU), the KV cache its own dtype (by default the same).
 """
 from __future__ import annotations
 
