@@ -33,7 +33,6 @@ def make(path: str) -> None:
   import jax
   import jax.numpy as jnp
   import jaxllm
-  from jaxllm.cache import create_cache
   from jaxllm.kernels import linear_reference, prefill_attention_reference
   from jaxllm.model import apply_rope, embed, rms_norm, rope_angles
   out = {}
@@ -47,7 +46,6 @@ def make(path: str) -> None:
     positions = jnp.arange(t)[None]
     angles = rope_angles(c, positions, wf.rope_freqs)
     x = embed(wf, jnp.asarray([ids]))
-    cache = create_cache(c, 1, t, jnp.float32)
     for i in range(c.n_layers):
       h = rms_norm(x, wf.attn_norm[i], c.rms_eps)
       qkv = linear_reference(h, wf.wqkv, i)

@@ -35,7 +35,7 @@ from jaxllm.config import Config
 from jaxllm.decode import MAX_EOG, DecodeState, decode_step, eog_table, extend, finish_prefill
 from jaxllm.kernels import resolve_kernels
 from jaxllm.model import Weights
-from jaxllm.sampling import NONFINITE, PENALTY_WINDOW, Sampler, SamplingParams
+from jaxllm.sampling import NONFINITE, Sampler, SamplingParams, rows_of
 from jaxllm.tokenizer import StreamDecoder, Tokenizer
 
 MIN_BUCKET = 16
@@ -402,9 +402,7 @@ class Engine:
   def _setup(self, prompts, max_tokens, params, seed, ignore_eos):
     """Host arrays for a request: sampler, per-row token limits and end-of-generation tables."""
     b = len(prompts)
-    rows = [params] * b if isinstance(params, SamplingParams) else list(params)
-    if len(rows) != b or not all(isinstance(p, SamplingParams) for p in rows):
-      raise ValueError(f"params must be one SamplingParams or one per prompt ({b}), got {params!r}")
+    rows = rows_of(params, b)
     sampler = Sampler.create(rows, b, seed, history=prompts, vocab_size=self.config.vocab_size)
     limits = np.asarray([min(self.max_context, len(p) + max_tokens - 1) for p in prompts], np.int32)
     eog_ids = () if ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
@@ -576,8 +574,7 @@ class Engine:
 
 
 def _all_greedy(params, batch: int) -> bool:
-  rows = [params] * batch if isinstance(params, SamplingParams) else list(params)
-  return all(p.greedy for p in rows)
+  return all(p.greedy for p in rows_of(params, batch))
 
 
 class _Sequence:

@@ -74,17 +74,11 @@ def load(model: str, quant: str = "w8a16", dtype=None, progress: bool | Stages =
   try:
     with stages.stage(f"convert to {quant} on the device", "cached for the next run" if cache else ""), \
         stages.bar(progress_total(c), f"convert {c.arch}") as bar:
-      done: dict[str, int] = {}
-
-      def advance(name, n):
-        bar.update(n - done.get(name, 0))
-        done[name] = n
-
       def sink(name, array):
         if entry is not None:
           entry.add(name, array)
         return jnp.asarray(array)
-      weights = assemble(convert(gf, quant, dtype, advance, sink))
+      weights = assemble(convert(gf, quant, dtype, bar.update, sink))
       jax.block_until_ready(weights)
     if entry is not None:
       entry.commit(c, tokenizer.to_state())

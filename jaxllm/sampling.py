@@ -71,6 +71,14 @@ class SamplingParams:
     return self.temperature == 0 or self.top_k == 1
 
 
+def rows_of(params: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:
+  """One SamplingParams per row: the one given for every row, or the list given (checked)."""
+  rows = [params] * batch if isinstance(params, SamplingParams) else list(params)
+  if len(rows) != batch or not all(isinstance(p, SamplingParams) for p in rows):
+    raise ValueError(f"params must be one SamplingParams or one per row ({batch}), got {params!r}")
+  return rows
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Sampler:
@@ -95,9 +103,7 @@ class Sampler:
     history: each row's tokens so far (the prompt), whose last PENALTY_WINDOW tokens fill the window;
     vocab_size marks empty window slots (any id >= V; 0 leaves the window empty).
     """
-    rows = [params] * batch if isinstance(params, SamplingParams) else list(params)
-    if len(rows) != batch:
-      raise ValueError(f"need one SamplingParams per row: {batch} rows, got {len(rows)}")
+    rows = rows_of(params, batch)
     seeds = [p.seed if p.seed is not None else seed + b for b, p in enumerate(rows)]
     if not all(isinstance(s, (int, np.integer)) and 0 <= s < 2 ** 63 for s in seeds):
       raise ValueError(f"seeds must be integers in [0, 2^63), got {seeds[:4]}")

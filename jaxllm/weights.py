@@ -54,14 +54,15 @@ def progress_total(c: Config) -> int:
 
 
 def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
-            on_array: Callable[[str, int], None] | None = None,
+            on_progress: Callable[[int], None] | None = None,
             sink: Callable[[str, np.ndarray], object] | None = None) -> dict[str, object]:
   """The model's arrays by name ("wqkv.w", "wqkv.scale", "attn_norm", ...), built one at a time on the host.
 
   Matrices become int8 with float32 scales (quant "w8a16") or stay float in `dtype` (quant "none");
   norms and biases are float32. Each finished array goes to sink(name, array), whose result is what the
   dict holds (default: the host array itself; e.g. jnp.asarray to move it to the device at once, so its
-  host copy can go). on_array(name, rows_done) reports progress after each layer or row block. The tied
+  host copy can go). on_progress(n) reports n more units of progress_total(config) done (a layer of a
+  stacked array, or rows of the embedding or head) as each is done. The tied
   head is not repeated ("head.*" absent when the config ties it).
   """
   _check_quant(quant)
@@ -93,8 +94,8 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
           w[i] = rows.astype(float_dtype)
         else:
           w[i], s[i] = quantize_int8(rows)
-        if on_array:
-          on_array(name, i + 1)
+        if on_progress:
+          on_progress(1)
       done(name + ".w", w)
       if quant != "none":
         done(name + ".scale", s)
@@ -103,8 +104,8 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
       for i in range(c.n_layers):
         v[i] = first if i == 0 else layer_rows(name, i)
       done(name, v)
-      if on_array:
-        on_array(name, c.n_layers)
+      if on_progress:
+        on_progress(c.n_layers)
   heads = ["token_embd.weight"] + ([] if c.tied_embeddings else ["output.weight"])
   for tensor, name in zip(heads, ("embed", "head")):
     rows, k = gf.tensor_shape(tensor)
@@ -118,8 +119,8 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
         w[r0:r0 + len(block)] = block.astype(float_dtype)
       else:
         w[r0:r0 + len(block)], s[r0:r0 + len(block)] = quantize_int8(block)
-      if on_array:
-        on_array(name, min(rows, r0 + ROW_BLOCK))
+      if on_progress:
+        on_progress(len(block))
     gf.release(tensor)
     done(name + ".w", w)
     if quant != "none":
@@ -161,12 +162,7 @@ def load_weights(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32, progress
   c = gf.config
   with tqdm(total=progress_total(c), desc=f"convert {c.arch}", unit="row", disable=None if progress else True,
             leave=False) as bar:
-    done: dict[str, int] = {}
-
-    def advance(name, n):
-      bar.update(n - done.get(name, 0))
-      done[name] = n
-    arrays = convert(gf, quant, dtype, advance, sink=lambda name, a: jnp.asarray(a))
+    arrays = convert(gf, quant, dtype, bar.update, sink=lambda name, a: jnp.asarray(a))
   return assemble(arrays)
 
 

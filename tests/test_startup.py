@@ -7,7 +7,6 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
