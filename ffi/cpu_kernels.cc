@@ -131,31 +131,26 @@ void RowsDot64Any(const float* x, int64_t mt, int64_t k, const int8_t* row, cons
   }
 }
 
-ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                    ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
-  MatmulShape s;
-  if (auto err = CheckMatmul(x, w, scale, *y, layer, &s); err.failure()) return err;
-  const ffi::DataType t = x.element_type();
-  std::vector<float> xf(s.m * s.k);
-  for (int64_t m = 0; m < s.m; ++m) LoadF32(x.untyped_data(), t, m * s.k, s.k, &xf[m * s.k]);
-  const int8_t* wl = static_cast<const int8_t*>(w.untyped_data()) + layer * s.n * s.k;
-  const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
-  void* out = y->untyped_data();
+// y[m, n] = x[m] . dequant(w[n]) for f32 rows xf [M, K]; emit(m, n, value) stores each (from pool threads,
+// each (m, n) once).
+template <typename Emit>
+void MatmulF32(ffi::ThreadPool& pool, const MatmulShape& s, const float* xf, const int8_t* wl, const float* sl,
+               Emit emit) {
   const int64_t chunks = (s.n + kRowsPerChunk - 1) / kRowsPerChunk;
   if (s.group == kGroup) {
-    ParallelFor(pool, chunks, [&, wl, sl, out](int64_t c) {
+    ParallelFor(pool, chunks, [&, xf, wl, sl](int64_t c) {
       float tile[4];
       for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n)
         for (int64_t m0 = 0; m0 < s.m; m0 += 4) {
           const int64_t mt = std::min<int64_t>(4, s.m - m0);
           RowsDot64Any(&xf[m0 * s.k], mt, s.k, wl + n * s.k, sl + n * s.groups, s.groups, tile);
-          for (int64_t i = 0; i < mt; ++i) StoreF32(out, t, (m0 + i) * s.n + n, tile[i]);
+          for (int64_t i = 0; i < mt; ++i) emit(m0 + i, n, tile[i]);
         }
     });
-    return ffi::Error::Success();
+    return;
   }
   // Other group sizes: each group of a row is widened to f32 once and reused for every row of x.
-  ParallelFor(pool, chunks, [&, wl, sl, out](int64_t c) {
+  ParallelFor(pool, chunks, [&, xf, wl, sl](int64_t c) {
     std::vector<float> wf(s.group), acc(s.m);
     for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n) {
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -174,9 +169,149 @@ ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
           acc[m] += dot * sc;
         }
       }
-      for (int64_t m = 0; m < s.m; ++m) StoreF32(out, t, m * s.n + n, acc[m]);
+      for (int64_t m = 0; m < s.m; ++m) emit(m, n, acc[m]);
     }
   });
+}
+
+ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                    ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
+  MatmulShape s;
+  if (auto err = CheckMatmul(x, w, scale, *y, layer, &s); err.failure()) return err;
+  const ffi::DataType t = x.element_type();
+  std::vector<float> xf(s.m * s.k);
+  for (int64_t m = 0; m < s.m; ++m) LoadF32(x.untyped_data(), t, m * s.k, s.k, &xf[m * s.k]);
+  const int8_t* wl = static_cast<const int8_t*>(w.untyped_data()) + layer * s.n * s.k;
+  const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
+  void* out = y->untyped_data();
+  MatmulF32(pool, s, xf.data(), wl, sl, [&, out, t](int64_t m, int64_t n, float v) { StoreF32(out, t, m * s.n + n, v); });
+  return ffi::Error::Success();
+}
+
+// f32 rounded to the activation dtype (bf16: round to nearest even) and back.
+inline float RoundTo(bool bf16, float v) { return bf16 ? Bf16ToF32(F32ToBf16(v)) : v; }
+
+// The fused matmul (see FusedMode in common.h), as the unfused path computes it.
+ffi::Error FusedCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer aux,
+                    ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t norm_layer, int64_t mode, int64_t bf16_attr,
+                    float eps) {
+  MatmulShape s;
+  const bool bf16 = bf16_attr != 0;
+  if (auto err = CheckFused(x, w, scale, aux, *y, layer, norm_layer, mode, bf16, &s); err.failure()) return err;
+  const ffi::DataType t = bf16 ? ffi::BF16 : ffi::F32;
+  std::vector<float> xf(s.m * s.k);
+  if (mode == kModeResidual) {
+    for (int64_t m = 0; m < s.m; ++m) LoadF32(x.untyped_data(), t, m * s.k, s.k, &xf[m * s.k]);
+  } else {   // x * rsqrt(mean(x^2) + eps) * norm_w, rounded to the activation dtype
+    const float* xr = static_cast<const float*>(x.untyped_data());
+    const float* nw = static_cast<const float*>(aux.untyped_data()) + norm_layer * s.k;
+    for (int64_t m = 0; m < s.m; ++m) {
+      double ss = 0.0;
+      for (int64_t i = 0; i < s.k; ++i) ss += double(xr[m * s.k + i]) * xr[m * s.k + i];
+      const float inv = 1.f / std::sqrt(float(ss / double(s.k)) + eps);
+      for (int64_t i = 0; i < s.k; ++i) xf[m * s.k + i] = RoundTo(bf16, xr[m * s.k + i] * inv * nw[i]);
+    }
+  }
+  const int8_t* wl = static_cast<const int8_t*>(w.untyped_data()) + layer * s.n * s.k;
+  const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
+  void* out = y->untyped_data();
+  if (mode == kModeNorm) {
+    MatmulF32(pool, s, xf.data(), wl, sl, [&, out, t](int64_t m, int64_t n, float v) { StoreF32(out, t, m * s.n + n, v); });
+    return ffi::Error::Success();
+  }
+  if (mode == kModeResidual) {
+    const float* res = static_cast<const float*>(aux.untyped_data());
+    float* yo = static_cast<float*>(out);
+    MatmulF32(pool, s, xf.data(), wl, sl,
+              [&, res, yo, bf16](int64_t m, int64_t n, float v) { yo[m * s.n + n] = res[m * s.n + n] + RoundTo(bf16, v); });
+    return ffi::Error::Success();
+  }
+  std::vector<float> full(s.m * s.n);   // the rows' values, rounded to the activation dtype
+  float* fp = full.data();
+  MatmulF32(pool, s, xf.data(), wl, sl, [&, fp, bf16](int64_t m, int64_t n, float v) { fp[m * s.n + n] = RoundTo(bf16, v); });
+  if (mode == kModeNormSwiGLU) {
+    const int64_t f = s.n / 2;
+    for (int64_t m = 0; m < s.m; ++m)
+      for (int64_t j = 0; j < f; ++j) {
+        const float g = fp[m * s.n + j], u = fp[m * s.n + f + j];
+        StoreF32(out, t, m * f + j, g / (1.f + std::exp(-g)) * u);
+      }
+    return ffi::Error::Success();
+  }
+  uint32_t* packed = static_cast<uint32_t*>(out);   // argmax: the first largest, words (row, 0, nonfinite, 0)
+  for (int64_t m = 0; m < s.m; ++m) {
+    int64_t best = 0;
+    bool nonfinite = false;
+    for (int64_t n = 0; n < s.n; ++n) {
+      const float v = fp[m * s.n + n];
+      nonfinite |= !std::isfinite(v);
+      if (v > fp[m * s.n + best]) best = n;
+    }
+    packed[m * 4] = 0xffffffffu - uint32_t(best);
+    packed[m * 4 + 1] = 0;
+    packed[m * 4 + 2] = nonfinite;
+    packed[m * 4 + 3] = 0;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FusedCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                        ffi::AnyBuffer aux, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer,
+                        int64_t norm_layer, int64_t mode, int64_t bf16, float eps) {
+  return FusedCpu(pool, x, w, scale, aux, y, layer, norm_layer, mode, bf16, eps);
+}
+
+// The QKV epilogue (see BindQkv in common.h), as the unfused path computes it.
+ffi::Error QkvCpu(ffi::ThreadPool, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi::AnyBuffer qn, ffi::AnyBuffer kn,
+                  ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer, ffi::AnyBuffer,
+                  ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
+                  ffi::Result<ffi::AnyBuffer> counters, int64_t layer, int64_t neox, float pos_scale, float eps) {
+  QkvShape s;
+  if (auto err = CheckQkv(qkv, bias, qn, kn, inv_freq, pos, writes, *kc, *vc, *q_out, *counters, layer, &s);
+      err.failure())
+    return err;
+  const ffi::DataType t = qkv.element_type();
+  const bool bf16 = t == ffi::BF16;
+  auto row_of = [&](const ffi::AnyBuffer& a, int64_t cols) {
+    return a.dimensions().size() == 1 ? nullptr : static_cast<const float*>(a.untyped_data()) + layer * cols;
+  };
+  const float *bp = row_of(bias, s.nqkv), *qp = row_of(qn, s.d), *kp = row_of(kn, s.d);
+  const float* freq = static_cast<const float*>(inv_freq.untyped_data());
+  const int32_t *pp = static_cast<const int32_t*>(pos.untyped_data()), *wp = static_cast<const int32_t*>(writes.untyped_data());
+  std::memset(counters->untyped_data(), 0, size_t(s.b * s.g) * sizeof(int32_t));
+  const int64_t half = s.d / 2;
+  std::vector<float> row(s.nqkv), head(s.d);
+  for (int64_t b = 0; b < s.b; ++b) {
+    LoadF32(qkv.untyped_data(), t, b * s.nqkv, s.nqkv, row.data());
+    if (bp)
+      for (int64_t i = 0; i < s.nqkv; ++i) row[i] = RoundTo(bf16, row[i] + bp[i]);
+    const float p = float(pp[b]) / pos_scale;
+    const int64_t at = wp[b];
+    for (int64_t h = 0; h < s.h + s.g; ++h) {
+      std::copy(&row[h * s.d], &row[(h + 1) * s.d], head.begin());
+      const float* nw = h < s.h ? qp : kp;
+      if (nw) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < s.d; ++i) ss += double(head[i]) * head[i];
+        const float inv = 1.f / std::sqrt(float(ss / double(s.d)) + eps);
+        for (int64_t i = 0; i < s.d; ++i) head[i] = RoundTo(bf16, head[i] * inv * nw[i]);
+      }
+      const bool is_q = h < s.h;
+      if (!is_q && (at < 0 || at >= s.s)) continue;
+      const int64_t g = h - s.h;
+      const int64_t base = is_q ? (b * s.h + h) * s.d : (((layer * s.b + b) * s.g + g) * s.s + at) * s.d;
+      void* dst = is_q ? q_out->untyped_data() : kc->untyped_data();
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t e0 = neox ? i : 2 * i, e1 = neox ? i + half : 2 * i + 1;
+        const float angle = p * freq[i], cs = std::cos(angle), sn = std::sin(angle);
+        const float a = head[e0], c = head[e1];
+        StoreF32(dst, t, base + e0, a * cs - c * sn);
+        StoreF32(dst, t, base + e1, c * cs + a * sn);
+      }
+      if (!is_q)
+        for (int64_t i = 0; i < s.d; ++i) StoreF32(vc->untyped_data(), t, base + i, row[(s.h + s.g + g) * s.d + i]);
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -224,6 +359,13 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// The one-kernel attention's signature on the CPU: the same computation (counters untouched, zero).
+ffi::Error DecodeAttentionMergedCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                    ffi::AnyBuffer lengths, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> ws, ffi::Result<ffi::AnyBuffer>, int64_t layer) {
+  return DecodeAttentionCpu(pool, q, k, v, lengths, out, ws, layer);
+}
+
 // Test variants: the output aliases a poisoned input buffer, so tests can see unwritten elements.
 ffi::Error W8A16CpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                         ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
@@ -239,6 +381,11 @@ ffi::Error DecodeAttentionCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCpu, W8A16Cpu, FinishW8A16(BindW8A16<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCpuHandler, DecodeAttentionCpu, FinishAttention(BindAttention<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionMergedCpuHandler, DecodeAttentionMergedCpu,
+                              BindMergedAttention(BindAttention<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16FusedCpu, FusedCpu, BindFused<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16FusedCpuInto, FusedCpuInto, BindFusedInto<ffi::ThreadPool>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QkvEpilogueCpu, QkvCpu, BindQkv<ffi::ThreadPool>());
 // Test variants: one more argument, the poisoned output buffer aliased to the result.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCpuInto, W8A16CpuInto,
                               FinishW8A16(BindW8A16<ffi::ThreadPool>().Arg<ffi::AnyBuffer>()));

@@ -10,53 +10,11 @@
 #include <string>
 
 #include "common.h"
+#include "attention_cuda.cuh"
 #include "w8a16_cuda.cuh"
 
 namespace jaxllm {
 namespace {
-
-// W8A16 configuration by shape (kernel templates in w8a16_cuda.cuh), chosen from bench/gemv_sweep.cu on
-// the H200 (docs/kernels.md): TPR threads per row split K, ROWS rows per team, U loads in flight per row,
-// MT rows of x per block (larger M runs in tiles of MT); weight loads skip L1 and prefetch 256 B into L2.
-// Many rows with bf16 activations (gate/up, the LM head) take the int16 inner product with x staged in
-// shared memory (compute-bound otherwise); few rows and long K are latency-bound and keep the f32 one.
-// f32 activations always keep the f32 inner product (exact to f32 rounding).
-template <typename T>
-cudaError_t DispatchW8A16(cudaStream_t st, const MatmulShape& s, const void* xp, const int8_t* w, const float* sc,
-                          void* yp) {
-  using namespace w8a16;
-  constexpr Conv kMagic = Conv::kMagic, kInt16 = Conv::kInt16;
-  constexpr unsigned kStaged = kHint | kStageX, kStagedFirst = kHint | kStageX | kXFirst;
-  const T* x = static_cast<const T*>(xp);
-  T* y = static_cast<T*>(yp);
-  const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
-  const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768;
-  const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
-  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
-  if (m == 1) {
-    if (long_k) return Launch<T, 1, 256, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);     // K over the block
-    if (int16 && huge_n) return Launch<T, 1, 32, 4, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g);  // LM head
-    if (int16)   // half a warp per 2 rows, rows shared evenly between the SMs
-      return Launch<T, 1, 16, 2, 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g);
-    if (huge_n && StreamFits<2>(k)) return LaunchStream<T, 2, 2, true>(st, x, w, sc, y, n, k, g);  // f32 LM head
-    if (many_rows) return Launch<T, 1, 32, 4, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);   // warp per 4 rows
-    return Launch<T, 1, 64, 1, 1, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);                  // 2 warps per row
-  }
-  if (m == 2) {
-    if (int16 && huge_n) return Launch<T, 2, 32, 4, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g);
-    if (int16) return Launch<T, 2, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g);
-    if (many_rows) return Launch<T, 2, 32, 2, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
-    if (long_k) return Launch<T, 2, 128, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
-    return Launch<T, 2, 64, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
-  }
-  // M >= 3: tiles of 4 rows of x.
-  if (int16 && huge_n) return Launch<T, 4, 32, 4, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g);
-  if (int16) return Launch<T, 4, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g);
-  if (huge_n) return Launch<T, 4, 32, 4, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
-  if (many_rows) return Launch<T, 4, 32, 2, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
-  if (long_k) return Launch<T, 4, 128, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
-  return Launch<T, 4, 64, 1, 2, kMagic, kHint>(st, x, w, sc, y, m, n, k, g);
-}
 
 ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                      ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
@@ -66,8 +24,8 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   const int8_t* wl = static_cast<const int8_t*>(w.untyped_data()) + layer * s.n * s.k;
   const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
   cudaError_t e = x.element_type() == ffi::BF16
-                      ? DispatchW8A16<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data())
-                      : DispatchW8A16<float>(stream, s, x.untyped_data(), wl, sl, y->untyped_data());
+                      ? w8a16::Dispatch<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data())
+                      : w8a16::Dispatch<float>(stream, s, x.untyped_data(), wl, sl, y->untyped_data());
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_w8a16 launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
@@ -398,6 +356,56 @@ ffi::Error DecodeAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+template <typename T, int D>
+cudaError_t LaunchOne(cudaStream_t stream, const AttentionShape& s, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                      const ffi::AnyBuffer& v, const int32_t* lengths, float* ws, void* out, int P, int32_t* counters) {
+  return attn1::Launch<T, D>(stream, static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
+                             static_cast<const T*>(v.untyped_data()), lengths, ws, static_cast<T*>(out), counters,
+                             int(s.layer), int(s.b), int(s.h), int(s.g), int(s.s), P);
+}
+
+// The one-kernel attention (attention_cuda.cuh): counters [B, G] int32, zero on entry and left zero, aliased
+// to the third result.
+ffi::Error DecodeAttentionMergedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                     ffi::AnyBuffer lengths, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
+                                     ffi::Result<ffi::AnyBuffer> workspace, ffi::Result<ffi::AnyBuffer> counters,
+                                     int64_t layer) {
+  AttentionShape s;
+  if (auto err = CheckAttention(q, k, v, lengths, *out, layer, &s); err.failure()) return err;
+  if (k.element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention_merged: the CUDA kernel takes q in the caches' dtype");
+  auto wd = workspace->dimensions(), cd = counters->dimensions();
+  const int P = wd.size() == 4 ? int(wd[2]) : 0;
+  if (workspace->element_type() != ffi::F32 || wd.size() != 4 || wd[0] != s.b || wd[1] != s.h || P < 1 ||
+      P > attn1::kMaxSplits || wd[3] != s.d + 2)
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention_merged: workspace must be f32 [B, H, P, Dh + 2] with "
+                                       "1 <= P <= " + std::to_string(attn1::kMaxSplits) + ", got " + DimsString(wd));
+  if (counters->element_type() != ffi::S32 || cd.size() != 2 || cd[0] != s.b || cd[1] != s.g)
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention_merged: counters must be int32 [B, G], got " +
+                                       DimsString(cd));
+  if (s.h / s.g > attn1::kMaxGroup)
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention_merged: at most " + std::to_string(attn1::kMaxGroup) +
+                                       " query heads per kv head, got " + std::to_string(s.h / s.g));
+  const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
+  float* ws = static_cast<float*>(workspace->untyped_data());
+  int32_t* cnt = static_cast<int32_t*>(counters->untyped_data());
+  const bool bf16 = q.element_type() == ffi::BF16;
+  cudaError_t e;
+  if (s.d == 64) {
+    e = bf16 ? LaunchOne<__nv_bfloat16, 64>(stream, s, q, k, v, len, ws, out->untyped_data(), P, cnt)
+             : LaunchOne<float, 64>(stream, s, q, k, v, len, ws, out->untyped_data(), P, cnt);
+  } else if (s.d == 128) {
+    e = bf16 ? LaunchOne<__nv_bfloat16, 128>(stream, s, q, k, v, len, ws, out->untyped_data(), P, cnt)
+             : LaunchOne<float, 128>(stream, s, q, k, v, len, ws, out->untyped_data(), P, cnt);
+  } else {
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention_merged: head dim must be 64 or 128, got " +
+                                       std::to_string(s.d));
+  }
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jaxllm_decode_attention_merged launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 // Test variants: the output aliases a poisoned input buffer, so tests can see unwritten elements.
 ffi::Error W8A16CudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                          ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
@@ -414,6 +422,9 @@ ffi::Error DecodeAttentionCudaInto(cudaStream_t stream, ffi::AnyBuffer q, ffi::A
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCuda, W8A16Cuda, FinishW8A16(BindW8A16<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionCudaHandler, DecodeAttentionCuda, FinishAttention(BindAttention<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionMergedCudaHandler, DecodeAttentionMergedCuda,
+                              BindMergedAttention(BindAttention<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 // Test variants: one more argument, the poisoned output buffer aliased to the result.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16MatmulCudaInto, W8A16CudaInto,

@@ -8,6 +8,10 @@ extern "C" XLA_FFI_Error* W8A16MatmulCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCpuHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* W8A16MatmulCpuInto(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCpuIntoHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* DecodeAttentionMergedCpuHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* W8A16FusedCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* W8A16FusedCpuInto(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* QkvEpilogueCpu(XLA_FFI_CallFrame*);
 #ifdef JAXLLM_WITH_CUDA
 extern "C" XLA_FFI_Error* W8A16MatmulCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCudaHandler(XLA_FFI_CallFrame*);
@@ -15,6 +19,11 @@ extern "C" XLA_FFI_Error* W8A16MatmulCudaInto(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCudaIntoHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PrefillAttentionCudaHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PrefillAttentionCudaIntoHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* DecodeAttentionMergedCudaHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* W8A16FusedCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* W8A16FusedCudaInto(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* QkvEpilogueCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* DecodeLayersCuda(XLA_FFI_CallFrame*);
 #endif
 }  // namespace jaxllm
 
@@ -33,6 +42,10 @@ PYBIND11_MODULE(_ffi, m) {
     d["jaxllm_decode_attention"] = Capsule(jaxllm::DecodeAttentionCpuHandler);
     d["jaxllm_w8a16_into"] = Capsule(jaxllm::W8A16MatmulCpuInto);
     d["jaxllm_decode_attention_into"] = Capsule(jaxllm::DecodeAttentionCpuIntoHandler);
+    d["jaxllm_decode_attention_merged"] = Capsule(jaxllm::DecodeAttentionMergedCpuHandler);
+    d["jaxllm_w8a16_fused"] = Capsule(jaxllm::W8A16FusedCpu);
+    d["jaxllm_w8a16_fused_into"] = Capsule(jaxllm::W8A16FusedCpuInto);
+    d["jaxllm_qkv_epilogue"] = Capsule(jaxllm::QkvEpilogueCpu);
     return d;
   });
   m.def("cuda_targets", [] {
@@ -44,6 +57,11 @@ PYBIND11_MODULE(_ffi, m) {
     d["jaxllm_decode_attention_into"] = Capsule(jaxllm::DecodeAttentionCudaIntoHandler);
     d["jaxllm_prefill_attention"] = Capsule(jaxllm::PrefillAttentionCudaHandler);
     d["jaxllm_prefill_attention_into"] = Capsule(jaxllm::PrefillAttentionCudaIntoHandler);
+    d["jaxllm_decode_attention_merged"] = Capsule(jaxllm::DecodeAttentionMergedCudaHandler);
+    d["jaxllm_w8a16_fused"] = Capsule(jaxllm::W8A16FusedCuda);
+    d["jaxllm_w8a16_fused_into"] = Capsule(jaxllm::W8A16FusedCudaInto);
+    d["jaxllm_qkv_epilogue"] = Capsule(jaxllm::QkvEpilogueCuda);
+    d["jaxllm_decode_layers"] = Capsule(jaxllm::DecodeLayersCuda);
 #endif
     return d;
   });

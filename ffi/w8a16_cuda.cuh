@@ -32,6 +32,8 @@
 #include <mutex>
 #include <tuple>
 
+#include "common.h"
+
 namespace jaxllm {
 
 template <typename T> __device__ __forceinline__ float ToF32(T v);
@@ -61,6 +63,21 @@ __device__ __forceinline__ void Load16(const float* x, float* out) {
     const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
     out[4 * i] = f.x; out[4 * i + 1] = f.y; out[4 * i + 2] = f.z; out[4 * i + 3] = f.w;
   }
+}
+
+// The same from shared memory (normalized x staged by the block, kNorm): plain loads, not the read-only path.
+__device__ __forceinline__ void Load16Shared(const __nv_bfloat16* x, float* out) {
+  const uint4 a = reinterpret_cast<const uint4*>(x)[0], b = reinterpret_cast<const uint4*>(x)[1];
+  const uint32_t words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void Load16Shared(const float* x, float* out) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) out[i] = x[i];
 }
 
 enum class Conv { kI2F, kMagic, kInt16 };
@@ -113,14 +130,14 @@ __device__ __forceinline__ void QuantizeInt16(const float* v, XChunk<Conv::kInt1
   }
 }
 
-template <Conv C, typename T>
+template <Conv C, typename T, bool SHARED = false>
 __device__ __forceinline__ void LoadX(const T* x, XChunk<C>& out) {
   if constexpr (C == Conv::kInt16) {
     float v[16];
-    Load16(x, v);
+    if constexpr (SHARED) Load16Shared(x, v); else Load16(x, v);
     QuantizeInt16(v, out);
   } else {
-    Load16(x, out.v);
+    if constexpr (SHARED) Load16Shared(x, out.v); else Load16(x, out.v);
   }
 }
 
@@ -197,6 +214,9 @@ __device__ __forceinline__ int GroupSumEach(float (&a)[V], int lane) {
 // Shared memory of a kInt16 block that stages x (kStageX): MT rows of K / 16 chunks, 16 int16 and a scale each.
 constexpr size_t XStageBytes(int mt, int k) { return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)); }
 constexpr size_t kMaxXStageBytes = 48 << 10;   // without the opt-in to more dynamic shared memory
+// Shared memory of a kNorm block without kStageX: MT normalized rows of x in T.
+template <typename T>
+constexpr size_t NormStageBytes(int mt, int k) { return size_t(mt) * k * sizeof(T); }
 
 // Options of a configuration (F: a bitwise or of these).
 enum : unsigned {
@@ -208,27 +228,75 @@ enum : unsigned {
   kBalance = 8u,   // block b takes its even share [b N / grid, (b + 1) N / grid) of the rows, its teams taking
                    // them round robin (team t: rows lo + t, lo + t + kTeams, ..., at most ROWS), so that a grid
                    // of a whole number of blocks per SM shares the rows evenly between the SMs (see Launch).
+  // Fusions (the decode step's prologue and epilogues; docs/kernels.md):
+  kNorm = 16u,     // x is the f32 residual stream: each block computes its rows' RMS and stages
+                   // T(x * rsqrt(mean(x^2) + eps) * norm_w) in shared memory (int16 chunks with kStageX)
+  kResidual = 32u, // y (f32) = res + T(x . w): the residual add of the O and down projections
+  kSwiGLU = 64u,   // w holds [gate; up] (2F rows); y [M, F] = T(silu(T(gate)) * T(up)); ROWS even: a team's
+                   // rows are gate and up of the same outputs
+  kArgmax = 128u,  // no y: the greedy token. y is uint32 [M, 4], zeroed by the caller: words 0-1 the
+                   // largest (orderable T(x . w) << 32 | ~row) by a 64-bit atomic max (ties: the lowest row,
+                   // as argmax), word 2 set where a value is not finite
 };
-// Rows without kBalance: team i of the grid takes rows i * ROWS ... i * ROWS + ROWS - 1.
+
+// The fused operands: the norm weight [K] and eps (kNorm), the residual [M, N] (kResidual, may be y itself:
+// each element is read and then written by one thread); pdl: launch as a programmatic dependent of the
+// previous kernel on the stream (the kernel issues its first weight loads, then waits for that kernel).
+struct Fuse {
+  const float* norm_w = nullptr;
+  float eps = 0.f;
+  const float* res = nullptr;
+  bool pdl = false;
+};
+
+// Programmatic dependent launch (sm_90): wait for the grid this one depends on (a no-op without one), and
+// let the next grid start launching.
+__device__ __forceinline__ void GridDepWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void GridDepLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// f32 -> uint32 with the same order (negative values flipped), for the packed argmax.
+__device__ __forceinline__ uint32_t OrderedBits(float v) {
+  const uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Rows without kBalance: team i of the grid takes rows i * ROWS ... i * ROWS + ROWS - 1 (with kSwiGLU: outputs
+// i * ROWS / 2 ..., each from its gate row and its up row F further).
 template <typename T, int MT, int TPR, int ROWS, int U, Conv C, unsigned F = 0>
-__global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, const int8_t* __restrict__ w,
-                                                   const float* __restrict__ scale, T* __restrict__ y, int m_total,
-                                                   int n_total, int k_total, int groups, uint32_t chunk_div) {
+__global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in, const int8_t* __restrict__ w,
+                                                   const float* __restrict__ scale, void* __restrict__ y_out,
+                                                   int m_total, int n_total, int k_total, int groups,
+                                                   uint32_t chunk_div, Fuse fu) {
   constexpr bool HINT = F & kHint, XS = F & kStageX, XA = F & kXFirst, BAL = F & kBalance;
+  constexpr bool NORM = F & kNorm, RES = F & kResidual, SW = F & kSwiGLU, ARG = F & kArgmax;
   static_assert((TPR % 32 == 0 || 32 % TPR == 0) && kThreads % TPR == 0, "a team is whole warps or part of one");
   static_assert(!XS || C == Conv::kInt16, "x is staged as int16 chunks");
   static_assert(XS || !XA, "kXFirst orders the staging of x");
+  static_assert(!SW || ROWS % 2 == 0, "kSwiGLU pairs a team's rows");
+  static_assert(int(RES) + int(SW) + int(ARG) <= 1, "one epilogue");
   constexpr int kTeams = kThreads / TPR, kWarpsPerTeam = (TPR + 31) / 32, kLanes = TPR < 32 ? TPR : 32;
+  constexpr int RO = SW ? ROWS / 2 : ROWS;   // outputs per team
+  const T* x = static_cast<const T*>(x_in);
   const int t = threadIdx.x % TPR, team = threadIdx.x / TPR;
-  // This team's rows: row_base + r * row_step for r < ROWS, those below row_end.
+  const int n_out = SW ? n_total / 2 : n_total;
+  // This team's outputs: row_base + r * row_step for r < RO, those below row_end; output o reads weight row
+  // o (and o + n_out, its up row, with kSwiGLU).
   int row_base, row_end;
   constexpr int row_step = BAL ? kTeams : 1;
   if constexpr (BAL) {
-    row_base = int(int64_t(blockIdx.x) * n_total / gridDim.x) + team;
-    row_end = int(int64_t(blockIdx.x + 1) * n_total / gridDim.x);
+    row_base = int(int64_t(blockIdx.x) * n_out / gridDim.x) + team;
+    row_end = int(int64_t(blockIdx.x + 1) * n_out / gridDim.x);
   } else {
-    row_base = (blockIdx.x * kTeams + team) * ROWS;
-    row_end = n_total;
+    row_base = (blockIdx.x * kTeams + team) * RO;
+    row_end = n_out;
   }
   const int m0 = blockIdx.y * MT;
   const int chunks = k_total >> 4;
@@ -239,9 +307,9 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
   for (int r = 0; r < ROWS; ++r) {
     // Rows past the end are never written; with kBalance they are not loaded (zeros), without it (only
     // in the last block) they load the last row again, which keeps the predicate (and a register) out.
-    const int n = row_base + r * row_step;
-    row_ok[r] = !BAL || n < row_end;
-    const int n_load = BAL ? n : min(n, n_total - 1);
+    const int o = row_base + (r % RO) * row_step;
+    row_ok[r] = !BAL || o < row_end;
+    const int n_load = (BAL ? o : min(o, n_out - 1)) + (r / RO) * n_out;
     wrow[r] = reinterpret_cast<const uint4*>(w + size_t(n_load) * k_total);
     srow[r] = scale + size_t(n_load) * groups;
   }
@@ -267,22 +335,91 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
   };
   extern __shared__ uint4 x_stage[];   // kStageX: [MT][chunks][2] int16 chunks, then [MT][chunks] f32 scales
   float* xs_stage = reinterpret_cast<float*>(x_stage + 2 * MT * chunks);
+  T* xn_stage = reinterpret_cast<T*>(x_stage);   // kNorm without kStageX: [MT][K] normalized x
+  const int m_here = min(MT, m_total - m0);
+  __shared__ float inv_rms[MT];
+  auto norm_rows = [&] {   // inv_rms[m] = rsqrt(mean(x[m0 + m]^2) + eps)
+    if constexpr (NORM) {
+      const float* xf = static_cast<const float*>(x_in) + size_t(m0) * k_total;
+      __shared__ float red[kThreads / 32][MT];
+      float ss[MT];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        ss[m] = 0.f;
+        if (m < m_here)
+          for (int i = threadIdx.x; i < k_total; i += kThreads) ss[m] = fmaf(xf[m * k_total + i], xf[m * k_total + i], ss[m]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], off);
+      }
+      if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) red[threadIdx.x >> 5][m] = ss[m];
+      __syncthreads();
+      if (threadIdx.x < MT) {
+        float v = 0.f;
+#pragma unroll
+        for (int i = 0; i < kThreads / 32; ++i) v += red[i][threadIdx.x];
+        inv_rms[threadIdx.x] = rsqrtf(v / float(k_total) + fu.eps);
+      }
+      __syncthreads();
+    }
+  };
+  // 16 normalized activations of row m from element e, rounded to T as the unfused path rounds them.
+  auto norm16 = [&](int m, int e, float* v) {
+    const float* xf = static_cast<const float*>(x_in) + size_t(m0 + m) * k_total + e;
+    const float inv = inv_rms[m];
+#pragma unroll
+    for (int i = 0; i < 16; i += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(xf + i);
+      const float4 g = __ldg(reinterpret_cast<const float4*>(fu.norm_w + e + i));
+      v[i] = ToF32(FromF32<T>(a.x * inv * g.x));
+      v[i + 1] = ToF32(FromF32<T>(a.y * inv * g.y));
+      v[i + 2] = ToF32(FromF32<T>(a.z * inv * g.z));
+      v[i + 3] = ToF32(FromF32<T>(a.w * inv * g.w));
+    }
+  };
   auto stage_x = [&] {   // this thread's chunks of the MT rows of x below M
     if constexpr (XS) {
-      for (int i = threadIdx.x; i < min(MT, m_total - m0) * chunks; i += kThreads) {
+      for (int i = threadIdx.x; i < m_here * chunks; i += kThreads) {
         XChunk<C> xc;
-        LoadX<C>(x + size_t(m0) * k_total + i * 16, xc);
+        if constexpr (NORM) {
+          float v[16];
+          norm16(i / chunks, (i % chunks) * 16, v);
+          QuantizeInt16(v, xc);
+        } else {
+          LoadX<C>(x + size_t(m0) * k_total + i * 16, xc);
+        }
         x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
         x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
         xs_stage[i] = xc.s;
       }
+    } else if constexpr (NORM) {
+      for (int i = threadIdx.x; i < m_here * chunks; i += kThreads) {
+        float v[16];
+        norm16(i / chunks, (i % chunks) * 16, v);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) xn_stage[size_t(i) * 16 + j] = FromF32<T>(v[j]);
+      }
     }
   };
-  if constexpr (XS && XA) stage_x();
   int c0 = t;
-  load_round(c0);
-  if constexpr (XS && !XA) stage_x();
-  if constexpr (XS) __syncthreads();
+  // Nothing before GridDepWait reads what an earlier kernel writes: the weights' first loads go out first.
+  if constexpr (NORM) {   // the weights' first loads are in flight while the block normalizes x
+    load_round(c0);
+    GridDepWait();
+    norm_rows();
+    stage_x();
+    __syncthreads();
+  } else {
+    if constexpr (XS && XA) {
+      GridDepWait();
+      stage_x();
+    }
+    load_round(c0);
+    if constexpr (!(XS && XA)) GridDepWait();
+    if constexpr (XS && !XA) stage_x();
+    if constexpr (XS) __syncthreads();
+  }
   while (true) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -297,6 +434,8 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
           xc.q[0] = a.x; xc.q[1] = a.y; xc.q[2] = a.z; xc.q[3] = a.w;
           xc.q[4] = b.x; xc.q[5] = b.y; xc.q[6] = b.z; xc.q[7] = b.w;
           xc.s = xs_stage[m * chunks + c];
+        } else if constexpr (NORM) {
+          LoadX<C, T, true>(xn_stage + size_t(m) * k_total + c * 16, xc);
         } else {
           LoadX<C>(x + size_t(m0 + m) * k_total + c * 16, xc);
         }
@@ -308,6 +447,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
     if (c0 >= chunks) break;
     load_round(c0);
   }
+  GridDepLaunch();   // the weights are read: the next kernel may start issuing its own
   // Reduce over the team: its lanes in each warp by shuffles (a[0] ends up with the total of value j on
   // the lanes j * kLanes / V ...), then (TPR > 32) the team's warps through shared memory.
   constexpr int V = MT * ROWS;
@@ -319,21 +459,57 @@ __global__ void __launch_bounds__(kThreads) Kernel(const T* __restrict__ x, cons
   const int lane = t % kLanes;
   const int j = GroupSumEach<V, kLanes>(a, lane);
   const bool holder = lane % (kLanes / V) == 0;
+  __shared__ unsigned long long best[ARG ? MT : 1];   // kArgmax: the block's packed maximum per row of x
+  if constexpr (ARG) {
+    if (threadIdx.x < MT) best[threadIdx.x] = 0ull;
+    __syncthreads();
+  }
+  uint32_t nonfinite = 0;   // kArgmax: bit m set where row m0 + m met a value that is not finite
+  // Output (m, o) of value v (and, with kSwiGLU, its up value u).
+  auto emit = [&](int m, int o, float v, float u) {
+    const size_t at = size_t(m0 + m) * n_out + o;
+    if constexpr (RES) {
+      static_cast<float*>(y_out)[at] = fu.res[at] + ToF32(FromF32<T>(v));
+    } else if constexpr (SW) {
+      const float g = ToF32(FromF32<T>(v));
+      static_cast<T*>(y_out)[at] = FromF32<T>(g / (1.f + __expf(-g)) * ToF32(FromF32<T>(u)));
+    } else if constexpr (ARG) {
+      const float r = ToF32(FromF32<T>(v));
+      if (!isfinite(r)) nonfinite |= 1u << m;
+      atomicMax(&best[m], (static_cast<unsigned long long>(OrderedBits(r)) << 32) | (0xffffffffu - uint32_t(o)));
+    } else {
+      static_cast<T*>(y_out)[at] = FromF32<T>(v);
+    }
+  };
   if constexpr (kWarpsPerTeam == 1) {
-    const int m = j / ROWS, n = row_base + j % ROWS * row_step;
-    if (holder && m0 + m < m_total && n < row_end) y[size_t(m0 + m) * n_total + n] = FromF32<T>(a[0]);
+    // kSwiGLU: the up value of output j sits RO values further, on the lane RO * kLanes / V further.
+    const float up = SW ? __shfl_down_sync(0xffffffffu, a[0], RO * (kLanes / V)) : 0.f;
+    const int m = j / ROWS, r = j % ROWS, o = row_base + r % RO * row_step;
+    if (holder && r < RO && m0 + m < m_total && o < row_end) emit(m, o, a[0], up);
   } else {
     __shared__ float part[kThreads / 32][V];
     const int warp = threadIdx.x >> 5;
     if (holder) part[warp][j] = a[0];
     __syncthreads();
     if (t < V) {
-      const int m = t / ROWS, n = row_base + t % ROWS * row_step;
-      float v = 0.f;
+      const int m = t / ROWS, r = t % ROWS, o = row_base + r % RO * row_step;
+      float v = 0.f, u = 0.f;
 #pragma unroll
       for (int i = 0; i < kWarpsPerTeam; ++i) v += part[team * kWarpsPerTeam + i][t];
-      if (m0 + m < m_total && n < row_end) y[size_t(m0 + m) * n_total + n] = FromF32<T>(v);
+      if constexpr (SW) {
+#pragma unroll
+        for (int i = 0; i < kWarpsPerTeam; ++i) u += part[team * kWarpsPerTeam + i][min(t + RO, V - 1)];
+      }
+      if (r < RO && m0 + m < m_total && o < row_end) emit(m, o, v, u);
     }
+  }
+  if constexpr (ARG) {
+    __syncthreads();
+    uint32_t* out = static_cast<uint32_t*>(y_out);
+    if (threadIdx.x < m_here)
+      atomicMax(reinterpret_cast<unsigned long long*>(out + size_t(m0 + threadIdx.x) * 4), best[threadIdx.x]);
+    for (int m = 0; m < m_here; ++m)
+      if (nonfinite >> m & 1u) atomicOr(out + size_t(m0 + m) * 4 + 2, 1u);
   }
 }
 
@@ -453,22 +629,80 @@ cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const
 // once is rounded up to a whole number of blocks per SM (each block then takes fewer rows): otherwise the
 // SMs that hold one block more than the others read that much more and finish last.
 template <typename T, int MT, int TPR, int ROWS, int U, Conv C, unsigned F = 0>
-cudaError_t Launch(cudaStream_t stream, const T* x, const int8_t* w, const float* scale, T* y, int m, int n, int k,
-                   int groups) {
+cudaError_t Launch(cudaStream_t stream, const void* x, const int8_t* w, const float* scale, void* y, int m, int n,
+                   int k, int groups, Fuse fu = {}) {
   auto kernel = Kernel<T, MT, TPR, ROWS, U, C, F>;
   constexpr int kRowsPerBlock = kThreads / TPR * ROWS;
-  const size_t smem = F & kStageX ? XStageBytes(MT, k) : 0;
+  const size_t smem = (F & kStageX) ? XStageBytes(MT, k) : (F & kNorm) ? NormStageBytes<T>(MT, k) : 0;
+  const int n_out = (F & kSwiGLU) ? n / 2 : n;
   int blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
   if constexpr ((F & kBalance) != 0) {
     Residency res;
     if (cudaError_t e = ResidencyOf(reinterpret_cast<const void*>(kernel), smem, &res); e != cudaSuccess) return e;
     const int per_sm = (blocks + res.sms - 1) / res.sms;
-    if (per_sm <= res.per_sm) blocks = std::min(per_sm * res.sms, n);
+    if (per_sm <= res.per_sm) blocks = std::min(per_sm * res.sms, n_out);
   }
-  const dim3 grid(blocks, (m + MT - 1) / MT);
-  kernel<<<grid, kThreads, smem, stream>>>(x, w, scale, y, m, n, k, groups, DivMagic(uint32_t(k / groups / 16)));
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks, (m + MT - 1) / MT);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = fu.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, x, w, scale, y, m, n, k, groups, DivMagic(uint32_t(k / groups / 16)), fu);
 }
+
+// W8A16 configuration by shape (kernel templates in w8a16_cuda.cuh), chosen from bench/gemv_sweep.cu on
+// the H200 (docs/kernels.md): TPR threads per row split K, ROWS rows per team, U loads in flight per row,
+// MT rows of x per block (larger M runs in tiles of MT); weight loads skip L1 and prefetch 256 B into L2.
+// Many rows with bf16 activations (gate/up, the LM head) take the int16 inner product with x staged in
+// shared memory (compute-bound otherwise); few rows and long K are latency-bound and keep the f32 one.
+// f32 activations always keep the f32 inner product (exact to f32 rounding).
+// EX: the fusion flags (kNorm, kResidual, kSwiGLU, kArgmax) added to every configuration; with kSwiGLU the
+// configurations of one row per team take two. x and y are what the flags say (see Kernel).
+template <unsigned EX>
+constexpr int Rows(int rows) { return (EX & kSwiGLU) && rows < 2 ? 2 : rows; }
+
+template <typename T, unsigned EX = 0>
+cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, const int8_t* w, const float* sc,
+                     void* yp, Fuse fu = {}) {
+  constexpr Conv kMagic = Conv::kMagic, kInt16 = Conv::kInt16;
+  constexpr unsigned kStaged = kHint | kStageX | EX, kStagedFirst = kHint | kStageX | kXFirst | EX, kH = kHint | EX;
+  const void* x = xp;
+  void* y = yp;
+  const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
+  const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768;
+  const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
+  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
+  if (m == 1) {
+    if (long_k) return Launch<T, 1, 256, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);     // K over the block
+    if (int16 && huge_n) return Launch<T, 1, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);  // LM head
+    if (int16)   // half a warp per 2 rows, rows shared evenly between the SMs
+      return Launch<T, 1, 16, Rows<EX>(2), 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
+    if (EX == 0 && huge_n && StreamFits<2>(k))   // f32 LM head
+      return LaunchStream<T, 2, 2, true>(st, static_cast<const T*>(x), w, sc, static_cast<T*>(y), n, k, g);
+    if (many_rows) return Launch<T, 1, 32, Rows<EX>(4), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);   // warp per 4 rows
+    return Launch<T, 1, 64, Rows<EX>(1), 1, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);                  // 2 warps per row
+  }
+  if (m == 2) {
+    if (int16 && huge_n) return Launch<T, 2, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);
+    if (int16) return Launch<T, 2, 32, Rows<EX>(2), 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);
+    if (many_rows) return Launch<T, 2, 32, Rows<EX>(2), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
+    if (long_k) return Launch<T, 2, 128, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
+    return Launch<T, 2, 64, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
+  }
+  // M >= 3: tiles of 4 rows of x.
+  if (int16 && huge_n) return Launch<T, 4, 32, Rows<EX>(4), 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);
+  if (int16) return Launch<T, 4, 32, Rows<EX>(2), 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);
+  if (huge_n) return Launch<T, 4, 32, Rows<EX>(4), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
+  if (many_rows) return Launch<T, 4, 32, Rows<EX>(2), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
+  if (long_k) return Launch<T, 4, 128, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
+  return Launch<T, 4, 64, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
+}
+
 
 }  // namespace w8a16
 }  // namespace jaxllm

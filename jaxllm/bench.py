@@ -156,13 +156,14 @@ def run(args) -> list[dict]:
   from jaxllm.sampling import SamplingParams
   params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
   records = []
-  for kernels in (["ffi", "xla"] if args.kernels == "both" else [args.kernels]):
+  for kernels in kernel_list(args.kernels):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
                     prefill_chunk=args.prefill_chunk)
     t0 = time.perf_counter()
     engine.warmup(args.prompt_len, params, batch=args.batch)
     compile_s = time.perf_counter() - t0
-    state = engine.graph_state() if args.graph_state else {"state": "not inspected"}
+    greedy = params.greedy and ("penalized" if params.penalized else True)
+    state = engine.graph_state(greedy) if args.graph_state else {"state": "not inspected"}
     for loop in (["pipelined", "streaming"] if args.loop == "both" else [args.loop]):
       m = measure(engine, prompts, args.decode_len, args.repeat, args.warmup, loop == "pipelined", params)
       m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch
@@ -195,6 +196,17 @@ def run(args) -> list[dict]:
           f"(beyond weights and cache {_gb(rec.get('peak_beyond_weights_and_cache_bytes'))}), "
           f"peak RSS {_gb(rec['peak_rss_bytes'])} GB", file=sys.stderr)
   return records
+
+
+def kernel_list(value: str) -> list[str]:
+  """--kernels: one path, "both" (ffi and xla) or a comma-separated list (e.g. ffi,ffi-unfused)."""
+  from jaxllm.kernels import KERNEL_CHOICES
+  paths = ["ffi", "xla"] if value == "both" else [v.strip() for v in value.split(",") if v.strip()]
+  bad = [p for p in paths if p not in KERNEL_CHOICES]
+  if bad or not paths:
+    raise SystemExit(f"error: --kernels takes {', '.join(KERNEL_CHOICES)}, both, or a comma-separated list; "
+                     f"got {value!r}")
+  return paths
 
 
 def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
@@ -285,11 +297,13 @@ def ab_table(records: list[dict]) -> str:
 
 
 def runs_table(records: list[dict]) -> str:
-  lines = ["| label | kernels | graphs | state | loop | TTFT (ms) | TPOT mean/p50/p90 (ms) | tok/s | weight GB/s | floor (ms) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| label | kernels | graphs | state | thunks/step | loop | TTFT (ms) | TPOT mean/p50/p90 (ms) | tok/s | "
+           "weight GB/s | floor (ms) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     lines.append(f"| {r.get('label') or ''} | {r['kernels']} | {'on' if r['graphs_requested'] else 'off'} | "
-                 f"{r['graph_state'].get('state')} | {r['loop']} | {r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} / "
+                 f"{r['graph_state'].get('state')} | {r['graph_state'].get('work_thunks', '')} | {r['loop']} | "
+                 f"{r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} / "
                  f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | {r['decode_tok_s']:.1f} | "
                  f"{r['weight_gb_s']:.0f} | {r['byte_floor_ms']:.3f} |")
   return "\n".join(lines)
@@ -324,7 +338,8 @@ def build_parser():
   p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
   p.add_argument("--repeat", type=int, default=3, help="timed requests per configuration")
   p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
-  p.add_argument("--kernels", choices=("auto", "ffi", "xla", "both"), default="auto")
+  p.add_argument("--kernels", default="auto",
+                 help="auto, ffi (fused decode step), ffi-unfused, xla, both (ffi and xla), or a comma list")
   p.add_argument("--loop", choices=("pipelined", "streaming", "both"), default="both")
   p.add_argument("--quant", choices=("w8a16", "none"), default="w8a16")
   p.add_argument("--graphs", choices=("on", "off", "env"), default="env",

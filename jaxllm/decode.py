@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from jaxllm.cache import KVCache
 from jaxllm.config import Config
-from jaxllm.model import Weights, forward, logits
+from jaxllm.kernels import fused
+from jaxllm.model import Weights, forward, forward_decode_fused, logits, use_fused
 from jaxllm.sampling import NONFINITE, Sampler, sample
 
 MAX_EOG = 16     # end-of-generation ids a state holds per sequence
@@ -128,16 +129,30 @@ def prefill(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
 
 
 def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_only: bool = False,
-                kernels: str = "xla") -> DecodeState:
+                penalties: bool = True, kernels: str = "xla") -> DecodeState:
   """Runs each active sequence's last token and samples the next one; done sequences stay as they are.
 
   greedy_only (static): compile only the argmax, for states whose every row is greedy.
+  penalties (static): False promises that no row has a repeat/presence/frequency penalty; with greedy_only
+    the fused path then takes the token from the LM-head kernel's argmax and never writes the logits.
+  kernels "ffi" runs the fused kernels where they take the model and batch (model.use_fused).
   """
   active = ~state.done
-  hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, active[:, None],
-                          kernels=kernels)
-  step_logits = logits(weights, hidden[:, 0], cache.compute_dtype, kernels=kernels)          # [B, V]
-  new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only)
+  b = state.tokens.shape[0]
+  if use_fused(config, weights, state.cache, b, kernels):
+    x, cache = forward_decode_fused(config, weights, state.cache, state.tokens, state.pos, active)
+    if greedy_only and not penalties:
+      new, finite = fused.norm_argmax(x, weights.out_norm, config.rms_eps, weights.head, dtype=cache.compute_dtype)
+      new, sampler = jnp.where(finite, new, NONFINITE), state.sampler
+    else:
+      step_logits = fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head,
+                                      dtype=cache.compute_dtype).astype(jnp.float32)          # [B, V]
+      new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only)
+  else:
+    hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, active[:, None],
+                            kernels=kernels)
+    step_logits = logits(weights, hidden[:, 0], cache.compute_dtype, kernels=kernels)        # [B, V]
+    new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only)
   tokens = jnp.where(active, new, state.tokens)
   pos = jnp.where(active, state.pos + 1, state.pos)
   sampler = sampler.push(tokens, pos, active)

@@ -33,7 +33,7 @@ from jaxllm import graphs
 from jaxllm.cache import KVCache, check_fits, create_cache
 from jaxllm.config import Config
 from jaxllm.decode import MAX_EOG, DecodeState, decode_step, eog_table, extend, finish_prefill
-from jaxllm.kernels import resolve_kernels
+from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights
 from jaxllm.sampling import NONFINITE, Sampler, SamplingParams, rows_of
 from jaxllm.tokenizer import StreamDecoder, Tokenizer
@@ -210,7 +210,8 @@ class Engine:
       from jaxllm import store
       disk_key = store.executable_key(key, self.config, self.kernels, jnp.dtype(self.dtype).name,
                                       jnp.dtype(self.cache_dtype).name, self.max_context,
-                                      sorted(self.compiler_options.items()), jax.tree.structure(args),
+                                      sorted(self.compiler_options.items()), fused.layers_call(), fused.cpu_fused(),
+                                      select.ffi_ops(), jax.tree.structure(args),
                                       [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
       compiled = store.load_executable(disk_key)
       if compiled is not None:
@@ -278,7 +279,7 @@ class Engine:
   def prefill_fn(self, batch: int, bucket: int, greedy: bool) -> Callable:
     """Compiled final prefill chunk (weights, cache, tokens [B, bucket], lengths, start, last, pos, sampler,
     limit, eog) -> DecodeState."""
-    fn = functools.partial(_final_chunk, self.config, greedy_only=greedy, kernels=self.kernels,
+    fn = functools.partial(_final_chunk, self.config, greedy_only=bool(greedy), kernels=self.kernels,
                            layers=self.prefill_layers)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
@@ -286,9 +287,13 @@ class Engine:
             jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
     return self._build(("prefill", batch, bucket, greedy), fn, 1, args)
 
-  def step_fn(self, batch: int = 1, greedy: bool = True) -> Callable:
-    """Compiled decode_step(weights, state) -> state, the state donated."""
-    fn = functools.partial(decode_step, self.config, greedy_only=greedy, kernels=self.kernels)
+  def step_fn(self, batch: int = 1, greedy: bool | str = True) -> Callable:
+    """Compiled decode_step(weights, state) -> state, the state donated.
+
+    greedy: False (sampling), True (every row greedy, no penalties: the fused path's argmax head) or
+    "penalized" (every row greedy, some with penalties), as _greedy_mode says.
+    """
+    fn = functools.partial(decode_step, self.config, kernels=self.kernels, **_step_flags(greedy))
     return self._build(("step", batch, greedy), fn, 1, (self.weights, self._state_spec(batch)))
 
   def executables(self) -> list[tuple]:
@@ -309,7 +314,7 @@ class Engine:
       info.update(state="off", reason="XLA command buffers (CUDA graphs) exist only on the GPU backend")
       return info
     import tempfile
-    fn = functools.partial(decode_step, self.config, greedy_only=greedy, kernels=self.kernels)
+    fn = functools.partial(decode_step, self.config, kernels=self.kernels, **_step_flags(greedy))
     with tempfile.TemporaryDirectory(prefix="jaxllm-dump-") as tmp:
       target = dump_dir or tmp
       options = dict(self.compiler_options, xla_dump_to=target)
@@ -406,7 +411,7 @@ class Engine:
     sampler = Sampler.create(rows, b, seed, history=prompts, vocab_size=self.config.vocab_size)
     limits = np.asarray([min(self.max_context, len(p) + max_tokens - 1) for p in prompts], np.int32)
     eog_ids = () if ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
-    return sampler, limits, eog_table(eog_ids, b), all(p.greedy for p in rows)
+    return sampler, limits, eog_table(eog_ids, b), _greedy_mode(rows)
 
   def stream_tokens(self, prompts: Sequence[Sequence[int]], max_tokens: int,
                     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), seed: int = 0,
@@ -573,8 +578,20 @@ class Engine:
     return [s.result() for s in seqs]
 
 
-def _all_greedy(params, batch: int) -> bool:
-  return all(p.greedy for p in rows_of(params, batch))
+def _greedy_mode(rows: Sequence[SamplingParams]) -> bool | str:
+  """False unless every row is greedy; then True, or "penalized" where some row has a penalty."""
+  if not all(p.greedy for p in rows):
+    return False
+  return "penalized" if any(p.penalized for p in rows) else True
+
+
+def _all_greedy(params, batch: int) -> bool | str:
+  return _greedy_mode(rows_of(params, batch))
+
+
+def _step_flags(greedy: bool | str) -> dict:
+  """decode_step's static flags for a greedy mode (see Engine.step_fn)."""
+  return {"greedy_only": bool(greedy), "penalties": greedy is not True}
 
 
 class _Sequence:

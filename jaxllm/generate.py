@@ -173,7 +173,8 @@ def main(argv=None) -> int:
 
   with stages.stage("compile and warm up", "compiled steps cached" if not args.no_compile_cache else ""):
     engine.warmup(longest, params, batch=max(1, len(all_ids)), trial=True)
-  graph_state = engine.graph_state(params.greedy) if args.show_graph_state else None
+  greedy = params.greedy and ("penalized" if params.penalized else True)
+  graph_state = engine.graph_state(greedy) if args.show_graph_state else None
   if graph_state is not None:
     print("[jaxllm] graph state: " + json.dumps(graph_state), file=sys.stderr)
   run = _Run(args, engine, params, model, max_tokens, max_context, stages, graph_state, t_start)

@@ -56,7 +56,7 @@ def parse_thunk_sequence(text: str) -> dict:
   if not entries:
     return {"command_buffers": 0, "work_thunks": 0, "captured": 0, "coverage": 0.0, "kinds_outside": {}}
   top = min(indent for indent, _ in entries)
-  command_buffers, captured, outside = 0, 0, {}
+  command_buffers, captured, outside, kinds = 0, 0, {}, {}
   inside = False
   for indent, kind in entries:
     if indent == top:
@@ -66,9 +66,11 @@ def parse_thunk_sequence(text: str) -> dict:
         outside[kind] = outside.get(kind, 0) + 1
     elif inside and kind not in _CONTAINERS:
       captured += 1
+    if kind not in _CONTAINERS:
+      kinds[kind] = kinds.get(kind, 0) + 1
   work = captured + sum(outside.values())
   return {"command_buffers": command_buffers, "work_thunks": work, "captured": captured,
-          "coverage": captured / work if work else 0.0, "kinds_outside": outside}
+          "coverage": captured / work if work else 0.0, "kinds_outside": outside, "work_kinds": kinds}
 
 
 def read_dump(dump_dir: str) -> dict:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxllm.cache import KVCache
 from jaxllm.config import Config
-from jaxllm.kernels import decode_attention, linear, prefill_attention
+from jaxllm.kernels import decode_attention, fused, linear, prefill_attention
 from jaxllm.quant import Linear
 
 
@@ -47,12 +47,16 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope_angles(config: Config, positions: jax.Array, rope_freqs: jax.Array | None) -> jax.Array:
-  """Rotation angles [..., Dh/2] for integer positions [...]."""
+def rope_inv_freq(config: Config, rope_freqs: jax.Array | None) -> jax.Array:
+  """[Dh/2] f32 frequencies: position p (divided by rope_scale under linear scaling) turns by p * inv_freq."""
   half = config.head_dim // 2
   inv_freq = config.rope_base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / config.head_dim)
-  if rope_freqs is not None:
-    inv_freq = inv_freq / rope_freqs
+  return inv_freq if rope_freqs is None else inv_freq / rope_freqs
+
+
+def rope_angles(config: Config, positions: jax.Array, rope_freqs: jax.Array | None) -> jax.Array:
+  """Rotation angles [..., Dh/2] for integer positions [...]."""
+  inv_freq = rope_inv_freq(config, rope_freqs)
   pos = positions.astype(jnp.float32)
   if config.rope_scaling == "linear":
     pos = pos / config.rope_scale
@@ -179,6 +183,48 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
     for i in range(config.n_layers):
       x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels)
   return rms_norm(x, weights.out_norm, config.rms_eps), cache
+
+
+
+
+def use_fused(config: Config, weights: Weights, cache: KVCache, batch: int, kernels: str) -> bool:
+  """Whether the decode step runs through the fused kernels (kernels "ffi", supported model and batch)."""
+  from jaxllm.kernels import select
+  return (kernels == "ffi" and "fused" in select.ffi_ops()
+          and fused.fused_decode_reason(config, weights, cache, batch) is None)
+
+
+def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
+                         active: jax.Array) -> tuple[jax.Array, KVCache]:
+  """One token per sequence through the fused kernels: six per layer (jaxllm/kernels/fused.py), on the
+  GPU all layers from one FFI call (fused.decode_layers; fused.layers_call says when).
+
+  tokens [B] int32, pos [B] int32 (the token's position), active [B] bool (inactive rows write nothing).
+  Returns the residual stream [B, D] f32 before the final norm (the head fuses it) and the cache.
+  """
+  c = config
+  dtype = cache.compute_dtype
+  x = embed(weights, jnp.clip(tokens, 0, c.vocab_size - 1)[:, None])[:, 0]          # [B, D] f32
+  writes = jnp.where(active, pos, cache.max_len)
+  lengths = pos + 1
+  inv_freq = rope_inv_freq(c, weights.rope_freqs)
+  pos_scale = c.rope_scale if c.rope_scaling == "linear" else 1.0
+  k, v = cache.k, cache.v
+  b = tokens.shape[0]
+  one_call, pdl = fused.layers_call()
+  if one_call:
+    x, k, v = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, k, v, pdl=pdl)
+    return x, dataclasses.replace(cache, k=k, v=v)
+  for i in range(c.n_layers):
+    qkv = fused.norm_linear(x, weights.attn_norm, c.rms_eps, weights.wqkv, i, dtype=dtype)   # [B, N]
+    q, k, v, counters = fused.qkv_epilogue(
+        qkv, weights.bqkv, weights.q_norm, weights.k_norm, inv_freq, i, pos, writes, k, v, n_heads=c.n_heads,
+        n_kv_heads=c.n_kv_heads, neox=c.rope_style == "neox", pos_scale=pos_scale, eps=c.rms_eps)
+    attn = fused.decode_attention_merged(q, k, v, i, lengths, counters)                      # [B, H, Dh]
+    x = fused.linear_residual(attn.reshape(b, c.q_dim), weights.wo, i, x)
+    act = fused.norm_linear(x, weights.ffn_norm, c.rms_eps, weights.w_gate_up, i, dtype=dtype, epilogue="swiglu")
+    x = fused.linear_residual(act, weights.w_down, i, x)
+  return x, dataclasses.replace(cache, k=k, v=v)
 
 
 def logits(weights: Weights, hidden: jax.Array, dtype, *, kernels: str = "xla") -> jax.Array:

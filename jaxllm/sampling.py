@@ -70,6 +70,11 @@ class SamplingParams:
   def greedy(self) -> bool:
     return self.temperature == 0 or self.top_k == 1
 
+  @property
+  def penalized(self) -> bool:
+    """Whether any repeat/presence/frequency penalty is on."""
+    return self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
 
 def rows_of(params: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:
   """One SamplingParams per row: the one given for every row, or the list given (checked)."""

@@ -106,7 +106,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
   """
   from jaxllm.kernels import ffi, select
   lengths = _visible_lengths(lengths, k_cache.shape[3])
-  if (kernels == "ffi" and "attention" in select.ffi_ops()
+  if (select.uses_ffi(kernels) and "attention" in select.ffi_ops()
       and ffi.attention_supported(q.shape[-1], q.shape[1], k_cache.shape[2])):
     return ffi.decode_attention(q, k_cache, v_cache, layer, lengths)
   return decode_attention_reference(q, k_cache, v_cache, layer, lengths)
@@ -117,7 +117,7 @@ def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, laye
   """Prefill attention through the selected implementation: the CUDA flash kernel on the GPU where it is
   built for the geometry, else the blocked jnp form (which the CPU runs on both paths)."""
   from jaxllm.kernels import ffi, select
-  if (kernels == "ffi" and "attention" in select.ffi_ops()
+  if (select.uses_ffi(kernels) and "attention" in select.ffi_ops()
       and ffi.prefill_attention_supported(q.shape[-1], q.shape[2], k_cache.shape[2], q.dtype)):
     return ffi.prefill_attention(q, k_cache, v_cache, layer, start)
   return prefill_attention_blocked(q, k_cache, v_cache, layer, start)

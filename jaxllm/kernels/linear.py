@@ -30,6 +30,6 @@ def linear_reference(x: jax.Array, lin: Linear, layer: int | None = None) -> jax
 def linear(x: jax.Array, lin: Linear, layer: int | None = None, *, kernels: str = "xla") -> jax.Array:
   """W8A16 matmul through the selected implementation (see jaxllm.kernels)."""
   from jaxllm.kernels import ffi, select
-  if kernels == "ffi" and lin.quantized and "matmul" in select.ffi_ops():
+  if select.uses_ffi(kernels) and lin.quantized and "matmul" in select.ffi_ops():
     return ffi.w8a16_matmul(x, lin, layer)
   return linear_reference(x, lin, layer)

@@ -1,11 +1,17 @@
-"""Choosing the kernel path: "auto" resolves to "ffi" where the extension loads, else "xla"."""
+"""Choosing the kernel path: "auto" resolves to "ffi" where the extension loads, else "xla".
+
+"ffi" runs the decode step through the fused kernels (jaxllm/kernels/fused.py) where they take the model and
+batch, and the other ops through jaxllm's single-op kernels; "ffi-unfused" runs only the single-op kernels
+(the path before the fusions, kept for comparison); "xla" runs the pure-jnp references.
+"""
 from __future__ import annotations
 
 import os
 import warnings
 
-KERNEL_CHOICES = ("auto", "ffi", "xla")
-FFI_OPS = ("matmul", "attention")
+KERNEL_CHOICES = ("auto", "ffi", "ffi-unfused", "xla")
+FFI_PATHS = ("ffi", "ffi-unfused")
+FFI_OPS = ("matmul", "attention", "fused")
 
 
 def ffi_ops() -> tuple[str, ...]:
@@ -21,10 +27,15 @@ def ffi_ops() -> tuple[str, ...]:
   return ops
 
 
-def resolve_kernels(kernels: str) -> str:
-  """Returns the path that will actually run: "ffi" or "xla".
+def uses_ffi(kernels: str) -> bool:
+  """Whether the path runs jaxllm's FFI kernels (fused or not)."""
+  return kernels in FFI_PATHS
 
-  "ffi" asked for but unavailable warns once (with the reason) and falls back to "xla".
+
+def resolve_kernels(kernels: str) -> str:
+  """Returns the path that will actually run: "ffi", "ffi-unfused" or "xla".
+
+  An FFI path asked for but unavailable warns once (with the reason) and falls back to "xla".
   """
   if kernels not in KERNEL_CHOICES:
     raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
@@ -33,8 +44,8 @@ def resolve_kernels(kernels: str) -> str:
   from jaxllm.kernels import ffi
   reason = ffi.unavailable_reason()
   if reason is None:
-    return "ffi"
-  if kernels == "ffi":
+    return "ffi" if kernels == "auto" else kernels
+  if kernels in FFI_PATHS:
     _warn_once(f"jaxllm: FFI kernels unavailable ({reason}); running the XLA path")
   return "xla"
 

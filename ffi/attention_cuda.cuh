@@ -1,0 +1,197 @@
+// The one-kernel decode attention (jaxllm_decode_attention_merged, and the fused step's attention).
+//
+// A block per (split p, kv head g, sequence b) with one warp per query head of the group (R = H / G warps):
+// each warp walks the block's tiles of TP positions (tiles p, p + P, ...), its lanes splitting the keys
+// (LPP lanes per position, 128 bytes of the row each) for the scores and the head dims (D / 32 per lane)
+// for the weighted sum.
+// Softmax is online in base 2 (q carries log2 e). A sequence whose visible keys fit the first P tiles uses
+// `used` = ceil(len / TP) (at most P) blocks; with one, it writes `out` itself; otherwise each block writes
+// its unnormalized partials ws[b, h, p] = (acc [D], m, l), takes a ticket from counters[b, g], and the
+// block that draws the last one resets the counter and merges the splits.
+//
+// The kernel is kept small on purpose: the two-kernel form (cuda_kernels.cu) unrolls over the heads and
+// runs to 60-110 KB of machine code, and measured 8.3 us per call even at one visible key on the H200
+// (docs/kernels.md): code fetched anew every layer, as the weights stream through L2 between calls.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "w8a16_cuda.cuh"   // GridDepWait, GridDepLaunch
+
+namespace jaxllm {
+namespace attn1 {
+
+constexpr int kMaxSplits = 256;
+constexpr int kMaxGroup = 16;   // query heads per kv head (warps per block)
+
+
+template <typename T> __device__ __forceinline__ float Elem(const uint32_t* w, int e);
+template <> __device__ __forceinline__ float Elem<float>(const uint32_t* w, int e) { return __uint_as_float(w[e]); }
+template <> __device__ __forceinline__ float Elem<__nv_bfloat16>(const uint32_t* w, int e) {
+  const uint32_t x = w[e >> 1];
+  return __uint_as_float((e & 1) ? (x & 0xffff0000u) : (x << 16));
+}
+template <typename T> __device__ __forceinline__ float AsF32(T v);
+template <> __device__ __forceinline__ float AsF32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float AsF32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T OfF32(float v);
+template <> __device__ __forceinline__ float OfF32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 OfF32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+
+template <typename T, int D>
+struct Geo {
+  static constexpr int EK = 128 / int(sizeof(T));         // key elements a lane holds (128 bytes)
+  static constexpr int LPP = D / EK;                       // lanes per position: 1, 2 or 4
+  static constexpr int TP = 32 / LPP;                      // positions per tile
+  static constexpr int KW = 32;                            // 4-byte words of a lane's key part
+  static constexpr int DV = D / 32;                        // head dims per lane in the weighted sum
+  static constexpr int VW = DV * int(sizeof(T)) / 4;       // their words: 1, 2 or 4
+};
+
+template <int N>
+__device__ __forceinline__ void Words(const void* p, bool ok, uint32_t* out) {
+  if constexpr (N == 1) {
+    out[0] = ok ? __ldg(static_cast<const uint32_t*>(p)) : 0u;
+  } else if constexpr (N == 2) {
+    const uint2 v = ok ? __ldg(static_cast<const uint2*>(p)) : make_uint2(0, 0);
+    out[0] = v.x; out[1] = v.y;
+  } else {
+    const uint4 v = ok ? __ldg(static_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+}
+
+template <typename T, int D>
+struct Tile {
+  uint32_t k[Geo<T, D>::KW];                 // this lane's 128 bytes of its position's key
+  uint32_t v[Geo<T, D>::TP][Geo<T, D>::VW];  // this lane's dims of every position's value
+
+  __device__ __forceinline__ void Load(const T* kh, const T* vh, int base, int len, int lane) {
+    using G = Geo<T, D>;
+    const int kp = base + lane / G::LPP;
+    const uint4* ks = reinterpret_cast<const uint4*>(kh + size_t(kp) * D + (lane % G::LPP) * G::EK);
+#pragma unroll
+    for (int i = 0; i < G::KW / 4; ++i) {
+      const uint4 w = kp < len ? __ldg(ks + i) : make_uint4(0, 0, 0, 0);
+      k[4 * i] = w.x; k[4 * i + 1] = w.y; k[4 * i + 2] = w.z; k[4 * i + 3] = w.w;
+    }
+#pragma unroll
+    for (int j = 0; j < G::TP; ++j) Words<G::VW>(vh + size_t(base + j) * D + lane * G::DV, base + j < len, v[j]);
+  }
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(32 * kMaxGroup)
+    Kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const int32_t* __restrict__ lengths,
+           float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
+           int S, int P) {
+  using Ge = Geo<T, D>;
+  constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
+  w8a16::GridDepWait();
+  const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
+  const int R = H / G, h = g * R + r;
+  const int len = min(max(lengths[b], 1), S);
+  const int tiles = (len + TP - 1) / TP, used = min(P, tiles);
+  if (p >= used) return;
+  __shared__ float q_s[kMaxGroup][D];
+  const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;
+  for (int d = lane; d < D; d += 32) q_s[r][d] = AsF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
+  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
+  const T* kh = k + head;
+  const T* vh = v + head;
+  const float* qr = q_s[r] + (lane % LPP) * EK;
+  float m = -INFINITY, l = 0.f, acc[DV];
+#pragma unroll
+  for (int e = 0; e < DV; ++e) acc[e] = 0.f;
+  __syncwarp();
+  for (int c = p; c < tiles; c += P) {
+    const int base = c * TP;
+    Tile<T, D> cur;   // (no prefetch of the next tile: the other warps and blocks on the SM hide the latency)
+    cur.Load(kh, vh, base, len, lane);
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < EK; ++e) s = fmaf(qr[e], Elem<T>(cur.k, e), s);
+#pragma unroll
+    for (int off = 1; off < LPP; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (base + lane / LPP >= len) s = -INFINITY;
+    float mx = s;
+#pragma unroll
+    for (int off = 16; off >= LPP; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float m_new = fmaxf(m, mx);   // finite: the tile's first position is visible
+    const float pr = exp2f(s - m_new);
+    float sum = pr;
+#pragma unroll
+    for (int off = 16; off >= LPP; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float alpha = exp2f(m - m_new);
+    l = l * alpha + sum;   // the shuffles above summed each position once (over lanes of one key part)
+    m = m_new;
+#pragma unroll
+    for (int e = 0; e < DV; ++e) acc[e] *= alpha;
+#pragma unroll
+    for (int j = 0; j < TP; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, pr, j * LPP);
+#pragma unroll
+      for (int e = 0; e < DV; ++e) acc[e] = fmaf(pj, Elem<T>(cur.v[j], e), acc[e]);
+    }
+  }
+  w8a16::GridDepLaunch();
+  if (used == 1) {
+#pragma unroll
+    for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = OfF32<T>(acc[e] / l);
+    return;
+  }
+  float* o = ws + ((size_t(b) * H + h) * P + p) * (D + 2);
+#pragma unroll
+  for (int e = 0; e < DV; ++e) o[lane * DV + e] = acc[e];
+  if (lane == 0) { o[D] = m; o[D + 1] = l; }
+  __shared__ int is_last;
+  __threadfence();   // the partials are visible device-wide before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + size_t(b) * G + g, 1) == used - 1;
+  __syncthreads();
+  if (!is_last) return;
+  if (threadIdx.x == 0) counters[size_t(b) * G + g] = 0;   // every ticket drawn: the counter resets itself
+  __threadfence();
+  // Merge this warp's head over the splits; other blocks wrote them: loads through L2 (ld.cg).
+  const float* wr = ws + (size_t(b) * H + h) * P * (D + 2);
+  float mm = -INFINITY;
+  for (int i = lane; i < used; i += 32) mm = fmaxf(mm, __ldcg(wr + i * (D + 2) + D));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, off));
+  float a[DV], ll = 0.f;
+#pragma unroll
+  for (int e = 0; e < DV; ++e) a[e] = 0.f;
+#pragma unroll 4
+  for (int i = 0; i < used; ++i) {
+    const float* wi = wr + i * (D + 2);
+    const float f = exp2f(__ldcg(wi + D) - mm);
+    ll = fmaf(f, __ldcg(wi + D + 1), ll);
+#pragma unroll
+    for (int e = 0; e < DV; ++e) a[e] = fmaf(f, __ldcg(wi + lane * DV + e), a[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = OfF32<T>(a[e] / ll);
+}
+
+// Launches the kernel: q [B, H, D], caches [L, B, G, S, D], ws [B, H, P, D + 2] f32, counters [B, G] (zero).
+// pdl: launched as a programmatic dependent of the previous kernel on the stream (it waits for it first).
+template <typename T, int D>
+cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, const int32_t* lengths, float* ws, T* out,
+                   int32_t* counters, int layer, int B, int H, int G, int S, int P, bool pdl = false) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(P, G, B);
+  cfg.blockDim = dim3(32 * (H / G));
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, Kernel<T, D>, q, k, v, lengths, ws, out, counters, layer, B, H, G, S, P);
+}
+
+}  // namespace attn1
+}  // namespace jaxllm

@@ -1,0 +1,349 @@
+// CUDA handlers of the fused decode-step ops (jaxllm/kernels/fused.py): the W8A16 matmul with the RMSNorm
+// prologue and the residual / SwiGLU / greedy-argmax epilogues (kernel templates in w8a16_cuda.cuh), and
+// the QKV epilogue (bias, q/k RMSNorm, RoPE, the K/V append into the cache in place).
+//
+// Command-buffer compatible like the others: kernels (and, for the argmax, a memset of its output) on
+// XLA's stream, every per-step value read on the device, nothing allocated.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "attention_cuda.cuh"
+#include "w8a16_cuda.cuh"
+
+namespace jaxllm {
+namespace {
+
+template <typename T>
+cudaError_t DispatchFused(cudaStream_t st, int64_t mode, const MatmulShape& s, const void* x, const int8_t* w,
+                          const float* sc, void* y, w8a16::Fuse fu) {
+  using namespace w8a16;
+  switch (mode) {
+    case kModeNorm: return Dispatch<T, kNorm>(st, s, x, w, sc, y, fu);
+    case kModeNormSwiGLU: return Dispatch<T, kNorm | kSwiGLU>(st, s, x, w, sc, y, fu);
+    case kModeNormArgmax: {
+      if (cudaError_t e = cudaMemsetAsync(y, 0, size_t(s.m) * 4 * sizeof(uint32_t), st); e != cudaSuccess) return e;
+      return Dispatch<T, kNorm | kArgmax>(st, s, x, w, sc, y, fu);
+    }
+    default: return Dispatch<T, kResidual>(st, s, x, w, sc, y, fu);
+  }
+}
+
+ffi::Error FusedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer aux,
+                     ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t norm_layer, int64_t mode, int64_t bf16,
+                     float eps) {
+  MatmulShape s;
+  if (auto err = CheckFused(x, w, scale, aux, *y, layer, norm_layer, mode, bf16 != 0, &s); err.failure()) return err;
+  if (bf16 == 0)
+    return ffi::Error::InvalidArgument("jaxllm_w8a16_fused: the CUDA kernels are built for bf16 activations");
+  if (s.m > 4) return ffi::Error::InvalidArgument("jaxllm_w8a16_fused: at most 4 rows of x, got " + std::to_string(s.m));
+  if (mode != kModeResidual && w8a16::NormStageBytes<__nv_bfloat16>(4, int(s.k)) > w8a16::kMaxXStageBytes)
+    return ffi::Error::InvalidArgument("jaxllm_w8a16_fused: K = " + std::to_string(s.k) + " too long for the norm "
+                                       "prologue's shared memory");
+  if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  const int8_t* wl = static_cast<const int8_t*>(w.untyped_data()) + layer * s.n * s.k;
+  const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
+  w8a16::Fuse fu;
+  if (mode == kModeResidual) {
+    fu.res = static_cast<const float*>(aux.untyped_data());
+  } else {
+    fu.norm_w = static_cast<const float*>(aux.untyped_data()) + norm_layer * s.k;
+    fu.eps = eps;
+  }
+  cudaError_t e = DispatchFused<__nv_bfloat16>(stream, mode, s, x.untyped_data(), wl, sl, y->untyped_data(), fu);
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_w8a16_fused launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+// ---- QKV epilogue ----------------------------------------------------------------------------------------
+//
+// Block (head, b) of Dh / 2 threads, heads 0..H-1 the queries and H..H+G-1 the keys (whose block also
+// appends the values); thread i owns one RoPE pair. Roundings follow the unfused path (model.layer):
+// bias added in f32 and rounded to T, the head norm in f32 rounded to T, RoPE in f32 rounded to T.
+template <typename T>
+__global__ void QkvEpilogueKernel(const T* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ qn,
+                                  const float* __restrict__ kn, const float* __restrict__ inv_freq,
+                                  const int32_t* __restrict__ pos, const int32_t* __restrict__ writes, T* __restrict__ q_out,
+                                  T* __restrict__ kc, T* __restrict__ vc, int32_t* __restrict__ counters, int B, int H,
+                                  int G, int S, int D, int layer, bool neox, float pos_scale, float eps) {
+  w8a16::GridDepWait();
+  w8a16::GridDepLaunch();
+  const int head = blockIdx.x, b = blockIdx.y, i = threadIdx.x, half = D / 2;
+  const int n = (H + 2 * G) * D;
+  if (head == 0)
+    for (int j = i; j < G; j += half) counters[b * G + j] = 0;
+  const int e0 = neox ? i : 2 * i, e1 = neox ? i + half : 2 * i + 1;
+  const T* row = qkv + size_t(b) * n;
+  auto biased = [&](int col) {
+    const float v = ToF32(row[col]);
+    return bias ? ToF32(FromF32<T>(v + bias[col])) : v;
+  };
+  const int col = head * D;
+  float a = biased(col + e0), c = biased(col + e1);
+  const float* nw = head < H ? qn : kn;
+  if (nw) {
+    __shared__ float red[32];
+    float ss = a * a + c * c;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((i & 31) == 0) red[i >> 5] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int j = 0; j < (half + 31) / 32; ++j) tot += red[j];
+    const float inv = rsqrtf(tot / float(D) + eps);
+    a = ToF32(FromF32<T>(a * inv * nw[e0]));
+    c = ToF32(FromF32<T>(c * inv * nw[e1]));
+  }
+  const float angle = (float(pos[b]) / pos_scale) * inv_freq[i];
+  float sn, cs;
+  sincosf(angle, &sn, &cs);
+  const T r0 = FromF32<T>(a * cs - c * sn), r1 = FromF32<T>(c * cs + a * sn);
+  if (head < H) {
+    T* o = q_out + (size_t(b) * H + head) * D;
+    o[e0] = r0;
+    o[e1] = r1;
+    return;
+  }
+  const int g = head - H, at = writes[b];
+  if (at < 0 || at >= S) return;
+  const size_t off = ((size_t(layer) * B + b) * G + g) * size_t(S) * D + size_t(at) * D;
+  kc[off + e0] = r0;
+  kc[off + e1] = r1;
+  const int vcol = (H + G + g) * D;
+  vc[off + e0] = FromF32<T>(biased(vcol + e0));
+  vc[off + e1] = FromF32<T>(biased(vcol + e1));
+}
+
+template <typename T>
+cudaError_t LaunchQkv(cudaStream_t stream, bool pdl, const T* qkv, const float* bias, const float* qn, const float* kn,
+                      const float* inv_freq, const int32_t* pos, const int32_t* writes, T* q_out, T* kc, T* vc,
+                      int32_t* counters, int B, int H, int G, int S, int D, int layer, bool neox, float pos_scale,
+                      float eps) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(H + G), unsigned(B));
+  cfg.blockDim = dim3(unsigned(D / 2));
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, QkvEpilogueKernel<T>, qkv, bias, qn, kn, inv_freq, pos, writes, q_out, kc, vc,
+                            counters, B, H, G, S, D, layer, neox, pos_scale, eps);
+}
+
+template <typename T>
+const T* LayerRow(const ffi::AnyBuffer& a, int64_t layer, int64_t cols) {
+  return a.dimensions().size() == 1 ? nullptr : static_cast<const T*>(a.untyped_data()) + layer * cols;
+}
+
+ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi::AnyBuffer qn, ffi::AnyBuffer kn,
+                   ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer, ffi::AnyBuffer,
+                   ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
+                   ffi::Result<ffi::AnyBuffer> counters, int64_t layer, int64_t neox, float pos_scale, float eps) {
+  QkvShape s;
+  if (auto err = CheckQkv(qkv, bias, qn, kn, inv_freq, pos, writes, *kc, *vc, *q_out, *counters, layer, &s);
+      err.failure())
+    return err;
+  if (s.b == 0) return ffi::Error::Success();
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    return LaunchQkv<T>(
+        stream, false, static_cast<const T*>(qkv.untyped_data()), LayerRow<float>(bias, layer, s.nqkv),
+        LayerRow<float>(qn, layer, s.d), LayerRow<float>(kn, layer, s.d), static_cast<const float*>(inv_freq.untyped_data()),
+        static_cast<const int32_t*>(pos.untyped_data()), static_cast<const int32_t*>(writes.untyped_data()),
+        static_cast<T*>(q_out->untyped_data()), static_cast<T*>(kc->untyped_data()), static_cast<T*>(vc->untyped_data()),
+        static_cast<int32_t*>(counters->untyped_data()), int(s.b), int(s.h), int(s.g), int(s.s), int(s.d), int(layer),
+        neox != 0, pos_scale, eps);
+  };
+  cudaError_t e = qkv.element_type() == ffi::BF16 ? launch(__nv_bfloat16()) : launch(float());
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_qkv_epilogue launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+// Test variant: the output aliases a poisoned input buffer (one more argument), so unwritten elements show.
+ffi::Error FusedCudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                         ffi::AnyBuffer aux, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer,
+                         int64_t norm_layer, int64_t mode, int64_t bf16, float eps) {
+  return FusedCuda(stream, x, w, scale, aux, y, layer, norm_layer, mode, bf16, eps);
+}
+
+// ---- every decode layer in one call ----------------------------------------------------------------------
+//
+// The six kernels of each layer (norm + QKV, QKV epilogue, attention, O + residual, norm + gate/up + SwiGLU,
+// down + residual) launched back to back on XLA's stream from one handler: one node of XLA's command buffer
+// for all layers, and (pdl) each kernel a programmatic dependent of the one before, so that it is launched
+// while that one finishes and issues its weight loads before waiting for it. The residual stream is
+// updated in place in x_out (the first O projection reads x); intermediates live in the workspace
+// (LayersWorkspace, the same sizes as fused.layers_workspace_bytes).
+
+struct LayersWorkspace {
+  size_t qkv, q, attn, act, ws, counters, total;
+};
+inline size_t Align256(size_t n) { return (n + 255) / 256 * 256; }
+inline LayersWorkspace LayersLayout(int64_t b, int64_t n, int64_t h, int64_t dh, int64_t f, int64_t p, int64_t g) {
+  LayersWorkspace w;
+  size_t at = 0;
+  w.qkv = at; at += Align256(size_t(b * n) * 2);
+  w.q = at; at += Align256(size_t(b * h * dh) * 2);
+  w.attn = at; at += Align256(size_t(b * h * dh) * 2);
+  w.act = at; at += Align256(size_t(b * f) * 2);
+  w.ws = at; at += Align256(size_t(b * h * p * (dh + 2)) * 4);
+  w.counters = at; at += Align256(size_t(b * g) * 4);
+  w.total = at;
+  return w;
+}
+
+ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos, ffi::AnyBuffer writes,
+                      ffi::AnyBuffer lengths, ffi::AnyBuffer inv_freq, ffi::AnyBuffer attn_norm, ffi::AnyBuffer wqkv,
+                      ffi::AnyBuffer sqkv, ffi::AnyBuffer bqkv, ffi::AnyBuffer qn, ffi::AnyBuffer kn, ffi::AnyBuffer wo,
+                      ffi::AnyBuffer so, ffi::AnyBuffer ffn_norm, ffi::AnyBuffer wgu, ffi::AnyBuffer sgu,
+                      ffi::AnyBuffer wd, ffi::AnyBuffer sd, ffi::AnyBuffer, ffi::AnyBuffer,
+                      ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
+                      ffi::Result<ffi::AnyBuffer> workspace, int64_t heads, int64_t kv_heads, int64_t neox,
+                      float pos_scale, float eps, int64_t splits, int64_t pdl) {
+  const std::string name = "jaxllm_decode_layers: ";
+  auto xd = x.dimensions(), kd = kc->dimensions();
+  if (x.element_type() != ffi::F32 || xd.size() != 2 || kd.size() != 5 || kc->element_type() != ffi::BF16 ||
+      vc->element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument(name + "expected x [B, D] f32 and bf16 caches [L, B, G, S, Dh]");
+  const int64_t b = xd[0], d = xd[1], layers = kd[0], g = kd[2], smax = kd[3], dh = kd[4], h = heads;
+  if (kd[1] != b || g != kv_heads || h % g || h / g > attn1::kMaxGroup || (dh != 64 && dh != 128) || b > 4 ||
+      splits < 1 || splits > attn1::kMaxSplits)
+    return ffi::Error::InvalidArgument(name + "unsupported geometry: caches " + DimsString(kd) + ", heads " +
+                                       std::to_string(h) + ", batch " + std::to_string(b));
+  const int64_t n = (h + 2 * g) * dh;
+  // Each matmul through the checks of the single-op call (x of the right width, stacked weights of L).
+  MatmulShape mq, mo, mg, md;
+  auto check = [&](const ffi::AnyBuffer& w, const ffi::AnyBuffer& sc, int64_t rows, int64_t k, MatmulShape* m) {
+    auto wd2 = w.dimensions(), sd2 = sc.dimensions();
+    if (w.element_type() != ffi::S8 || sc.element_type() != ffi::F32 || wd2.size() != 3 || sd2.size() != 3 ||
+        wd2[0] != layers || wd2[1] != rows || wd2[2] != k || sd2[0] != layers || sd2[1] != rows || sd2[2] < 1 ||
+        k % sd2[2] || (k / sd2[2]) % 16)
+      return false;
+    *m = MatmulShape{b, rows, k, sd2[2], k / sd2[2], 0};
+    return true;
+  };
+  const int64_t f = wgu.dimensions().size() == 3 ? wgu.dimensions()[1] / 2 : 0;
+  if (!check(wqkv, sqkv, n, d, &mq) || !check(wo, so, d, h * dh, &mo) || !check(wgu, sgu, 2 * f, d, &mg) ||
+      !check(wd, sd, d, f, &md) || f < 1)
+    return ffi::Error::InvalidArgument(name + "weights do not fit the model geometry");
+  if (w8a16::NormStageBytes<__nv_bfloat16>(4, int(d)) > w8a16::kMaxXStageBytes)
+    return ffi::Error::InvalidArgument(name + "model width too large for the norm prologue");
+  auto rows_ok = [&](const ffi::AnyBuffer& a, int64_t cols, bool optional) {
+    auto ad = a.dimensions();
+    if (optional && ad.size() == 1 && ad[0] == 0) return a.element_type() == ffi::F32;
+    return a.element_type() == ffi::F32 && ad.size() == 2 && ad[0] == layers && ad[1] == cols;
+  };
+  if (!rows_ok(attn_norm, d, false) || !rows_ok(ffn_norm, d, false) || !rows_ok(bqkv, n, true) ||
+      !rows_ok(qn, dh, true) || !rows_ok(kn, dh, true))
+    return ffi::Error::InvalidArgument(name + "norm weights must be f32 [L, D], bias [L, N] or [0], q/k norms [L, Dh] or [0]");
+  for (const ffi::AnyBuffer* a : {&pos, &writes, &lengths})
+    if (a->element_type() != ffi::S32 || a->dimensions().size() != 1 || a->dimensions()[0] != b)
+      return ffi::Error::InvalidArgument(name + "pos, writes and lengths must be int32 [B]");
+  if (inv_freq.element_type() != ffi::F32 || inv_freq.dimensions().size() != 1 || inv_freq.dimensions()[0] != dh / 2)
+    return ffi::Error::InvalidArgument(name + "inv_freq must be f32 [Dh / 2]");
+  const LayersWorkspace lw = LayersLayout(b, n, h, dh, f, splits, g);
+  auto wsd = workspace->dimensions();
+  if (workspace->element_type() != ffi::U8 || wsd.size() != 1 || size_t(wsd[0]) < lw.total ||
+      x_out->element_type() != ffi::F32 || x_out->dimensions().size() != 2 || x_out->dimensions()[0] != b ||
+      x_out->dimensions()[1] != d)
+    return ffi::Error::InvalidArgument(name + "workspace must be uint8 [" + std::to_string(lw.total) +
+                                       "] and x_out f32 [B, D]");
+  if (b == 0) return ffi::Error::Success();
+
+  using bf16 = __nv_bfloat16;
+  using namespace w8a16;
+  uint8_t* base = static_cast<uint8_t*>(workspace->untyped_data());
+  bf16* qkv = reinterpret_cast<bf16*>(base + lw.qkv);
+  bf16* q = reinterpret_cast<bf16*>(base + lw.q);
+  bf16* attn = reinterpret_cast<bf16*>(base + lw.attn);
+  bf16* act = reinterpret_cast<bf16*>(base + lw.act);
+  float* ws = reinterpret_cast<float*>(base + lw.ws);
+  int32_t* cnt = reinterpret_cast<int32_t*>(base + lw.counters);
+  const float* xin = static_cast<const float*>(x.untyped_data());
+  float* xo = static_cast<float*>(x_out->untyped_data());
+  bf16* kcp = static_cast<bf16*>(kc->untyped_data());
+  bf16* vcp = static_cast<bf16*>(vc->untyped_data());
+  auto f32 = [](const ffi::AnyBuffer& a) { return static_cast<const float*>(a.untyped_data()); };
+  auto i8 = [](const ffi::AnyBuffer& a) { return static_cast<const int8_t*>(a.untyped_data()); };
+  const bool use_pdl = pdl != 0;
+  cudaError_t e = cudaSuccess;
+  for (int64_t i = 0; i < layers && e == cudaSuccess; ++i) {
+    const float* xcur = i == 0 ? xin : xo;
+    Fuse fq{f32(attn_norm) + i * d, eps, nullptr, use_pdl && i > 0};
+    e = Dispatch<bf16, kNorm>(stream, mq, xcur, i8(wqkv) + i * n * d, f32(sqkv) + i * n * mq.groups, qkv, fq);
+    if (e != cudaSuccess) break;
+    e = LaunchQkv<bf16>(stream, use_pdl, qkv, LayerRow<float>(bqkv, i, n), LayerRow<float>(qn, i, dh),
+                        LayerRow<float>(kn, i, dh), f32(inv_freq), static_cast<const int32_t*>(pos.untyped_data()),
+                        static_cast<const int32_t*>(writes.untyped_data()), q, kcp, vcp, cnt, int(b), int(h), int(g),
+                        int(smax), int(dh), int(i), neox != 0, pos_scale, eps);
+    if (e != cudaSuccess) break;
+    const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
+    e = dh == 64 ? attn1::Launch<bf16, 64>(stream, q, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h), int(g),
+                                           int(smax), int(splits), use_pdl)
+                 : attn1::Launch<bf16, 128>(stream, q, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h), int(g),
+                                            int(smax), int(splits), use_pdl);
+    if (e != cudaSuccess) break;
+    Fuse fo{nullptr, 0.f, xcur, use_pdl};
+    e = Dispatch<bf16, kResidual>(stream, mo, attn, i8(wo) + i * d * h * dh, f32(so) + i * d * mo.groups, xo, fo);
+    if (e != cudaSuccess) break;
+    Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, use_pdl};
+    e = Dispatch<bf16, kNorm | kSwiGLU>(stream, mg, xo, i8(wgu) + i * 2 * f * d, f32(sgu) + i * 2 * f * mg.groups, act,
+                                        fg);
+    if (e != cudaSuccess) break;
+    Fuse fd{nullptr, 0.f, xo, use_pdl};
+    e = Dispatch<bf16, kResidual>(stream, md, act, i8(wd) + i * d * f, f32(sd) + i * d * md.groups, xo, fd);
+  }
+  if (e != cudaSuccess) return ffi::Error::Internal(name + "launch: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeLayersCuda, LayersCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()    // x [B, D] f32
+                                  .Arg<ffi::AnyBuffer>()    // pos [B] int32 (RoPE)
+                                  .Arg<ffi::AnyBuffer>()    // writes [B] int32 (cache position, >= S: none)
+                                  .Arg<ffi::AnyBuffer>()    // lengths [B] int32 (visible keys)
+                                  .Arg<ffi::AnyBuffer>()    // inv_freq [Dh / 2] f32
+                                  .Arg<ffi::AnyBuffer>()    // attn_norm [L, D]
+                                  .Arg<ffi::AnyBuffer>()    // wqkv [L, N, D] int8
+                                  .Arg<ffi::AnyBuffer>()    // its scales
+                                  .Arg<ffi::AnyBuffer>()    // bqkv [L, N] or [0]
+                                  .Arg<ffi::AnyBuffer>()    // q norm [L, Dh] or [0]
+                                  .Arg<ffi::AnyBuffer>()    // k norm [L, Dh] or [0]
+                                  .Arg<ffi::AnyBuffer>()    // wo [L, D, H Dh]
+                                  .Arg<ffi::AnyBuffer>()    // its scales
+                                  .Arg<ffi::AnyBuffer>()    // ffn_norm [L, D]
+                                  .Arg<ffi::AnyBuffer>()    // w_gate_up [L, 2F, D]
+                                  .Arg<ffi::AnyBuffer>()    // its scales
+                                  .Arg<ffi::AnyBuffer>()    // w_down [L, D, F]
+                                  .Arg<ffi::AnyBuffer>()    // its scales
+                                  .Arg<ffi::AnyBuffer>()    // k cache (aliased to result 1)
+                                  .Arg<ffi::AnyBuffer>()    // v cache (aliased to result 2)
+                                  .Ret<ffi::AnyBuffer>()    // x_out [B, D] f32
+                                  .Ret<ffi::AnyBuffer>()    // k cache
+                                  .Ret<ffi::AnyBuffer>()    // v cache
+                                  .Ret<ffi::AnyBuffer>()    // workspace uint8
+                                  .Attr<int64_t>("heads")
+                                  .Attr<int64_t>("kv_heads")
+                                  .Attr<int64_t>("neox")
+                                  .Attr<float>("pos_scale")
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("pdl"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16FusedCudaInto, FusedCudaInto, BindFusedInto<ffi::PlatformStream<cudaStream_t>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16FusedCuda, FusedCuda, BindFused<ffi::PlatformStream<cudaStream_t>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QkvEpilogueCuda, QkvCuda, BindQkv<ffi::PlatformStream<cudaStream_t>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jaxllm

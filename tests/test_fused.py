@@ -1,0 +1,359 @@
+"""The fused decode-step kernels (jaxllm/kernels/fused.py) against numpy float64, with poisoned outputs.
+
+Each expectation is computed here in float64 from the op's definition, rounding where the op's contract
+rounds (the normalized activations and the matmul outputs to the activation dtype), never through jaxllm's
+own code. Runs on the CPU handlers in CI and the CUDA handlers on a GPU (bf16 only: the CUDA fused kernels
+are built for bf16 activations).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels import ffi, fused
+from jaxllm.quant import Linear, quantize_int8
+
+pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None,
+                                reason=f"FFI kernels unavailable: {ffi.unavailable_reason()}")
+ON_GPU = jax.default_backend() == "gpu"
+DTYPES = [jnp.bfloat16] if ON_GPU else [jnp.float32, jnp.bfloat16]
+MS = (1, 2, 3, 4) if ON_GPU else (1, 3, 5)
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+EPS = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _exact(monkeypatch):
+  monkeypatch.setenv("JAXLLM_FUSED_CPU", "1")   # the CPU runs the fused step only when asked
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _round(a, dtype) -> np.ndarray:
+  """float64 values rounded to dtype, as float64."""
+  return np.asarray(np.asarray(a, np.float32).astype(dtype), np.float64)
+
+
+def _quantized(rng, layers, n, k):
+  q, s = quantize_int8(rng.standard_normal((layers, n, k)).astype(np.float32))
+  return Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
+
+
+def _dequant(lin: Linear, layer: int) -> np.ndarray:
+  w = np.asarray(lin.w[layer], np.float64)
+  s = np.asarray(lin.scale[layer], np.float64)
+  return w * np.repeat(s, w.shape[1] // s.shape[1], axis=1)        # [N, K]
+
+
+def _norm64(x, w, dtype) -> np.ndarray:
+  x = np.asarray(x, np.float64)
+  h = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * np.asarray(w, np.float64)
+  return _round(h, dtype)
+
+
+def _rel(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+
+
+def _residual_stream(rng, m, k):
+  """Rows like a residual stream: large (RMS ~ 3) with a few outliers."""
+  x = 3.0 * rng.standard_normal((m, k))
+  x[:, rng.integers(0, k, 3)] *= 20
+  return jnp.asarray(x, jnp.float32)
+
+
+# (K, N): Qwen2.5-0.5B qkv, gate+up, SmolLM2-135M qkv, odd sizes.
+NORM_SHAPES = [(896, 1152), (896, 9728), (576, 960), (64, 7), (320, 258), (192, 1000)]
+
+
+@pytest.mark.parametrize("k, n", NORM_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("epilogue", ["none", "swiglu"])
+def test_norm_linear(k, n, dtype, epilogue):
+  n += n % 2 if epilogue == "swiglu" else 0   # gate and up halves
+  rng = np.random.default_rng(k * 31 + n)
+  lin = _quantized(rng, 3, n, k)
+  norm_w = jnp.asarray(1 + 0.3 * rng.standard_normal((3, k)), jnp.float32)
+  w = _dequant(lin, 2)
+  for m in MS:
+    x = _residual_stream(rng, m, k)
+    out_n = n // 2 if epilogue == "swiglu" else n
+    poison = jnp.full((m, out_n), jnp.nan, dtype)
+    got = jax.jit(lambda x, p: fused.norm_linear(x, norm_w, EPS, lin, 2, dtype=dtype, epilogue=epilogue,
+                                                 poison=p))(x, poison)
+    y = _round(_norm64(x, norm_w[2], dtype) @ w.T, dtype)
+    if epilogue == "swiglu":
+      g, u = y[:, :n // 2], y[:, n // 2:]
+      y = g / (1 + np.exp(-g)) * u
+    got = np.asarray(got, np.float64)
+    assert got.shape == (m, out_n) and not np.isnan(got).any(), f"unwritten outputs at M={m}"
+    assert _rel(got, y) < TOL[dtype], (m, _rel(got, y))
+
+
+@pytest.mark.parametrize("k, n", [(896, 896), (4864, 896), (1536, 576), (64, 5), (320, 257)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_residual(k, n, dtype):
+  rng = np.random.default_rng(k + n)
+  lin = _quantized(rng, 2, n, k)
+  w = _dequant(lin, 1)
+  for m in MS:
+    a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    res = _residual_stream(rng, m, n)
+    poison = jnp.full((m, n), jnp.nan, jnp.float32)
+    got = jax.jit(lambda a, r, p: fused.linear_residual(a, lin, 1, r, poison=p))(a, res, poison)
+    want = np.asarray(res, np.float64) + _round(np.asarray(a, np.float64) @ w.T, dtype)
+    assert not np.isnan(np.asarray(got)).any()
+    # the residual carries through exactly; the product's share to its tolerance
+    assert np.max(np.abs(np.asarray(got, np.float64) - want)) < TOL[dtype] * np.max(np.abs(want - np.asarray(res)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_argmax_picks_the_first_largest(dtype):
+  rng = np.random.default_rng(7)
+  k, n = 192, 3000
+  w = rng.standard_normal((1, n, k)).astype(np.float32)
+  x = _residual_stream(rng, max(MS), k)
+  h = _norm64(x, np.ones(k), dtype)
+  q0, s0 = quantize_int8(w)
+  best = int(np.argmax((h @ _dequant(Linear(w=jnp.asarray(q0), scale=jnp.asarray(s0)), 0).T)[0]))
+  # Copy row 0's winner to two other places: one before it, one after; argmax takes the earliest.
+  early = max(0, best // 2 - 1)
+  w[0, early] = w[0, best]
+  w[0, n - 1] = w[0, best]
+  q, s = quantize_int8(w)
+  lin = Linear(w=jnp.asarray(q[0]), scale=jnp.asarray(s[0]))
+  logits = _round(h @ _dequant(Linear(w=jnp.asarray(q), scale=jnp.asarray(s)), 0).T, dtype)
+  tokens, finite = jax.jit(lambda x: fused.norm_argmax(x, jnp.ones(k), EPS, lin, dtype=dtype))(x)
+  tokens, finite = np.asarray(tokens), np.asarray(finite)
+  assert finite.all()
+  assert tokens[0] == min(early, best), (tokens[0], early, best)
+  for r in range(x.shape[0]):
+    top = np.max(logits[r])
+    # the chosen logit is the row's largest up to the tolerance of the rounded product
+    assert logits[r, tokens[r]] >= top - TOL[dtype] * np.max(np.abs(logits[r])), r
+
+
+def test_norm_argmax_flags_nonfinite_rows():
+  rng = np.random.default_rng(8)
+  k, n = 128, 500
+  lin = _quantized(rng, 1, n, k)
+  x = np.array(_residual_stream(rng, 2, k))
+  x[1, 5] = np.inf
+  dtype = DTYPES[-1]
+  _, finite = fused.norm_argmax(jnp.asarray(x), jnp.ones(k), EPS, Linear(w=lin.w[0], scale=lin.scale[0]),
+                                dtype=dtype)
+  assert np.asarray(finite).tolist() == [True, False]
+
+
+def _rope64(x, pos, inv_freq, neox):
+  """x [N, Dh] float64 rotated at position pos."""
+  half = x.shape[-1] // 2
+  # the angle as the op defines it (f32 position times f32 frequency, rounded to f32), then float64
+  ang = np.asarray(np.float32(pos) * np.asarray(inv_freq, np.float32), np.float64)
+  cos, sin = np.cos(ang), np.sin(ang)
+  if neox:
+    x1, x2 = x[:, :half], x[:, half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  x1, x2 = x[:, 0::2], x[:, 1::2]
+  out = np.empty_like(x)
+  out[:, 0::2], out[:, 1::2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+  return out
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen2", "qwen3", "qwen3-128"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_epilogue(style, dtype):
+  rng = np.random.default_rng(len(style))
+  h, g, dh = (16, 8, 128) if style == "qwen3-128" else (14, 2, 64)
+  n_layers, b, s = 3, 3, 40
+  n = (h + 2 * g) * dh
+  neox = style != "llama"
+  qkv = jnp.asarray(2 * rng.standard_normal((b, n)), dtype)
+  bias = jnp.asarray(rng.standard_normal((n_layers, n)), jnp.float32) if style == "qwen2" else None
+  qn = jnp.asarray(1 + 0.2 * rng.standard_normal((n_layers, dh)), jnp.float32) if style.startswith("qwen3") else None
+  kn = jnp.asarray(1 + 0.2 * rng.standard_normal((n_layers, dh)), jnp.float32) if qn is not None else None
+  inv_freq = jnp.asarray(10000.0 ** (-np.arange(dh // 2) * 2.0 / dh), jnp.float32)
+  pos = jnp.asarray([3, 3000, 17], jnp.int32)       # RoPE positions (row 1 far out)
+  writes = jnp.asarray([3, 39, s], jnp.int32)       # cache positions; row 2 inactive (S: not written)
+  kc0 = jnp.asarray(rng.standard_normal((n_layers, b, g, s, dh)), dtype)
+  vc0 = jnp.asarray(rng.standard_normal((n_layers, b, g, s, dh)), dtype)
+  fn = jax.jit(lambda qkv, kc, vc: fused.qkv_epilogue(qkv, bias, qn, kn, inv_freq, 1, pos, writes, kc, vc,
+                                                      n_heads=h, n_kv_heads=g, neox=neox, pos_scale=1.0, eps=EPS))
+  q, kc, vc, counters = fn(qkv, kc0, vc0)
+  assert np.all(np.asarray(counters) == 0)
+  row = np.asarray(qkv, np.float64)
+  if bias is not None:
+    row = _round(row + np.asarray(bias[1], np.float64), dtype)
+  kc_want, vc_want = np.asarray(kc0, np.float64).copy(), np.asarray(vc0, np.float64).copy()
+  tol = 2.0 ** -7 if dtype == jnp.bfloat16 else 1e-5
+  for i in range(b):
+    heads = row[i].reshape(h + 2 * g, dh)
+    qh, kh, vh = heads[:h], heads[h:h + g], heads[h + g:]
+    if qn is not None:
+      qh = _norm64(qh, qn[1], dtype)
+      kh = _norm64(kh, kn[1], dtype)
+    p = float(pos[i])
+    np.testing.assert_allclose(np.asarray(q[i], np.float64), _rope64(qh, p, inv_freq, neox), rtol=tol,
+                               atol=tol * np.max(np.abs(qh)))
+    if writes[i] < s:
+      kc_want[1, i, :, int(writes[i])] = _rope64(kh, p, inv_freq, neox)
+      vc_want[1, i, :, int(writes[i])] = vh
+  # Everything but the written slots is untouched (bit for bit); the slots hold the rotated keys/values.
+  np.testing.assert_allclose(np.asarray(kc, np.float64), kc_want, rtol=tol, atol=tol * 4)
+  np.testing.assert_array_equal(np.asarray(vc, np.float64), _round(vc_want, dtype))
+  mask = np.ones(kc_want.shape, bool)
+  for i in range(b):
+    if writes[i] < s:
+      mask[1, i, :, int(writes[i])] = False
+  np.testing.assert_array_equal(np.asarray(kc, np.float64)[mask], np.asarray(kc0, np.float64)[mask])
+
+
+def _attention64(q, k, v, lengths):
+  """q [B, H, Dh], caches [B, G, S, Dh] float64 -> [B, H, Dh]: softmax over the first lengths[b] keys."""
+  b, h, dh = q.shape
+  g = k.shape[1]
+  out = np.zeros((b, h, dh))
+  for i in range(b):
+    n = int(np.clip(lengths[i], 1, k.shape[2]))
+    for j in range(h):
+      kk, vv = k[i, j // (h // g), :n], v[i, j // (h // g), :n]
+      sc = kk @ q[i, j] / np.sqrt(dh)
+      p = np.exp(sc - sc.max())
+      out[i, j] = p @ vv / p.sum()
+  return out
+
+
+@pytest.mark.parametrize("h, g, dh", [(14, 2, 64), (16, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merged_attention(h, g, dh, dtype):
+  """One chunk (the lone block writes the output), a few, and many splits merged by the last block."""
+  rng = np.random.default_rng(h * g + dh)
+  s = 2048
+  b = 4
+  k = jnp.asarray(rng.standard_normal((2, b, g, s, dh)), dtype)
+  v = jnp.asarray(rng.standard_normal((2, b, g, s, dh)), dtype)
+  q = jnp.asarray(2 * rng.standard_normal((b, h, dh)), dtype)
+  fn = jax.jit(lambda q, k, v, lengths: fused.decode_attention_merged(q, k, v, 1, lengths,
+                                                                      jnp.zeros((b, g), jnp.int32)))
+  for lengths in ([1, 63, 64, 65], [127, 128, 129, 700], [2048, 1999, 3000, 1500]):
+    got = np.asarray(fn(q, k, v, jnp.asarray(lengths, jnp.int32)), np.float64)
+    want = _attention64(np.asarray(q, np.float64), np.asarray(k[1], np.float64), np.asarray(v[1], np.float64),
+                        lengths)
+    err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert err < (2 ** -7 if dtype == jnp.bfloat16 else 1e-5), (lengths, err)
+
+
+def _synthetic(name):
+  """A real model's geometry (two layers, a 4096-token vocabulary) with random W8A16 weights."""
+  from jaxllm.load import default_dtype
+  from jaxllm.presets import preset
+  from jaxllm.weights import random_weights
+  config = preset(name).replace(n_layers=2, vocab_size=4096)
+  return config, random_weights(config, seed=1, quant="w8a16", dtype=default_dtype())
+
+
+SYNTHETIC = ["qwen2.5-0.5b", "qwen3-0.6b", "smollm2-135m"]
+
+
+def test_step_runs_the_fused_kernels_and_the_argmax_head(monkeypatch):
+  """kernels="ffi": four fused matmuls, one QKV epilogue and one attention per layer, and for plain greedy
+  the argmax head (no logits); "ffi-unfused" none of them; a penalized greedy step keeps the logits.
+  (One FFI call per op here; on the GPU the step's default is one call for all layers, tested below.)"""
+  monkeypatch.setenv("JAXLLM_LAYERS_CALL", "0")
+  from jaxllm.decode import decode_step
+  from jaxllm.engine import Engine
+  config, weights = _synthetic("qwen2.5-0.5b")
+  engine = Engine(config, weights, None, max_context=64, kernels="ffi")
+  state = engine._state_spec(1)
+
+  def hlo(**kw):
+    fn = jax.jit(lambda w, st: decode_step(config, w, st, **kw))
+    return fn.lower(weights, state).as_text()
+
+  text = hlo(greedy_only=True, penalties=False, kernels="ffi")
+  n = config.n_layers
+  assert text.count("@jaxllm_w8a16_fused(") == 4 * n + 1
+  assert text.count("@jaxllm_qkv_epilogue(") == n and text.count("@jaxllm_decode_attention_merged(") == n
+  assert text.count("mode = 2 : i64") == 1                 # the argmax head
+  penalized = hlo(greedy_only=True, penalties=True, kernels="ffi")
+  assert "mode = 2 : i64" not in penalized and penalized.count("mode = 0 : i64") == n + 1
+  assert "jaxllm_w8a16_fused" not in hlo(greedy_only=True, penalties=False, kernels="ffi-unfused")
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_fused_step_logits_match_unfused(name):
+  """Teacher-forced: 20 decode steps of a batch of two (one row inactive for a while) through the fused
+  step and the unfused FFI step, fed the same tokens: logits and caches agree to the activation dtype's
+  rounding at every step."""
+  from jaxllm.model import forward, forward_decode_fused, logits
+  config, weights = _synthetic(name)
+  cache_f = cache_u = _cache(config)
+  dtype = cache_f.compute_dtype
+  tol = TOL[jnp.dtype(dtype).type] if jnp.dtype(dtype) == jnp.bfloat16 else 1e-4
+  rng = np.random.default_rng(3)
+  fused_step = jax.jit(lambda c, t, p, a: forward_decode_fused(config, weights, c, t, p, a))
+  unfused_step = jax.jit(lambda c, t, p, a: forward(config, weights, c, t[:, None], p, a[:, None],
+                                                   kernels="ffi-unfused"))
+  head = jax.jit(lambda x: fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head, dtype=dtype))
+  for t in range(20):
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, 2), jnp.int32)
+    pos = jnp.asarray([t, max(0, t - 5)], jnp.int32)
+    active = jnp.asarray([True, t >= 5])
+    x, cache_f = fused_step(cache_f, tokens, pos, active)
+    hidden, cache_u = unfused_step(cache_u, tokens, pos, active)
+    lf = np.asarray(head(x), np.float64)
+    lu = np.asarray(logits(weights, hidden[:, 0], dtype, kernels="ffi-unfused"), np.float64)
+    assert _rel(lf, lu) < tol, (t, _rel(lf, lu))
+    assert _rel(cache_f.k, cache_u.k) < tol and _rel(cache_f.v, cache_u.v) < tol, t
+
+
+@pytest.mark.skipif(ON_GPU, reason="exact token equality of paths holds in f32 (the CPU's dtype)")
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_fused_engine_tokens_match_unfused_and_xla(name):
+  """Greedy and penalized greedy, a batch of two of different lengths, f32: the same tokens on the fused,
+  unfused FFI and XLA paths."""
+  from jaxllm.engine import Engine
+  from jaxllm.sampling import SamplingParams
+  config, weights = _synthetic(name)
+  assert fused.fused_decode_reason(config, weights, _cache(config), 2) is None
+  for params in (SamplingParams(), SamplingParams(repeat_penalty=1.3)):
+    ids = {}
+    for kernels in ("ffi", "ffi-unfused", "xla"):
+      e = Engine(config, weights, None, max_context=48, kernels=kernels)
+      ids[kernels] = [r.ids for r in e.generate_batch([[1, 5, 9, 3, 4], [7, 2]], 24, params, ignore_eos=True)]
+    assert ids["ffi"] == ids["ffi-unfused"] == ids["xla"], ids
+
+
+def _cache(config):
+  from jaxllm.cache import create_cache
+  from jaxllm.load import default_dtype
+  return create_cache(config, 2, 48, default_dtype())
+
+
+@pytest.mark.gpu
+def test_layers_call_equals_per_op_calls_and_pdl_changes_nothing(monkeypatch):
+  """On the GPU the fused step runs every layer from one FFI call (with programmatic dependent launch):
+  the same kernels as one call per op, so the same bits, with PDL on or off."""
+  from jaxllm.model import forward_decode_fused
+  config, weights = _synthetic("qwen2.5-0.5b")
+  rng = np.random.default_rng(5)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, 2), jnp.int32)
+  pos = jnp.asarray([7, 3], jnp.int32)
+  outs = {}
+  for one, pdl in (("1", "1"), ("1", "0"), ("0", "1")):
+    monkeypatch.setenv("JAXLLM_LAYERS_CALL", one)
+    monkeypatch.setenv("JAXLLM_PDL", pdl)
+    cache = _cache(config)
+    cache = dataclasses.replace(cache, k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype) * 0 + 1,
+                                v=jnp.ones_like(cache.v))
+    fn = jax.jit(lambda c: forward_decode_fused(config, weights, c, tokens, pos, jnp.asarray([True, True])))
+    text = fn.lower(cache).as_text()
+    assert text.count("@jaxllm_decode_layers(") == (1 if one == "1" else 0)
+    x, kv = fn(cache)
+    outs[(one, pdl)] = (np.asarray(x), np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32))
+  for key, got in outs.items():
+    for a, b in zip(got, outs[("0", "1")]):
+      np.testing.assert_array_equal(a, b, err_msg=str(key))
