@@ -258,6 +258,11 @@ inline ffi::Error CheckQkv(const ffi::AnyBuffer& qkv, const ffi::AnyBuffer& bias
   return ffi::Error::Success();
 }
 
+// Row `layer` of an optional stacked f32 operand [L, cols] (nullptr for the [0] that means none).
+inline const float* LayerRow(const ffi::AnyBuffer& a, int64_t layer, int64_t cols) {
+  return a.dimensions().size() == 1 ? nullptr : static_cast<const float*>(a.untyped_data()) + layer * cols;
+}
+
 template <typename Ctx>
 auto BindQkv() {
   return ffi::Ffi::Bind()

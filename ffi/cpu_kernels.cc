@@ -272,10 +272,7 @@ ffi::Error QkvCpu(ffi::ThreadPool, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi:
     return err;
   const ffi::DataType t = qkv.element_type();
   const bool bf16 = t == ffi::BF16;
-  auto row_of = [&](const ffi::AnyBuffer& a, int64_t cols) {
-    return a.dimensions().size() == 1 ? nullptr : static_cast<const float*>(a.untyped_data()) + layer * cols;
-  };
-  const float *bp = row_of(bias, s.nqkv), *qp = row_of(qn, s.d), *kp = row_of(kn, s.d);
+  const float *bp = LayerRow(bias, layer, s.nqkv), *qp = LayerRow(qn, layer, s.d), *kp = LayerRow(kn, layer, s.d);
   const float* freq = static_cast<const float*>(inv_freq.untyped_data());
   const int32_t *pp = static_cast<const int32_t*>(pos.untyped_data()), *wp = static_cast<const int32_t*>(writes.untyped_data());
   std::memset(counters->untyped_data(), 0, size_t(s.b * s.g) * sizeof(int32_t));

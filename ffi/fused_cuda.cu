@@ -122,23 +122,11 @@ cudaError_t LaunchQkv(cudaStream_t stream, bool pdl, const T* qkv, const float* 
                       const float* inv_freq, const int32_t* pos, const int32_t* writes, T* q_out, T* kc, T* vc,
                       int32_t* counters, int B, int H, int G, int S, int D, int layer, bool neox, float pos_scale,
                       float eps) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(H + G), unsigned(B));
-  cfg.blockDim = dim3(unsigned(D / 2));
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, QkvEpilogueKernel<T>, qkv, bias, qn, kn, inv_freq, pos, writes, q_out, kc, vc,
-                            counters, B, H, G, S, D, layer, neox, pos_scale, eps);
+  return w8a16::LaunchPdl(QkvEpilogueKernel<T>, dim3(unsigned(H + G), unsigned(B)), dim3(unsigned(D / 2)), 0, stream,
+                          pdl, qkv, bias, qn, kn, inv_freq, pos, writes, q_out, kc, vc, counters, B, H, G, S, D, layer,
+                          neox, pos_scale, eps);
 }
 
-template <typename T>
-const T* LayerRow(const ffi::AnyBuffer& a, int64_t layer, int64_t cols) {
-  return a.dimensions().size() == 1 ? nullptr : static_cast<const T*>(a.untyped_data()) + layer * cols;
-}
 
 ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi::AnyBuffer qn, ffi::AnyBuffer kn,
                    ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer, ffi::AnyBuffer,
@@ -152,8 +140,8 @@ ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias,
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     return LaunchQkv<T>(
-        stream, false, static_cast<const T*>(qkv.untyped_data()), LayerRow<float>(bias, layer, s.nqkv),
-        LayerRow<float>(qn, layer, s.d), LayerRow<float>(kn, layer, s.d), static_cast<const float*>(inv_freq.untyped_data()),
+        stream, false, static_cast<const T*>(qkv.untyped_data()), LayerRow(bias, layer, s.nqkv),
+        LayerRow(qn, layer, s.d), LayerRow(kn, layer, s.d), static_cast<const float*>(inv_freq.untyped_data()),
         static_cast<const int32_t*>(pos.untyped_data()), static_cast<const int32_t*>(writes.untyped_data()),
         static_cast<T*>(q_out->untyped_data()), static_cast<T*>(kc->untyped_data()), static_cast<T*>(vc->untyped_data()),
         static_cast<int32_t*>(counters->untyped_data()), int(s.b), int(s.h), int(s.g), int(s.s), int(s.d), int(layer),
@@ -277,8 +265,8 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
     Fuse fq{f32(attn_norm) + i * d, eps, nullptr, use_pdl && i > 0};
     e = Dispatch<bf16, kNorm>(stream, mq, xcur, i8(wqkv) + i * n * d, f32(sqkv) + i * n * mq.groups, qkv, fq);
     if (e != cudaSuccess) break;
-    e = LaunchQkv<bf16>(stream, use_pdl, qkv, LayerRow<float>(bqkv, i, n), LayerRow<float>(qn, i, dh),
-                        LayerRow<float>(kn, i, dh), f32(inv_freq), static_cast<const int32_t*>(pos.untyped_data()),
+    e = LaunchQkv<bf16>(stream, use_pdl, qkv, LayerRow(bqkv, i, n), LayerRow(qn, i, dh),
+                        LayerRow(kn, i, dh), f32(inv_freq), static_cast<const int32_t*>(pos.untyped_data()),
                         static_cast<const int32_t*>(writes.untyped_data()), q, kcp, vcp, cnt, int(b), int(h), int(g),
                         int(smax), int(dh), int(i), neox != 0, pos_scale, eps);
     if (e != cudaSuccess) break;

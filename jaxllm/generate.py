@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   p.add_argument("--quant", choices=QUANT_CHOICES, default="w8a16", help="none = float weights (reference)")
   p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
-                 help="ffi = jaxllm's kernels, xla = pure jnp, auto = ffi where built")
+                 help="ffi = jaxllm's kernels with the fused decode step, ffi-unfused = without it, "
+                      "xla = pure jnp, auto = ffi where built")
   p.add_argument("--max-context", "--ctx-size", "-c", dest="max_context", type=int, default=None,
                  help=f"KV cache length (default: prompt + max tokens rounded up to {CONTEXT_ROUND}; -i: "
                       f"{CHAT_CONTEXT}; at most the model's trained context)")

@@ -25,13 +25,17 @@ from jaxllm.quant import Linear
 
 MODES = {"none": 0, "swiglu": 1, "argmax": 2, "residual": 3}   # FusedMode in ffi/common.h
 GPU_MAX_M = 4                 # rows the CUDA fused kernels take (tiles of 4 rows of x)
+# Batch sizes the GPU runs the fused step for: on the H200 (Qwen2.5-0.5B shape, docs/results/
+# 2026-12-01-h200-fused.md) batch 4 took 1.228 ms per step fused against 1.136 unfused, batch 1 0.70 against
+# 0.89 (device-bound steps); batches 2 and 3 were not measured.
+GPU_FUSED_BATCH = 1
 GPU_MAX_NORM_K = 6144         # K of the norm prologue: 4 rows of bf16 in 48 KB of shared memory
 MERGE_MAX_SPLITS = 256        # attn1::kMaxSplits in attention_cuda.cuh
 
 
 def _rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-  x = x.astype(jnp.float32)
-  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+  from jaxllm.model import rms_norm   # (model imports this module)
+  return rms_norm(x, w, eps)
 
 
 def _row(a: jax.Array, layer: int | None) -> jax.Array:
@@ -63,16 +67,9 @@ def linear_residual_reference(a, lin: Linear, layer, res) -> jax.Array:
 
 
 def rope_pairs(x: jax.Array, angles: jax.Array, neox: bool) -> jax.Array:
-  """x [B, N, Dh] rotated by angles [B, Dh/2] (model.apply_rope for one token)."""
-  cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-  xf = x.astype(jnp.float32)
-  if neox:
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  else:
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
-  return out.astype(x.dtype)
+  """x [B, N, Dh] rotated by angles [B, Dh/2]: model.apply_rope for one token."""
+  from jaxllm.model import apply_rope
+  return apply_rope(x[:, None], angles[:, None], "neox" if neox else "normal")[:, 0]
 
 
 def qkv_epilogue_reference(qkv, bias, q_norm, k_norm, inv_freq, layer: int, pos, writes, k_cache, v_cache, *,
@@ -254,8 +251,8 @@ def fused_decode_reason(config, weights, cache, batch: int) -> str | None:
   if jax.default_backend() == "gpu":
     if jnp.dtype(cache.compute_dtype) != jnp.bfloat16:
       return "the CUDA fused kernels are built for bf16 activations"
-    if batch > GPU_MAX_M:
-      return f"batch {batch} > {GPU_MAX_M}"
+    if batch > GPU_FUSED_BATCH:
+      return f"batch {batch} > {GPU_FUSED_BATCH} (the fused step measured slower at batch 4)"
     if config.d_model > GPU_MAX_NORM_K:
       return f"model width {config.d_model} > {GPU_MAX_NORM_K}"
     if not ffi.attention_supported(config.head_dim, config.n_heads, config.n_kv_heads):
