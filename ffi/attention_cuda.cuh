@@ -19,7 +19,7 @@
 
 #include <cstdint>
 
-#include "w8a16_cuda.cuh"   // ToF32, FromF32, LaunchPdl, GridDepWait, GridDepLaunch
+#include "w8a16_cuda.cuh"   // GridDepWait, GridDepLaunch
 
 namespace jaxllm {
 namespace attn1 {
@@ -28,13 +28,18 @@ constexpr int kMaxSplits = 256;
 constexpr int kMaxGroup = 16;   // query heads per kv head (warps per block)
 
 
-// Element e of words holding T values (bf16: two a word, low half first) as f32.
 template <typename T> __device__ __forceinline__ float Elem(const uint32_t* w, int e);
 template <> __device__ __forceinline__ float Elem<float>(const uint32_t* w, int e) { return __uint_as_float(w[e]); }
 template <> __device__ __forceinline__ float Elem<__nv_bfloat16>(const uint32_t* w, int e) {
   const uint32_t x = w[e >> 1];
   return __uint_as_float((e & 1) ? (x & 0xffff0000u) : (x << 16));
 }
+template <typename T> __device__ __forceinline__ float AsF32(T v);
+template <> __device__ __forceinline__ float AsF32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float AsF32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T OfF32(float v);
+template <> __device__ __forceinline__ float OfF32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 OfF32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
 template <typename T, int D>
 struct Geo {
@@ -93,7 +98,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   if (p >= used) return;
   __shared__ float q_s[kMaxGroup][D];
   const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;
-  for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
+  for (int d = lane; d < D; d += 32) q_s[r][d] = AsF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
   const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
   const T* kh = k + head;
   const T* vh = v + head;
@@ -135,7 +140,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   w8a16::GridDepLaunch();
   if (used == 1) {
 #pragma unroll
-    for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = FromF32<T>(acc[e] / l);
+    for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = OfF32<T>(acc[e] / l);
     return;
   }
   float* o = ws + ((size_t(b) * H + h) * P + p) * (D + 2);
@@ -168,7 +173,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     for (int e = 0; e < DV; ++e) a[e] = fmaf(f, __ldcg(wi + lane * DV + e), a[e]);
   }
 #pragma unroll
-  for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = FromF32<T>(a[e] / ll);
+  for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = OfF32<T>(a[e] / ll);
 }
 
 // Launches the kernel: q [B, H, D], caches [L, B, G, S, D], ws [B, H, P, D + 2] f32, counters [B, G] (zero).
@@ -176,8 +181,16 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
 template <typename T, int D>
 cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, const int32_t* lengths, float* ws, T* out,
                    int32_t* counters, int layer, int B, int H, int G, int S, int P, bool pdl = false) {
-  return w8a16::LaunchPdl(Kernel<T, D>, dim3(P, G, B), dim3(32 * (H / G)), 0, stream, pdl, q, k, v, lengths, ws, out,
-                          counters, layer, B, H, G, S, P);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(P, G, B);
+  cfg.blockDim = dim3(32 * (H / G));
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, Kernel<T, D>, q, k, v, lengths, ws, out, counters, layer, B, H, G, S, P);
 }
 
 }  // namespace attn1

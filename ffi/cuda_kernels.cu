@@ -62,6 +62,27 @@ struct AttnGeometry {
                                                             // memory: parts of one head land on distinct banks
 };
 
+__device__ __forceinline__ float WordElem(const uint32_t* row, int d, float) { return __uint_as_float(row[d]); }
+__device__ __forceinline__ float WordElem(const uint32_t* row, int d, __nv_bfloat16) {
+  const uint32_t w = row[d >> 1];
+  return __uint_as_float((d & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+
+// N 4-byte words from p (4 * N bytes, aligned), zeros when !ok.
+template <int N>
+__device__ __forceinline__ void LoadWords(const void* p, bool ok, uint32_t (&out)[N]) {
+  if constexpr (N == 1) {
+    out[0] = ok ? __ldg(static_cast<const uint32_t*>(p)) : 0u;
+  } else if constexpr (N == 2) {
+    const uint2 v = ok ? __ldg(static_cast<const uint2*>(p)) : make_uint2(0, 0);
+    out[0] = v.x; out[1] = v.y;
+  } else {
+    static_assert(N == 4, "1, 2 or 4 words");
+    const uint4 v = ok ? __ldg(static_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  }
+}
+
 // RM: query heads per kv head the kernel is built for (R <= RM; rows past R are skipped).
 template <typename T, int D, int RM>
 __global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
@@ -100,7 +121,7 @@ __global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
 #pragma unroll
     for (int i = 0; i < EK / EV; ++i) kr[i] = kp < len ? __ldg(ksrc + i) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int j = 0; j < TP; ++j) attn1::Words<VW>(vh + size_t(base + j) * D + lane * DV, base + j < len, vr[j]);
+    for (int j = 0; j < TP; ++j) LoadWords<VW>(vh + size_t(base + j) * D + lane * DV, base + j < len, vr[j]);
   };
   int c0 = p * CH, base = c0 + warp * TP;
   if (base < len) load_tile(base);   // the first tile's loads overlap staging q
@@ -140,10 +161,10 @@ __global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
 #pragma unroll
         for (int e = 0; e < EV; e += 4) {
           const float4 qv = *reinterpret_cast<const float4*>(qrow + e);
-          s[r] = fmaf(qv.x, attn1::Elem<T>(words, e), s[r]);
-          s[r] = fmaf(qv.y, attn1::Elem<T>(words, e + 1), s[r]);
-          s[r] = fmaf(qv.z, attn1::Elem<T>(words, e + 2), s[r]);
-          s[r] = fmaf(qv.w, attn1::Elem<T>(words, e + 3), s[r]);
+          s[r] = fmaf(qv.x, WordElem(words, e, T()), s[r]);
+          s[r] = fmaf(qv.y, WordElem(words, e + 1, T()), s[r]);
+          s[r] = fmaf(qv.z, WordElem(words, e + 2, T()), s[r]);
+          s[r] = fmaf(qv.w, WordElem(words, e + 3, T()), s[r]);
         }
       }
     }
@@ -178,7 +199,7 @@ __global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
-        for (int e = 0; e < DV; ++e) vv[jj][e] = attn1::Elem<T>(vr[j0 + jj], e);
+        for (int e = 0; e < DV; ++e) vv[jj][e] = WordElem(vr[j0 + jj], e, T());
 #pragma unroll
       for (int r = 0; r < RM; ++r) {
         if (r >= R) break;

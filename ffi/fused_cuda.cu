@@ -122,9 +122,17 @@ cudaError_t LaunchQkv(cudaStream_t stream, bool pdl, const T* qkv, const float* 
                       const float* inv_freq, const int32_t* pos, const int32_t* writes, T* q_out, T* kc, T* vc,
                       int32_t* counters, int B, int H, int G, int S, int D, int layer, bool neox, float pos_scale,
                       float eps) {
-  return w8a16::LaunchPdl(QkvEpilogueKernel<T>, dim3(unsigned(H + G), unsigned(B)), dim3(unsigned(D / 2)), 0, stream,
-                          pdl, qkv, bias, qn, kn, inv_freq, pos, writes, q_out, kc, vc, counters, B, H, G, S, D, layer,
-                          neox, pos_scale, eps);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(H + G), unsigned(B));
+  cfg.blockDim = dim3(unsigned(D / 2));
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, QkvEpilogueKernel<T>, qkv, bias, qn, kn, inv_freq, pos, writes, q_out, kc, vc,
+                            counters, B, H, G, S, D, layer, neox, pos_scale, eps);
 }
 
 

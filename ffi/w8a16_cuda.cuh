@@ -249,24 +249,6 @@ struct Fuse {
   bool pdl = false;
 };
 
-// Launches kernel<<<grid, block, smem, stream>>>(args...), with pdl as a programmatic dependent of the
-// previous kernel on the stream (programmatic stream serialization).
-template <typename... P, typename... A>
-cudaError_t LaunchPdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-                      A... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
-}
-
 // Programmatic dependent launch (sm_90): wait for the grid this one depends on (a no-op without one), and
 // let the next grid start launching.
 __device__ __forceinline__ void GridDepWait() {
@@ -660,8 +642,17 @@ cudaError_t Launch(cudaStream_t stream, const void* x, const int8_t* w, const fl
     const int per_sm = (blocks + res.sms - 1) / res.sms;
     if (per_sm <= res.per_sm) blocks = std::min(per_sm * res.sms, n_out);
   }
-  return LaunchPdl(kernel, dim3(blocks, (m + MT - 1) / MT), dim3(kThreads), smem, stream, fu.pdl, x, w, scale, y, m,
-                   n, k, groups, DivMagic(uint32_t(k / groups / 16)), fu);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks, (m + MT - 1) / MT);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = fu.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, x, w, scale, y, m, n, k, groups, DivMagic(uint32_t(k / groups / 16)), fu);
 }
 
 // W8A16 configuration by shape (kernel templates in w8a16_cuda.cuh), chosen from bench/gemv_sweep.cu on
