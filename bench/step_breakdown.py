@@ -44,7 +44,7 @@ def main(argv=None) -> int:
   from jaxllm.bench import environment, load_model
   from jaxllm.cache import create_cache
   from jaxllm.kernels import fused
-  from jaxllm.model import forward_decode_fused, rope_inv_freq
+  from jaxllm.model import forward_decode_fused, rope_inv_freq, rope_position_scale
   if jax.default_backend() != "gpu":
     print("step_breakdown: needs a GPU (the stages are the CUDA fused kernels)")
     return 0
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
 
   def epi(qkv, i, k, v):
     return fused.qkv_epilogue(qkv, w.bqkv, w.q_norm, w.k_norm, inv_freq, i, pos, pos, k, v, n_heads=c.n_heads,
-                              n_kv_heads=c.n_kv_heads, neox=c.rope_style == "neox", pos_scale=1.0, eps=eps)
+                              n_kv_heads=c.n_kv_heads, neox=c.rope_style == "neox",
+                              pos_scale=rope_position_scale(c), eps=eps)
 
   def chain(stage):
     def fn(w, x, k, v):

@@ -191,6 +191,14 @@ ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 // f32 rounded to the activation dtype (bf16: round to nearest even) and back.
 inline float RoundTo(bool bf16, float v) { return bf16 ? Bf16ToF32(F32ToBf16(v)) : v; }
 
+// out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], rounded to the activation dtype (out may be x).
+void NormRound(const float* x, const float* w, int64_t n, float eps, bool bf16, float* out) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+  const float inv = 1.f / std::sqrt(float(ss / double(n)) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = RoundTo(bf16, x[i] * inv * w[i]);
+}
+
 // The fused matmul (see FusedMode in common.h), as the unfused path computes it.
 ffi::Error FusedCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer aux,
                     ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t norm_layer, int64_t mode, int64_t bf16_attr,
@@ -205,12 +213,7 @@ ffi::Error FusedCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   } else {   // x * rsqrt(mean(x^2) + eps) * norm_w, rounded to the activation dtype
     const float* xr = static_cast<const float*>(x.untyped_data());
     const float* nw = static_cast<const float*>(aux.untyped_data()) + norm_layer * s.k;
-    for (int64_t m = 0; m < s.m; ++m) {
-      double ss = 0.0;
-      for (int64_t i = 0; i < s.k; ++i) ss += double(xr[m * s.k + i]) * xr[m * s.k + i];
-      const float inv = 1.f / std::sqrt(float(ss / double(s.k)) + eps);
-      for (int64_t i = 0; i < s.k; ++i) xf[m * s.k + i] = RoundTo(bf16, xr[m * s.k + i] * inv * nw[i]);
-    }
+    for (int64_t m = 0; m < s.m; ++m) NormRound(xr + m * s.k, nw, s.k, eps, bf16, &xf[m * s.k]);
   }
   const int8_t* wl = static_cast<const int8_t*>(w.untyped_data()) + layer * s.n * s.k;
   const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
@@ -287,12 +290,7 @@ ffi::Error QkvCpu(ffi::ThreadPool, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi:
     for (int64_t h = 0; h < s.h + s.g; ++h) {
       std::copy(&row[h * s.d], &row[(h + 1) * s.d], head.begin());
       const float* nw = h < s.h ? qp : kp;
-      if (nw) {
-        double ss = 0.0;
-        for (int64_t i = 0; i < s.d; ++i) ss += double(head[i]) * head[i];
-        const float inv = 1.f / std::sqrt(float(ss / double(s.d)) + eps);
-        for (int64_t i = 0; i < s.d; ++i) head[i] = RoundTo(bf16, head[i] * inv * nw[i]);
-      }
+      if (nw) NormRound(head.data(), nw, s.d, eps, bf16, head.data());
       const bool is_q = h < s.h;
       if (!is_q && (at < 0 || at >= s.s)) continue;
       const int64_t g = h - s.h;

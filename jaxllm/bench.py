@@ -140,7 +140,7 @@ def run(args) -> list[dict]:
   import jax
   import numpy as np
   from jaxllm.cache import cache_bytes
-  from jaxllm.engine import Engine
+  from jaxllm.engine import Engine, greedy_mode
   from jaxllm.presets import weight_bytes_per_token
   t_load = time.perf_counter()
   config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
@@ -162,7 +162,7 @@ def run(args) -> list[dict]:
     t0 = time.perf_counter()
     engine.warmup(args.prompt_len, params, batch=args.batch)
     compile_s = time.perf_counter() - t0
-    greedy = params.greedy and ("penalized" if params.penalized else True)
+    greedy = greedy_mode(params)
     state = engine.graph_state(greedy) if args.graph_state else {"state": "not inspected"}
     for loop in (["pipelined", "streaming"] if args.loop == "both" else [args.loop]):
       m = measure(engine, prompts, args.decode_len, args.repeat, args.warmup, loop == "pipelined", params)

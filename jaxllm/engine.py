@@ -291,7 +291,7 @@ class Engine:
     """Compiled decode_step(weights, state) -> state, the state donated.
 
     greedy: False (sampling), True (every row greedy, no penalties: the fused path's argmax head) or
-    "penalized" (every row greedy, some with penalties), as _greedy_mode says.
+    "penalized" (every row greedy, some with penalties), as greedy_mode says.
     """
     fn = functools.partial(decode_step, self.config, kernels=self.kernels, **_step_flags(greedy))
     return self._build(("step", batch, greedy), fn, 1, (self.weights, self._state_spec(batch)))
@@ -411,7 +411,7 @@ class Engine:
     sampler = Sampler.create(rows, b, seed, history=prompts, vocab_size=self.config.vocab_size)
     limits = np.asarray([min(self.max_context, len(p) + max_tokens - 1) for p in prompts], np.int32)
     eog_ids = () if ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
-    return sampler, limits, eog_table(eog_ids, b), _greedy_mode(rows)
+    return sampler, limits, eog_table(eog_ids, b), greedy_mode(rows)
 
   def stream_tokens(self, prompts: Sequence[Sequence[int]], max_tokens: int,
                     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), seed: int = 0,
@@ -578,15 +578,17 @@ class Engine:
     return [s.result() for s in seqs]
 
 
-def _greedy_mode(rows: Sequence[SamplingParams]) -> bool | str:
-  """False unless every row is greedy; then True, or "penalized" where some row has a penalty."""
+def greedy_mode(rows: SamplingParams | Sequence[SamplingParams]) -> bool | str:
+  """The step a request needs (Engine.step_fn's `greedy`): False unless every row is greedy; then True, or
+  "penalized" where some row has a penalty. rows: one SamplingParams or one per row."""
+  rows = [rows] if isinstance(rows, SamplingParams) else rows
   if not all(p.greedy for p in rows):
     return False
   return "penalized" if any(p.penalized for p in rows) else True
 
 
 def _all_greedy(params, batch: int) -> bool | str:
-  return _greedy_mode(rows_of(params, batch))
+  return greedy_mode(rows_of(params, batch))
 
 
 def _step_flags(greedy: bool | str) -> dict:

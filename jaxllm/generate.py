@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     raise SystemExit(f"error: {e}") from None
 
   from jaxllm import store
-  from jaxllm.engine import Engine
+  from jaxllm.engine import Engine, greedy_mode
   from jaxllm.load import load
   try:
     config, weights, tok = load(model, quant=args.quant, progress=stages, cache=not args.no_cache)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
 
   with stages.stage("compile and warm up", "compiled steps cached" if not args.no_compile_cache else ""):
     engine.warmup(longest, params, batch=max(1, len(all_ids)), trial=True)
-  greedy = params.greedy and ("penalized" if params.penalized else True)
+  greedy = greedy_mode(params)
   graph_state = engine.graph_state(greedy) if args.show_graph_state else None
   if graph_state is not None:
     print("[jaxllm] graph state: " + json.dumps(graph_state), file=sys.stderr)

@@ -54,12 +54,17 @@ def rope_inv_freq(config: Config, rope_freqs: jax.Array | None) -> jax.Array:
   return inv_freq if rope_freqs is None else inv_freq / rope_freqs
 
 
+def rope_position_scale(config: Config) -> float:
+  """What positions are divided by before they turn (linear RoPE scaling; 1 for none)."""
+  return config.rope_scale if config.rope_scaling == "linear" else 1.0
+
+
 def rope_angles(config: Config, positions: jax.Array, rope_freqs: jax.Array | None) -> jax.Array:
   """Rotation angles [..., Dh/2] for integer positions [...]."""
   inv_freq = rope_inv_freq(config, rope_freqs)
   pos = positions.astype(jnp.float32)
   if config.rope_scaling == "linear":
-    pos = pos / config.rope_scale
+    pos = pos / rope_position_scale(config)
   return pos[..., None] * inv_freq
 
 
@@ -208,12 +213,12 @@ def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, token
   writes = jnp.where(active, pos, cache.max_len)
   lengths = pos + 1
   inv_freq = rope_inv_freq(c, weights.rope_freqs)
-  pos_scale = c.rope_scale if c.rope_scaling == "linear" else 1.0
+  pos_scale = rope_position_scale(c)
   k, v = cache.k, cache.v
   b = tokens.shape[0]
   one_call, pdl = fused.layers_call()
   if one_call:
-    x, k, v = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, k, v, pdl=pdl)
+    x, k, v = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, pos_scale, k, v, pdl=pdl)
     return x, dataclasses.replace(cache, k=k, v=v)
   for i in range(c.n_layers):
     qkv = fused.norm_linear(x, weights.attn_norm, c.rms_eps, weights.wqkv, i, dtype=dtype)   # [B, N]

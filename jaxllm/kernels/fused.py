@@ -106,6 +106,18 @@ def _fused_call(x, lin: Linear, aux, layer: int, norm_layer: int, mode: str, bf1
       bf16=np.int64(bf16), eps=np.float32(eps))
 
 
+def _optional_f32(a):
+  """An optional per-layer operand as the kernels take it: f32, or [0] for none."""
+  return jnp.zeros((0,), jnp.float32) if a is None else a.astype(jnp.float32)
+
+
+def merged_splits(b: int, k_cache) -> int:
+  """Splits of the one-kernel attention: ffi.attention_splits' choice, at most MERGE_MAX_SPLITS."""
+  from jaxllm.kernels import ffi
+  return min(ffi.attention_splits(b, k_cache.shape[2], k_cache.shape[3], k_cache.dtype.itemsize, k_cache.shape[4]),
+             MERGE_MAX_SPLITS)
+
+
 def _stacked(lin: Linear, layer: int | None) -> tuple[Linear, int]:
   if lin.w.ndim == 2:
     return Linear(w=lin.w[None], scale=lin.scale[None]), 0
@@ -151,13 +163,12 @@ def qkv_epilogue(qkv, bias, q_norm, k_norm, inv_freq, layer: int, pos, writes, k
   from jaxllm.kernels import ffi
   ffi._ensure_registered()
   b, dh = qkv.shape[0], k_cache.shape[-1]
-  none = jnp.zeros((0,), jnp.float32)
-  f32 = lambda a: none if a is None else a.astype(jnp.float32)
   outs = (jax.ShapeDtypeStruct((b, n_heads, dh), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((b, n_kv_heads), jnp.int32))
   q, k_cache, v_cache, counters = jax.ffi.ffi_call(
       "jaxllm_qkv_epilogue", outs, input_output_aliases={7: 1, 8: 2})(
-      qkv, f32(bias), f32(q_norm), f32(k_norm), inv_freq.astype(jnp.float32), pos.astype(jnp.int32),
+      qkv, _optional_f32(bias), _optional_f32(q_norm), _optional_f32(k_norm), inv_freq.astype(jnp.float32),
+      pos.astype(jnp.int32),
       writes.astype(jnp.int32), k_cache, v_cache, layer=np.int64(layer), neox=np.int64(neox),
       pos_scale=np.float32(pos_scale), eps=np.float32(eps))
   return q, k_cache, v_cache, counters
@@ -171,8 +182,7 @@ def decode_attention_merged(q, k_cache, v_cache, layer: int, lengths, counters, 
   from jaxllm.kernels import ffi
   b, h, dh = q.shape
   if splits is None:
-    splits = min(ffi.attention_splits(b, k_cache.shape[2], k_cache.shape[3], k_cache.dtype.itemsize, dh),
-                 MERGE_MAX_SPLITS)
+    splits = merged_splits(b, k_cache)
   outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, splits, dh + 2), jnp.float32),
           jax.ShapeDtypeStruct(counters.shape, jnp.int32))
   out, _, counters = jax.ffi.ffi_call("jaxllm_decode_attention_merged", outs, input_output_aliases={4: 2})(
@@ -192,7 +202,8 @@ def layers_workspace_bytes(b: int, n: int, h: int, dh: int, f: int, splits: int,
           + _align(b * g * 4))
 
 
-def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, k_cache, v_cache, *, pdl: bool = True):
+def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale: float, k_cache, v_cache, *,
+                  pdl: bool = True):
   """Every layer of the fused decode step in one FFI call (CUDA): the same six kernels per layer as the
   per-op path (forward_decode_fused), launched from one handler, each (pdl) a programmatic dependent of
   the one before. x [B, D] f32 -> (x [B, D] f32, caches updated in place)."""
@@ -200,12 +211,10 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, k_cache, v
   ffi._ensure_registered()
   c, w = config, weights
   b = x.shape[0]
-  splits = min(ffi.attention_splits(b, c.n_kv_heads, k_cache.shape[3], k_cache.dtype.itemsize, c.head_dim),
-               MERGE_MAX_SPLITS)
+  splits = merged_splits(b, k_cache)
   n = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
   nbytes = layers_workspace_bytes(b, n, c.n_heads, c.head_dim, c.d_ff, splits, c.n_kv_heads)
-  none = jnp.zeros((0,), jnp.float32)
-  opt = lambda a: none if a is None else a.astype(jnp.float32)
+  opt = _optional_f32
   outs = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((nbytes,), jnp.uint8))
   x, k_cache, v_cache, _ = jax.ffi.ffi_call("jaxllm_decode_layers", outs, input_output_aliases={18: 1, 19: 2})(
@@ -213,7 +222,7 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, k_cache, v
       w.attn_norm, w.wqkv.w, w.wqkv.scale, opt(w.bqkv), opt(w.q_norm), opt(w.k_norm), w.wo.w, w.wo.scale,
       w.ffn_norm, w.w_gate_up.w, w.w_gate_up.scale, w.w_down.w, w.w_down.scale, k_cache, v_cache,
       heads=np.int64(c.n_heads), kv_heads=np.int64(c.n_kv_heads), neox=np.int64(c.rope_style == "neox"),
-      pos_scale=np.float32(c.rope_scale if c.rope_scaling == "linear" else 1.0), eps=np.float32(c.rms_eps),
+      pos_scale=np.float32(pos_scale), eps=np.float32(c.rms_eps),
       splits=np.int64(splits), pdl=np.int64(pdl))
   return x, k_cache, v_cache
 
