@@ -19,7 +19,8 @@
 
 #include <cstdint>
 
-#include "w8a16_cuda.cuh"   // GridDepWait, GridDepLaunch
+#include "qkv_cuda.cuh"   // qkv::Args, qkv::WarpHead
+#include "w8a16_cuda.cuh"   // GridDepWait, GridDepLaunch, LaunchEx
 
 namespace jaxllm {
 namespace attn1 {
@@ -34,13 +35,6 @@ template <> __device__ __forceinline__ float Elem<__nv_bfloat16>(const uint32_t*
   const uint32_t x = w[e >> 1];
   return __uint_as_float((e & 1) ? (x & 0xffff0000u) : (x << 16));
 }
-template <typename T> __device__ __forceinline__ float AsF32(T v);
-template <> __device__ __forceinline__ float AsF32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float AsF32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T OfF32(float v);
-template <> __device__ __forceinline__ float OfF32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 OfF32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-
 template <typename T, int D>
 struct Geo {
   static constexpr int EK = 128 / int(sizeof(T));         // key elements a lane holds (128 bytes)
@@ -51,15 +45,23 @@ struct Geo {
   static constexpr int VW = DV * int(sizeof(T)) / 4;       // their words: 1, 2 or 4
 };
 
-template <int N>
+// Cache loads: read-only (ld.global.nc), or (CG) through L2 (ld.global.cg), which also sees what this
+// kernel wrote before a barrier (the prologue's new key and value).
+template <bool CG, typename V>
+__device__ __forceinline__ V Ld(const V* p) {
+  if constexpr (CG) return __ldcg(p);
+  else return __ldg(p);
+}
+
+template <int N, bool CG>
 __device__ __forceinline__ void Words(const void* p, bool ok, uint32_t* out) {
   if constexpr (N == 1) {
-    out[0] = ok ? __ldg(static_cast<const uint32_t*>(p)) : 0u;
+    out[0] = ok ? Ld<CG>(static_cast<const uint32_t*>(p)) : 0u;
   } else if constexpr (N == 2) {
-    const uint2 v = ok ? __ldg(static_cast<const uint2*>(p)) : make_uint2(0, 0);
+    const uint2 v = ok ? Ld<CG>(static_cast<const uint2*>(p)) : make_uint2(0, 0);
     out[0] = v.x; out[1] = v.y;
   } else {
-    const uint4 v = ok ? __ldg(static_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+    const uint4 v = ok ? Ld<CG>(static_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
     out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
   }
 }
@@ -69,25 +71,30 @@ struct Tile {
   uint32_t k[Geo<T, D>::KW];                 // this lane's 128 bytes of its position's key
   uint32_t v[Geo<T, D>::TP][Geo<T, D>::VW];  // this lane's dims of every position's value
 
+  template <bool CG>
   __device__ __forceinline__ void Load(const T* kh, const T* vh, int base, int len, int lane) {
     using G = Geo<T, D>;
     const int kp = base + lane / G::LPP;
     const uint4* ks = reinterpret_cast<const uint4*>(kh + size_t(kp) * D + (lane % G::LPP) * G::EK);
 #pragma unroll
     for (int i = 0; i < G::KW / 4; ++i) {
-      const uint4 w = kp < len ? __ldg(ks + i) : make_uint4(0, 0, 0, 0);
+      const uint4 w = kp < len ? Ld<CG>(ks + i) : make_uint4(0, 0, 0, 0);
       k[4 * i] = w.x; k[4 * i + 1] = w.y; k[4 * i + 2] = w.z; k[4 * i + 3] = w.w;
     }
 #pragma unroll
-    for (int j = 0; j < G::TP; ++j) Words<G::VW>(vh + size_t(base + j) * D + lane * G::DV, base + j < len, v[j]);
+    for (int j = 0; j < G::TP; ++j) Words<G::VW, CG>(vh + size_t(base + j) * D + lane * G::DV, base + j < len, v[j]);
   }
 };
 
-template <typename T, int D>
+// PRO: the QKV epilogue is this kernel's prologue (the fused step's layers call): q is not given, each warp
+// computes its query head from the QKV projection (pa.qkv), and the block whose tiles hold the write position
+// (block 0 when no visible tile does) appends the new key and value to the caches first, then reads that tile
+// through L2 (the others read-only). The same bits as the epilogue kernel then this one.
+template <typename T, int D, bool PRO = false>
 __global__ void __launch_bounds__(32 * kMaxGroup)
-    Kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const int32_t* __restrict__ lengths,
+    Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
            float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
-           int S, int P) {
+           int S, int P, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   w8a16::GridDepWait();
@@ -98,8 +105,24 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   if (p >= used) return;
   __shared__ float q_s[kMaxGroup][D];
   const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;
-  for (int d = lane; d < D; d += 32) q_s[r][d] = AsF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
   const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
+  int tile_at = -1;   // PRO: the tile that holds the new key (in this block's range or not)
+  if constexpr (PRO) {
+    qkv::WarpHead<T, D>(pa, b, h, H, G, lane, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
+    const int at = pa.writes[b];
+    tile_at = at >= 0 && at < S ? at / TP : -1;
+    const int owner = tile_at < tiles ? tile_at % P : 0;
+    if (r == 0 && at >= 0 && at < S && p == owner) {
+      T* kd = static_cast<T*>(pa.kc) + head + size_t(at) * D;
+      T* vd = static_cast<T*>(pa.vc) + head + size_t(at) * D;
+      qkv::WarpHead<T, D>(pa, b, H + g, H, G, lane, [&](int e, T x) { kd[e] = x; });
+      const T* row = static_cast<const T*>(pa.qkv) + size_t(b) * (H + 2 * G) * D;
+      for (int e = lane; e < D; e += 32) vd[e] = FromF32<T>(qkv::Biased(row, pa.bias, (H + G + g) * D + e));
+    }
+    __syncthreads();   // the new key and value are in the cache before any warp loads its tiles
+  } else {
+    for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
+  }
   const T* kh = k + head;
   const T* vh = v + head;
   const float* qr = q_s[r] + (lane % LPP) * EK;
@@ -110,7 +133,8 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   for (int c = p; c < tiles; c += P) {
     const int base = c * TP;
     Tile<T, D> cur;   // (no prefetch of the next tile: the other warps and blocks on the SM hide the latency)
-    cur.Load(kh, vh, base, len, lane);
+    if (PRO && c == tile_at) cur.template Load<true>(kh, vh, base, len, lane);
+    else cur.template Load<false>(kh, vh, base, len, lane);
     float s = 0.f;
 #pragma unroll
     for (int e = 0; e < EK; ++e) s = fmaf(qr[e], Elem<T>(cur.k, e), s);
@@ -140,7 +164,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   w8a16::GridDepLaunch();
   if (used == 1) {
 #pragma unroll
-    for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = OfF32<T>(acc[e] / l);
+    for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = FromF32<T>(acc[e] / l);
     return;
   }
   float* o = ws + ((size_t(b) * H + h) * P + p) * (D + 2);
@@ -173,24 +197,22 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     for (int e = 0; e < DV; ++e) a[e] = fmaf(f, __ldcg(wi + lane * DV + e), a[e]);
   }
 #pragma unroll
-  for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = OfF32<T>(a[e] / ll);
+  for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = FromF32<T>(a[e] / ll);
 }
 
 // Launches the kernel: q [B, H, D], caches [L, B, G, S, D], ws [B, H, P, D + 2] f32, counters [B, G] (zero).
 // pdl: launched as a programmatic dependent of the previous kernel on the stream (it waits for it first).
+// With a prologue (pa.qkv set, the fused step's layers call) q is unused and the caches are written.
 template <typename T, int D>
 cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, const int32_t* lengths, float* ws, T* out,
-                   int32_t* counters, int layer, int B, int H, int G, int S, int P, bool pdl = false) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(P, G, B);
-  cfg.blockDim = dim3(32 * (H / G));
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, Kernel<T, D>, q, k, v, lengths, ws, out, counters, layer, B, H, G, S, P);
+                   int32_t* counters, int layer, int B, int H, int G, int S, int P, bool pdl = false,
+                   const qkv::Args& pa = {}) {
+  const dim3 grid(P, G, B), block(32 * (H / G));
+  if (pa.qkv != nullptr)
+    return w8a16::LaunchEx(stream, pdl, grid, block, 0, Kernel<T, D, true>, q, k, v, lengths, ws, out, counters,
+                           layer, B, H, G, S, P, pa);
+  return w8a16::LaunchEx(stream, pdl, grid, block, 0, Kernel<T, D, false>, q, k, v, lengths, ws, out, counters, layer,
+                         B, H, G, S, P, pa);
 }
 
 }  // namespace attn1

@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "attention_cuda.cuh"
+#include "qkv_cuda.cuh"
 #include "w8a16_cuda.cuh"
 
 namespace jaxllm {
@@ -58,83 +59,7 @@ ffi::Error FusedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   return ffi::Error::Success();
 }
 
-// ---- QKV epilogue ----------------------------------------------------------------------------------------
-//
-// Block (head, b) of Dh / 2 threads, heads 0..H-1 the queries and H..H+G-1 the keys (whose block also
-// appends the values); thread i owns one RoPE pair. Roundings follow the unfused path (model.layer):
-// bias added in f32 and rounded to T, the head norm in f32 rounded to T, RoPE in f32 rounded to T.
-template <typename T>
-__global__ void QkvEpilogueKernel(const T* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ qn,
-                                  const float* __restrict__ kn, const float* __restrict__ inv_freq,
-                                  const int32_t* __restrict__ pos, const int32_t* __restrict__ writes, T* __restrict__ q_out,
-                                  T* __restrict__ kc, T* __restrict__ vc, int32_t* __restrict__ counters, int B, int H,
-                                  int G, int S, int D, int layer, bool neox, float pos_scale, float eps) {
-  w8a16::GridDepWait();
-  w8a16::GridDepLaunch();
-  const int head = blockIdx.x, b = blockIdx.y, i = threadIdx.x, half = D / 2;
-  const int n = (H + 2 * G) * D;
-  if (head == 0)
-    for (int j = i; j < G; j += half) counters[b * G + j] = 0;
-  const int e0 = neox ? i : 2 * i, e1 = neox ? i + half : 2 * i + 1;
-  const T* row = qkv + size_t(b) * n;
-  auto biased = [&](int col) {
-    const float v = ToF32(row[col]);
-    return bias ? ToF32(FromF32<T>(v + bias[col])) : v;
-  };
-  const int col = head * D;
-  float a = biased(col + e0), c = biased(col + e1);
-  const float* nw = head < H ? qn : kn;
-  if (nw) {
-    __shared__ float red[32];
-    float ss = a * a + c * c;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((i & 31) == 0) red[i >> 5] = ss;
-    __syncthreads();
-    float tot = 0.f;
-    for (int j = 0; j < (half + 31) / 32; ++j) tot += red[j];
-    const float inv = rsqrtf(tot / float(D) + eps);
-    a = ToF32(FromF32<T>(a * inv * nw[e0]));
-    c = ToF32(FromF32<T>(c * inv * nw[e1]));
-  }
-  const float angle = (float(pos[b]) / pos_scale) * inv_freq[i];
-  float sn, cs;
-  sincosf(angle, &sn, &cs);
-  const T r0 = FromF32<T>(a * cs - c * sn), r1 = FromF32<T>(c * cs + a * sn);
-  if (head < H) {
-    T* o = q_out + (size_t(b) * H + head) * D;
-    o[e0] = r0;
-    o[e1] = r1;
-    return;
-  }
-  const int g = head - H, at = writes[b];
-  if (at < 0 || at >= S) return;
-  const size_t off = ((size_t(layer) * B + b) * G + g) * size_t(S) * D + size_t(at) * D;
-  kc[off + e0] = r0;
-  kc[off + e1] = r1;
-  const int vcol = (H + G + g) * D;
-  vc[off + e0] = FromF32<T>(biased(vcol + e0));
-  vc[off + e1] = FromF32<T>(biased(vcol + e1));
-}
-
-template <typename T>
-cudaError_t LaunchQkv(cudaStream_t stream, bool pdl, const T* qkv, const float* bias, const float* qn, const float* kn,
-                      const float* inv_freq, const int32_t* pos, const int32_t* writes, T* q_out, T* kc, T* vc,
-                      int32_t* counters, int B, int H, int G, int S, int D, int layer, bool neox, float pos_scale,
-                      float eps) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(H + G), unsigned(B));
-  cfg.blockDim = dim3(unsigned(D / 2));
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, QkvEpilogueKernel<T>, qkv, bias, qn, kn, inv_freq, pos, writes, q_out, kc, vc,
-                            counters, B, H, G, S, D, layer, neox, pos_scale, eps);
-}
-
+// ---- QKV epilogue (kernel in qkv_cuda.cuh) -----------------------------------------------------------------
 
 ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi::AnyBuffer qn, ffi::AnyBuffer kn,
                    ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer, ffi::AnyBuffer,
@@ -145,15 +70,25 @@ ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias,
       err.failure())
     return err;
   if (s.b == 0) return ffi::Error::Success();
+  qkv::Args a;
+  a.qkv = qkv.untyped_data();
+  a.bias = LayerRow(bias, layer, s.nqkv);
+  a.qn = LayerRow(qn, layer, s.d);
+  a.kn = LayerRow(kn, layer, s.d);
+  a.inv_freq = static_cast<const float*>(inv_freq.untyped_data());
+  a.pos = static_cast<const int32_t*>(pos.untyped_data());
+  a.writes = static_cast<const int32_t*>(writes.untyped_data());
+  a.kc = kc->untyped_data();
+  a.vc = vc->untyped_data();
+  a.layer = int(layer);
+  a.neox = neox != 0;
+  a.pos_scale = pos_scale;
+  a.eps = eps;
   auto launch = [&](auto tag) {
     using T = decltype(tag);
-    return LaunchQkv<T>(
-        stream, false, static_cast<const T*>(qkv.untyped_data()), LayerRow(bias, layer, s.nqkv),
-        LayerRow(qn, layer, s.d), LayerRow(kn, layer, s.d), static_cast<const float*>(inv_freq.untyped_data()),
-        static_cast<const int32_t*>(pos.untyped_data()), static_cast<const int32_t*>(writes.untyped_data()),
-        static_cast<T*>(q_out->untyped_data()), static_cast<T*>(kc->untyped_data()), static_cast<T*>(vc->untyped_data()),
-        static_cast<int32_t*>(counters->untyped_data()), int(s.b), int(s.h), int(s.g), int(s.s), int(s.d), int(layer),
-        neox != 0, pos_scale, eps);
+    return qkv::LaunchEpilogue<T>(stream, false, a, static_cast<T*>(q_out->untyped_data()),
+                                  static_cast<int32_t*>(counters->untyped_data()), int(s.b), int(s.h), int(s.g),
+                                  int(s.s), int(s.d));
   };
   cudaError_t e = qkv.element_type() == ffi::BF16 ? launch(__nv_bfloat16()) : launch(float());
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_qkv_epilogue launch: ") + cudaGetErrorString(e));
@@ -169,22 +104,23 @@ ffi::Error FusedCudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 
 // ---- every decode layer in one call ----------------------------------------------------------------------
 //
-// The six kernels of each layer (norm + QKV, QKV epilogue, attention, O + residual, norm + gate/up + SwiGLU,
-// down + residual) launched back to back on XLA's stream from one handler: one node of XLA's command buffer
-// for all layers, and (pdl) each kernel a programmatic dependent of the one before, so that it is launched
-// while that one finishes and issues its weight loads before waiting for it. The residual stream is
-// updated in place in x_out (the first O projection reads x); intermediates live in the workspace
-// (LayersWorkspace, the same sizes as fused.layers_workspace_bytes).
+// Five kernels per layer, launched back to back on XLA's stream from one handler: norm + QKV; attention with
+// the QKV epilogue as its prologue (attn1::Kernel<..., true>: the per-op path's epilogue kernel and attention
+// kernel in one, the same bits); O + residual; norm + gate/up + SwiGLU; down + residual. One node of XLA's
+// command buffer for all layers, and (pdl) each kernel a programmatic dependent of the one before, so that it
+// is launched while that one finishes and issues its weight loads before waiting for it. The residual
+// stream is updated in place in x_out (the first O projection reads x); intermediates live in the workspace
+// (LayersWorkspace, the same sizes as fused.layers_workspace_bytes), whose attention counters are zeroed
+// once per call (each merging block resets its own after that).
 
 struct LayersWorkspace {
-  size_t qkv, q, attn, act, ws, counters, total;
+  size_t qkv, attn, act, ws, counters, total;
 };
 inline size_t Align256(size_t n) { return (n + 255) / 256 * 256; }
 inline LayersWorkspace LayersLayout(int64_t b, int64_t n, int64_t h, int64_t dh, int64_t f, int64_t p, int64_t g) {
   LayersWorkspace w;
   size_t at = 0;
   w.qkv = at; at += Align256(size_t(b * n) * 2);
-  w.q = at; at += Align256(size_t(b * h * dh) * 2);
   w.attn = at; at += Align256(size_t(b * h * dh) * 2);
   w.act = at; at += Align256(size_t(b * f) * 2);
   w.ws = at; at += Align256(size_t(b * h * p * (dh + 2)) * 4);
@@ -255,7 +191,6 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   using namespace w8a16;
   uint8_t* base = static_cast<uint8_t*>(workspace->untyped_data());
   bf16* qkv = reinterpret_cast<bf16*>(base + lw.qkv);
-  bf16* q = reinterpret_cast<bf16*>(base + lw.q);
   bf16* attn = reinterpret_cast<bf16*>(base + lw.attn);
   bf16* act = reinterpret_cast<bf16*>(base + lw.act);
   float* ws = reinterpret_cast<float*>(base + lw.ws);
@@ -267,32 +202,43 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   auto f32 = [](const ffi::AnyBuffer& a) { return static_cast<const float*>(a.untyped_data()); };
   auto i8 = [](const ffi::AnyBuffer& a) { return static_cast<const int8_t*>(a.untyped_data()); };
   const bool use_pdl = pdl != 0;
-  cudaError_t e = cudaSuccess;
+  const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
+  qkv::Args pa;
+  pa.qkv = qkv;
+  pa.inv_freq = f32(inv_freq);
+  pa.pos = static_cast<const int32_t*>(pos.untyped_data());
+  pa.writes = static_cast<const int32_t*>(writes.untyped_data());
+  pa.kc = kcp;
+  pa.vc = vcp;
+  pa.neox = neox != 0;
+  pa.pos_scale = pos_scale;
+  pa.eps = eps;
+  // Layer i's slice of a stacked [L, rows, cols] weight (int8) or scale (f32).
+  auto w8 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return i8(a) + i * m.n * m.k; };
+  auto s32 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return f32(a) + i * m.n * m.groups; };
+  cudaError_t e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
   for (int64_t i = 0; i < layers && e == cudaSuccess; ++i) {
     const float* xcur = i == 0 ? xin : xo;
     Fuse fq{f32(attn_norm) + i * d, eps, nullptr, use_pdl && i > 0};
-    e = Dispatch<bf16, kNorm>(stream, mq, xcur, i8(wqkv) + i * n * d, f32(sqkv) + i * n * mq.groups, qkv, fq);
+    e = Dispatch<bf16, kNorm>(stream, mq, xcur, w8(wqkv, i, mq), s32(sqkv, i, mq), qkv, fq);
     if (e != cudaSuccess) break;
-    e = LaunchQkv<bf16>(stream, use_pdl, qkv, LayerRow(bqkv, i, n), LayerRow(qn, i, dh),
-                        LayerRow(kn, i, dh), f32(inv_freq), static_cast<const int32_t*>(pos.untyped_data()),
-                        static_cast<const int32_t*>(writes.untyped_data()), q, kcp, vcp, cnt, int(b), int(h), int(g),
-                        int(smax), int(dh), int(i), neox != 0, pos_scale, eps);
-    if (e != cudaSuccess) break;
-    const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
-    e = dh == 64 ? attn1::Launch<bf16, 64>(stream, q, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h), int(g),
-                                           int(smax), int(splits), use_pdl)
-                 : attn1::Launch<bf16, 128>(stream, q, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h), int(g),
-                                            int(smax), int(splits), use_pdl);
+    pa.bias = LayerRow(bqkv, i, n);
+    pa.qn = LayerRow(qn, i, dh);
+    pa.kn = LayerRow(kn, i, dh);
+    pa.layer = int(i);
+    e = dh == 64 ? attn1::Launch<bf16, 64>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h), int(g),
+                                           int(smax), int(splits), use_pdl, pa)
+                 : attn1::Launch<bf16, 128>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h),
+                                            int(g), int(smax), int(splits), use_pdl, pa);
     if (e != cudaSuccess) break;
     Fuse fo{nullptr, 0.f, xcur, use_pdl};
-    e = Dispatch<bf16, kResidual>(stream, mo, attn, i8(wo) + i * d * h * dh, f32(so) + i * d * mo.groups, xo, fo);
+    e = Dispatch<bf16, kResidual>(stream, mo, attn, w8(wo, i, mo), s32(so, i, mo), xo, fo);
     if (e != cudaSuccess) break;
     Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, use_pdl};
-    e = Dispatch<bf16, kNorm | kSwiGLU>(stream, mg, xo, i8(wgu) + i * 2 * f * d, f32(sgu) + i * 2 * f * mg.groups, act,
-                                        fg);
+    e = Dispatch<bf16, kNorm | kSwiGLU>(stream, mg, xo, w8(wgu, i, mg), s32(sgu, i, mg), act, fg);
     if (e != cudaSuccess) break;
     Fuse fd{nullptr, 0.f, xo, use_pdl};
-    e = Dispatch<bf16, kResidual>(stream, md, act, i8(wd) + i * d * f, f32(sd) + i * d * md.groups, xo, fd);
+    e = Dispatch<bf16, kResidual>(stream, md, act, w8(wd, i, md), s32(sd, i, md), xo, fd);
   }
   if (e != cudaSuccess) return ffi::Error::Internal(name + "launch: " + cudaGetErrorString(e));
   return ffi::Error::Success();

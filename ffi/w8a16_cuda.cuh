@@ -31,6 +31,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "common.h"
 
@@ -260,6 +261,24 @@ __device__ __forceinline__ void GridDepLaunch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...); pdl: as a programmatic dependent of the previous
+// kernel on the stream (its GridDepWait then waits for that kernel).
+template <typename... KArgs, typename... Args>
+cudaError_t LaunchEx(cudaStream_t stream, bool pdl, dim3 grid, dim3 block, size_t smem, void (*kernel)(KArgs...),
+                     Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 // f32 -> uint32 with the same order (negative values flipped), for the packed argmax.
@@ -642,17 +661,8 @@ cudaError_t Launch(cudaStream_t stream, const void* x, const int8_t* w, const fl
     const int per_sm = (blocks + res.sms - 1) / res.sms;
     if (per_sm <= res.per_sm) blocks = std::min(per_sm * res.sms, n_out);
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks, (m + MT - 1) / MT);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = fu.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, x, w, scale, y, m, n, k, groups, DivMagic(uint32_t(k / groups / 16)), fu);
+  return LaunchEx(stream, fu.pdl, dim3(blocks, (m + MT - 1) / MT), dim3(kThreads), smem, kernel, x, w, scale, y, m, n,
+                  k, groups, DivMagic(uint32_t(k / groups / 16)), fu);
 }
 
 // W8A16 configuration by shape (kernel templates in w8a16_cuda.cuh), chosen from bench/gemv_sweep.cu on

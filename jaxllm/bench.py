@@ -158,12 +158,18 @@ def run(args) -> list[dict]:
   records = []
   for kernels in kernel_list(args.kernels):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, tokens_per_call=args.tokens_per_call)
     t0 = time.perf_counter()
     engine.warmup(args.prompt_len, params, batch=args.batch)
     compile_s = time.perf_counter() - t0
     greedy = greedy_mode(params)
     state = engine.graph_state(greedy) if args.graph_state else {"state": "not inspected"}
+    host = (engine.host_timings(prompts[0], args.decode_len)
+            if args.host_timings and args.batch == 1 and greedy is True else None)
+    if host:
+      print(f"[bench] host, kernels={engine.kernels}: dispatch {host['serial_dispatch_ms']:.3f} ms with the device "
+            f"idle, {host['busy_dispatch_ms']:.3f} busy; read {host['serial_read_ms']:.3f}; serial step "
+            f"{host['serial_step_ms']:.3f}; snapshot {host['snapshot_ms']:.3f}", file=sys.stderr)
     for loop in (["pipelined", "streaming"] if args.loop == "both" else [args.loop]):
       m = measure(engine, prompts, args.decode_len, args.repeat, args.warmup, loop == "pipelined", params)
       m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch
@@ -174,12 +180,13 @@ def run(args) -> list[dict]:
              "compiler_options": engine.compiler_options, "loop": loop, "batch": args.batch,
              "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,
              "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
-             "repeat": args.repeat, "load_s": load_s, "compile_s": compile_s, **m,
+             "repeat": args.repeat, "load_s": load_s, "compile_s": compile_s, **m, "host_timings": host,
              "weight_bytes_per_token": wbytes,
              "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,   # one weight pass per step, whatever the batch
              "peak_memory_bytes": peak, "peak_rss_bytes": _peak_rss(), "weights_bytes": all_weight_bytes,
              "cache_bytes": cache_bytes(config, args.batch, max_context, engine.cache_dtype),
-             "prefill_chunk": engine.prefill_chunk, "env": env}
+             "prefill_chunk": engine.prefill_chunk, "tokens_per_call": engine.tokens_per_call_for(args.batch),
+             "env": env}
       if rec["peak_memory_bytes"] is not None:
         rec["peak_beyond_weights_and_cache_bytes"] = rec["peak_memory_bytes"] - all_weight_bytes - rec["cache_bytes"]
       records.append(rec)
@@ -187,7 +194,7 @@ def run(args) -> list[dict]:
   for rec in records:
     rec["copy_gb_s"] = bandwidth
     rec["byte_floor_ms"] = wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None
-    print(f"[bench] {args.model} kernels={rec['kernels']} graphs={'on' if rec['graphs_requested'] else 'off'}"
+    print(f"[bench] {args.model} kernels={rec['kernels']} K={rec['tokens_per_call']} graphs={'on' if rec['graphs_requested'] else 'off'}"
           f"({rec['graph_state'].get('state')}) loop={rec['loop']}: TTFT {rec['ttft_ms']:.2f} ms, "
           f"TPOT {rec['tpot_ms_mean']:.3f} ms (p50 {rec['tpot_ms_p50']:.3f}, p90 {rec['tpot_ms_p90']:.3f}), "
           f"burst step {rec['step_ms_burst'] or 0:.3f} ms, batch {args.batch}: {rec['decode_tok_s']:.1f} tok/s per "
@@ -217,6 +224,8 @@ def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
     cmd += ["--max-context", str(args.max_context)]
   if args.prefill_chunk:
     cmd += ["--prefill-chunk", str(args.prefill_chunk)]
+  if args.tokens_per_call:
+    cmd += ["--tokens-per-call", str(args.tokens_per_call)]
   cmd += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p)]
   if args.graph_state:
     cmd.append("--graph-state")
@@ -297,12 +306,13 @@ def ab_table(records: list[dict]) -> str:
 
 
 def runs_table(records: list[dict]) -> str:
-  lines = ["| label | kernels | graphs | state | thunks/step | loop | TTFT (ms) | TPOT mean/p50/p90 (ms) | tok/s | "
-           "weight GB/s | floor (ms) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| label | kernels | graphs | state | thunks/call | K | loop | TTFT (ms) | TPOT mean/p50/p90 (ms) | "
+           "tok/s | weight GB/s | floor (ms) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     lines.append(f"| {r.get('label') or ''} | {r['kernels']} | {'on' if r['graphs_requested'] else 'off'} | "
-                 f"{r['graph_state'].get('state')} | {r['graph_state'].get('work_thunks', '')} | {r['loop']} | "
+                 f"{r['graph_state'].get('state')} | {r['graph_state'].get('work_thunks', '')} | "
+                 f"{r.get('tokens_per_call', 1)} | {r['loop']} | "
                  f"{r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} / "
                  f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | {r['decode_tok_s']:.1f} | "
                  f"{r['weight_gb_s']:.0f} | {r['byte_floor_ms']:.3f} |")
@@ -346,12 +356,16 @@ def build_parser():
                  help="env = JAXLLM_CUDA_GRAPHS / XLA_FLAGS decide")
   p.add_argument("--no-graphs", dest="graphs", action="store_const", const="off")
   p.add_argument("--graph-state", action="store_true", help="verify the graph state from XLA's dump")
+  p.add_argument("--host-timings", action="store_true",
+                 help="also time the host's part of a step (dispatch, read, snapshot; batch 1, greedy)")
   p.add_argument("--ab", choices=("graphs",), help="paired-process A/B")
   p.add_argument("--pairs", type=int, default=3)
   p.add_argument("--sweep", nargs="+", metavar="FILE|FLAGS",
                  help="XLA flag sets, each run in its own process: files with one set per line, or sets such as "
                       "default 'xla_gpu_enable_command_buffer=FUSION' (leading -- optional)")
   p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk")
+  p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
+                 help="decode steps per executable call (Engine(tokens_per_call=K); default: the engine's)")
   p.add_argument("--temperature", type=float, default=0.0, help="sampling (default greedy)")
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)

@@ -161,6 +161,17 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
                      sampler=sampler)
 
 
+def decode_steps(config: Config, weights: Weights, state: DecodeState, block: jax.Array, **step_flags
+                 ) -> tuple[DecodeState, jax.Array]:
+  """K = block.shape[0] decode steps in one program (K tokens per executable call: the host's dispatch and
+  read are paid once per K tokens). block [K, B] int32 is overwritten with each step's tokens (donate it
+  with the state, so that its address too stays fixed from call to call); step_flags as decode_step's."""
+  for i in range(block.shape[0]):
+    state = decode_step(config, weights, state, **step_flags)
+    block = block.at[i].set(state.tokens)
+  return state, block
+
+
 def sequence_logits(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
                     start: jax.Array, *, kernels: str = "xla") -> tuple[jax.Array, KVCache]:
   """Logits [B, T, V] f32 of every position of tokens [B, T] written from cache position start [B]."""

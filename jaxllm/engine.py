@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import threading
 import time
 import warnings
@@ -32,7 +33,7 @@ import numpy as np
 from jaxllm import graphs
 from jaxllm.cache import KVCache, check_fits, create_cache
 from jaxllm.config import Config
-from jaxllm.decode import MAX_EOG, DecodeState, decode_step, eog_table, extend, finish_prefill
+from jaxllm.decode import MAX_EOG, DecodeState, decode_step, decode_steps, eog_table, extend, finish_prefill
 from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights
 from jaxllm.sampling import NONFINITE, Sampler, SamplingParams, rows_of
@@ -113,9 +114,17 @@ class _StopText:
     return out
 
 
-def _compile(fn, donate: int, options: dict, args) -> Callable:
+# Decode steps per executable call by default where the GPU runs the fused step (Engine.tokens_per_call_for;
+# measured on the H200, docs/results/2026-12-01-h200-step.md: 4 and 8 both leave the step device-bound), and
+# the most an Engine takes.
+GPU_TOKENS_PER_CALL = 8
+MAX_TOKENS_PER_CALL = 64
+
+
+def _compile(fn, donate: int | tuple[int, ...], options: dict, args) -> Callable:
   """jit + lower + compile with per-executable XLA options."""
-  return jax.jit(fn, donate_argnums=(donate,), compiler_options=options or None).lower(*args).compile()
+  donate = (donate,) if isinstance(donate, int) else donate
+  return jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile()
 
 
 def _trial_args(args):
@@ -162,13 +171,21 @@ class Engine:
     prefill_chunk: prompt tokens per prefill chunk (default per backend, PREFILL_CHUNK).
     cache_executables: keep compiled executables on disk (jaxllm.store) and load them on a later run
       instead of tracing and compiling again.
+    tokens_per_call: decode steps per executable call (decode_steps): the host dispatches and reads once
+      per that many tokens, which then arrive together; a stream may compute up to that many - 1 steps past
+      the point where its caller stops reading. None (the default): GPU_TOKENS_PER_CALL where the GPU runs
+      the fused step, else 1 (tokens_per_call_for says which).
   """
 
   def __init__(self, config: Config, weights: Weights, tokenizer: Tokenizer | None, max_context: int,
                kernels: str = "auto", graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
-               cache_executables: bool = False, cache_dtype=None):
+               cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None):
     if not isinstance(max_context, int) or max_context < 2:
       raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
+    if tokens_per_call is not None and (not isinstance(tokens_per_call, int) or isinstance(tokens_per_call, bool)
+                                        or not 1 <= tokens_per_call <= MAX_TOKENS_PER_CALL):
+      raise ValueError(f"tokens_per_call must be an integer in [1, {MAX_TOKENS_PER_CALL}], got {tokens_per_call!r}")
+    self.tokens_per_call = tokens_per_call
     self.config = config
     self.weights = weights
     self.tokenizer = tokenizer
@@ -296,6 +313,46 @@ class Engine:
     fn = functools.partial(decode_step, self.config, kernels=self.kernels, **_step_flags(greedy))
     return self._build(("step", batch, greedy), fn, 1, (self.weights, self._state_spec(batch)))
 
+  def steps_fn(self, batch: int, greedy: bool | str, k: int) -> Callable:
+    """Compiled decode_steps(weights, state, block [k, B]) -> (state, block): k steps per call, the state
+    and the token block donated."""
+    fn = functools.partial(decode_steps, self.config, kernels=self.kernels, **_step_flags(greedy))
+    block = jax.ShapeDtypeStruct((k, batch), jnp.int32)
+    return self._build(("steps", batch, greedy, k), fn, (1, 2), (self.weights, self._state_spec(batch), block))
+
+  def tokens_per_call_for(self, batch: int) -> int:
+    """Decode steps per executable call at this batch size: the engine's tokens_per_call, or by default
+    GPU_TOKENS_PER_CALL where the GPU runs the fused step (there the host's ~0.3 ms dispatch and ~0.4 ms
+    read would otherwise set the pace, docs/results/2026-12-01-h200-step.md), else 1 (on the CPU a step
+    takes milliseconds; on the GPU's unfused step more steps per call compile for tens of seconds)."""
+    if self.tokens_per_call is not None:
+      return self.tokens_per_call
+    from jaxllm.model import use_fused
+    if jax.default_backend() == "gpu" and use_fused(self.config, self.weights, self._cache_spec(batch), batch,
+                                                    self.kernels):
+      return GPU_TOKENS_PER_CALL
+    return 1
+
+  def _advance_fn(self, batch: int, greedy: bool | str) -> Callable:
+    """advance(state, block) -> (state, block, tokens): one executable call of tokens_per_call_for(batch)
+    steps; tokens [B] (one step) or [K, B] (the block), the call's tokens on the device."""
+    k = self.tokens_per_call_for(batch)
+    if k == 1:
+      step = self.step_fn(batch, greedy)
+
+      def advance(state, block):
+        state = step(self.weights, state)
+        return state, block, state.tokens
+      return advance
+    steps = self.steps_fn(batch, greedy, k)
+
+    def advance(state, block):
+      if block is None:
+        block = jnp.zeros((k, batch), jnp.int32)
+      state, block = steps(self.weights, state, block)
+      return state, block, block
+    return advance
+
   def executables(self) -> list[tuple]:
     """Keys of the executables compiled so far (one per kind, batch size and chunk size)."""
     return sorted(self._exe, key=str)
@@ -314,11 +371,19 @@ class Engine:
       info.update(state="off", reason="XLA command buffers (CUDA graphs) exist only on the GPU backend")
       return info
     import tempfile
-    fn = functools.partial(decode_step, self.config, kernels=self.kernels, **_step_flags(greedy))
+    k = self.tokens_per_call_for(1)
+    info["tokens_per_call"] = k
+    flags = _step_flags(greedy)
+    if k == 1:
+      fn, donate = functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1
+      args = (self.weights, self._state_spec(1))
+    else:
+      fn, donate = functools.partial(decode_steps, self.config, kernels=self.kernels, **flags), (1, 2)
+      args = (self.weights, self._state_spec(1), jax.ShapeDtypeStruct((k, 1), jnp.int32))
     with tempfile.TemporaryDirectory(prefix="jaxllm-dump-") as tmp:
       target = dump_dir or tmp
       options = dict(self.compiler_options, xla_dump_to=target)
-      _compile(fn, 1, options, (self.weights, self._state_spec(1)))
+      _compile(fn, donate, options, args)
       info.update(graphs.read_dump(target))
     return info
 
@@ -342,7 +407,7 @@ class Engine:
     for size in sizes[:-1]:
       self.extend_fn(batch, size)
     self.prefill_fn(batch, sizes[-1], greedy)
-    self.step_fn(batch, greedy)
+    self._advance_fn(batch, greedy)
     if trial:
       n = prompt_len if len(sizes) == 1 else prompt_len - (len(sizes) - 2) * self.prefill_chunk
       n = min(n, self.max_context - 2)
@@ -474,22 +539,33 @@ class Engine:
     t0 = time.perf_counter()
     state, starts = self._prefill(prompts, sampler, limits, eog, greedy, reuse)
     self.last_reused = starts
-    step = self.step_fn(len(prompts), greedy)
-    pending = [_snapshot_jit(state.tokens)]
+    b = len(prompts)
+    k = self.tokens_per_call_for(b)
+    advance = self._advance_fn(b, greedy)
+    # Tokens of each call on the device, in order: [B] or [K, B]. Pipelined, they are copied (snapshot)
+    # before the next call donates them; otherwise they are read first and the call is the only dispatch.
+    keep = _snapshot_jit if pipelined else (lambda x: x)
+    pending = [keep(state.tokens)]
+    in_flight = 1                                         # tokens per row in pending
     read: list[np.ndarray] = []
+    block = None
     try:
       while pending:
-        if pipelined and len(read) + len(pending) < steps:
-          state = step(self.weights, state)              # dispatch ahead, then read the older token
-          pending.append(_snapshot_jit(state.tokens))
-        tokens = np.asarray(pending.pop(0))
-        read.append(tokens)
-        yield tokens, time.perf_counter() - t0
+        if pipelined and len(read) + in_flight < steps:
+          state, block, out = advance(state, block)      # dispatch ahead, then read the older tokens
+          pending.append(keep(out))
+          in_flight += k
+        rows = np.asarray(pending.pop(0)).reshape(-1, b)
+        in_flight -= len(rows)
+        for tokens in rows[:steps - len(read)]:
+          read.append(tokens)
+          yield tokens, time.perf_counter() - t0
         if len(read) >= steps:
           break
         if not pipelined:
-          state = step(self.weights, state)
-          pending.append(_snapshot_jit(state.tokens))
+          state, block, out = advance(state, block)
+          pending.append(out)
+          in_flight += k
     finally:
       # What the cache now holds, per row: the prompt and the generated tokens written before it stopped.
       pos = np.asarray(state.pos)
@@ -528,6 +604,48 @@ class Engine:
       elapsed = time.perf_counter() - t0
       self._cache, self._history = state.cache, None
     return elapsed / max(1, steps - 1) * 1e3
+
+  def host_timings(self, prompt_ids: Sequence[int], steps: int) -> dict:
+    """Where the host's time of a greedy decode step goes: medians in ms over `steps` steps of each loop.
+
+    serial_*: the host reads each token before dispatching the next step (the streaming loop): dispatch
+    (the step call returning, the device idle), read (np.asarray of its token: the device step and the copy
+    back), step (the two). snapshot_ms: the pipelined loop's copy of a token before the next step donates
+    it (a dispatch and its read). busy_dispatch_ms: the step call returning while earlier steps still run
+    (the pipelined and burst loops).
+    """
+    steps = max(2, min(steps, (self.max_context - len(prompt_ids)) // 3))
+    self.check_prompt(prompt_ids)
+    sampler, limits, eog, greedy = self._setup([prompt_ids], 3 * steps + 1, SamplingParams(), 0, True)
+    med = lambda xs: statistics.median(xs) * 1e3
+    with self._lock:
+      self._close_abandoned()
+      state, _ = self._prefill([prompt_ids], sampler, limits, eog, greedy, False)
+      step = self.step_fn(1, greedy)
+      state = step(self.weights, state)
+      np.asarray(_snapshot_jit(state.tokens))
+      dispatch, read, snap, busy = [], [], [], []
+      for _ in range(steps):
+        t0 = time.perf_counter()
+        state = step(self.weights, state)
+        t1 = time.perf_counter()
+        np.asarray(state.tokens)
+        t2 = time.perf_counter()
+        dispatch.append(t1 - t0)
+        read.append(t2 - t1)
+      for _ in range(steps):
+        t0 = time.perf_counter()
+        np.asarray(_snapshot_jit(state.tokens))
+        snap.append(time.perf_counter() - t0)
+      for _ in range(steps):
+        t0 = time.perf_counter()
+        state = step(self.weights, state)
+        busy.append(time.perf_counter() - t0)
+      state.tokens.block_until_ready()
+      self._cache, self._history = state.cache, None
+    return {"serial_dispatch_ms": med(dispatch), "serial_read_ms": med(read),
+            "serial_step_ms": med([a + b for a, b in zip(dispatch, read)]), "snapshot_ms": med(snap),
+            "busy_dispatch_ms": med(busy), "steps": steps}
 
   def generate(self, prompt_ids: Sequence[int], max_tokens: int = 32, params: SamplingParams = SamplingParams(),
                seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False, pipelined: bool = True,

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="report whether the decode step compiled into CUDA graphs and their coverage (from XLA's dump)")
   p.add_argument("--loop", choices=("pipelined", "streaming"), default="pipelined",
                  help="pipelined dispatches step i+1 before reading token i; streaming waits for each")
+  p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
+                 help="decode steps per executable call: the host dispatches and reads once per K tokens, "
+                      "which arrive together (default: 8 where the GPU runs the fused step, else 1)")
   p.add_argument("--show-tokens", action="store_true", help="print token ids as well as text")
   p.add_argument("--json", action="store_true", help="print one JSON object at the end (-i: one per turn) instead of text")
   p.add_argument("--quiet", "-q", action="store_true", help="no start-up lines or summary on stderr")
@@ -166,7 +169,8 @@ def main(argv=None) -> int:
   try:
     engine = Engine(config, weights, tok, max_context=max_context, kernels=args.kernels,
                     graphs_on=False if args.no_graphs else None,
-                    cache_executables=not args.no_compile_cache and store.compile_cache_enabled())
+                    cache_executables=not args.no_compile_cache and store.compile_cache_enabled(),
+                    tokens_per_call=args.tokens_per_call)
     for ids in all_ids:
       engine.check_prompt(ids)
   except ValueError as e:

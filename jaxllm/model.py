@@ -202,7 +202,8 @@ def use_fused(config: Config, weights: Weights, cache: KVCache, batch: int, kern
 def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
                          active: jax.Array) -> tuple[jax.Array, KVCache]:
   """One token per sequence through the fused kernels: six per layer (jaxllm/kernels/fused.py), on the
-  GPU all layers from one FFI call (fused.decode_layers; fused.layers_call says when).
+  GPU all layers from one FFI call of five kernels per layer (fused.decode_layers; fused.layers_call says
+  when).
 
   tokens [B] int32, pos [B] int32 (the token's position), active [B] bool (inactive rows write nothing).
   Returns the residual stream [B, D] f32 before the final norm (the head fuses it) and the cache.
@@ -216,9 +217,9 @@ def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, token
   pos_scale = rope_position_scale(c)
   k, v = cache.k, cache.v
   b = tokens.shape[0]
-  one_call, pdl = fused.layers_call()
-  if one_call:
-    x, k, v = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, pos_scale, k, v, pdl=pdl)
+  lc = fused.layers_call()
+  if lc.one:
+    x, k, v = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, pos_scale, k, v, pdl=lc.pdl)
     return x, dataclasses.replace(cache, k=k, v=v)
   for i in range(c.n_layers):
     qkv = fused.norm_linear(x, weights.attn_norm, c.rms_eps, weights.wqkv, i, dtype=dtype)   # [B, N]

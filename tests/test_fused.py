@@ -327,33 +327,43 @@ def test_fused_engine_tokens_match_unfused_and_xla(name):
     assert ids["ffi"] == ids["ffi-unfused"] == ids["xla"], ids
 
 
-def _cache(config):
+def _cache(config, batch=2, max_len=48):
   from jaxllm.cache import create_cache
   from jaxllm.load import default_dtype
-  return create_cache(config, 2, 48, default_dtype())
+  return create_cache(config, batch, max_len, default_dtype())
 
 
 @pytest.mark.gpu
-def test_layers_call_equals_per_op_calls_and_pdl_changes_nothing(monkeypatch):
-  """On the GPU the fused step runs every layer from one FFI call (with programmatic dependent launch):
-  the same kernels as one call per op, so the same bits, with PDL on or off."""
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name):
+  """On the GPU the fused step runs every layer from one FFI call: the per-op kernels with the QKV epilogue
+  folded into the attention (whose block holding the write position appends the new key and value), with
+  programmatic dependent launch. The same bits as one call per op, with PDL on or off; positions over
+  several attention splits, one at a split's first tile, one row inactive (writes nothing); random
+  caches."""
   from jaxllm.model import forward_decode_fused
-  config, weights = _synthetic("qwen2.5-0.5b")
+  config, weights = _synthetic(name)
   rng = np.random.default_rng(5)
-  tokens = jnp.asarray(rng.integers(0, config.vocab_size, 2), jnp.int32)
-  pos = jnp.asarray([7, 3], jnp.int32)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, 3), jnp.int32)
+  pos = jnp.asarray([300, 32, 5], jnp.int32)
+  active = jnp.asarray([True, True, False])
+  base = _cache(config, 3, 640)
+  k0 = jnp.asarray(rng.standard_normal(base.k.shape), base.k.dtype)
+  v0 = jnp.asarray(rng.standard_normal(base.v.shape), base.v.dtype)
   outs = {}
   for one, pdl in (("1", "1"), ("1", "0"), ("0", "1")):
     monkeypatch.setenv("JAXLLM_LAYERS_CALL", one)
     monkeypatch.setenv("JAXLLM_PDL", pdl)
-    cache = _cache(config)
-    cache = dataclasses.replace(cache, k=jnp.asarray(rng.standard_normal(cache.k.shape), cache.k.dtype) * 0 + 1,
-                                v=jnp.ones_like(cache.v))
-    fn = jax.jit(lambda c: forward_decode_fused(config, weights, c, tokens, pos, jnp.asarray([True, True])))
+    cache = dataclasses.replace(base, k=k0 + 0, v=v0 + 0)
+    fn = jax.jit(lambda c: forward_decode_fused(config, weights, c, tokens, pos, active))
     text = fn.lower(cache).as_text()
     assert text.count("@jaxllm_decode_layers(") == (1 if one == "1" else 0)
     x, kv = fn(cache)
     outs[(one, pdl)] = (np.asarray(x), np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32))
+  ref = outs[("0", "1")]
+  k_old = np.asarray(k0, np.float32)
+  assert not np.array_equal(ref[1][:, 0, :, 300], k_old[:, 0, :, 300])   # the new key went in
+  np.testing.assert_array_equal(ref[1][:, 2], k_old[:, 2])               # the inactive row wrote nothing
   for key, got in outs.items():
-    for a, b in zip(got, outs[("0", "1")]):
+    for a, b in zip(got, ref):
       np.testing.assert_array_equal(a, b, err_msg=str(key))

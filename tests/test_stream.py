@@ -62,6 +62,39 @@ def test_pipelined_and_streaming_loops_agree(model):
   assert a.ids != c.ids
 
 
+@pytest.mark.parametrize("k", [3, 4])
+def test_tokens_per_call_gives_the_same_tokens(model, k):
+  """K decode steps per executable call: the same tokens as one per call (greedy and sampled, both loops,
+  lengths that are not multiples of K, a stop string, EOS and a full context), and reuse_cache still
+  reuses what the cache holds."""
+  path, one, tok = model
+  gf = GGUFFile(path)
+  many = Engine(gf.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=k)
+  prompt = tok.encode("hello")
+  sampled = SamplingParams(temperature=0.8, top_p=0.9)
+  for params, n, pipelined in ((SamplingParams(), 17, True), (sampled, 10, True), (sampled, 11, False)):
+    a = one.generate(prompt, n, params, seed=3, ignore_eos=True, pipelined=pipelined)
+    b = many.generate(prompt, n, params, seed=3, ignore_eos=True, pipelined=pipelined)
+    assert a.ids == b.ids and len(b.ids) == n, (params, n, pipelined)
+  full = one.generate(prompt, 24, ignore_eos=True)
+  stop = full.text[3:6]
+  assert many.generate(prompt, 24, ignore_eos=True, stop=[stop]).text == full.text[: full.text.index(stop)]
+  assert many.generate(prompt, 40).ids == one.generate(prompt, 40).ids
+  long = many.generate(list(range(1, 61)), 50, ignore_eos=True)
+  assert len(long.ids) == 64 - 60 + 1 and long.finish_reason == "context"
+  first = many.generate(prompt, 8, ignore_eos=True)
+  again = many.generate(prompt + first.ids, 8, ignore_eos=True, reuse_cache=True)
+  assert many.last_reused[0] >= len(prompt)
+  assert again.ids == one.generate(prompt + first.ids, 8, ignore_eos=True).ids
+
+
+def test_tokens_per_call_must_be_a_small_positive_integer(model):
+  path, one, tok = model
+  for bad in (0, -1, 65, 2.0, True):
+    with pytest.raises(ValueError, match="tokens_per_call"):
+      Engine(one.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=bad)
+
+
 def test_generation_ends_when_context_is_full(model):
   _, engine, tok = model
   result = engine.generate(list(range(1, 61)), 50, ignore_eos=True)

@@ -16,6 +16,8 @@ never slices them out (a slice would be a kernel of its own).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,17 +198,18 @@ def _align(n: int) -> int:
 
 
 def layers_workspace_bytes(b: int, n: int, h: int, dh: int, f: int, splits: int, g: int) -> int:
-  """Bytes of decode_layers' workspace (LayersLayout in ffi/fused_cuda.cu): qkv, q, attention out and
-  SwiGLU out in bf16, the attention partials in f32, the counters."""
-  return (_align(b * n * 2) + 2 * _align(b * h * dh * 2) + _align(b * f * 2) + _align(b * h * splits * (dh + 2) * 4)
+  """Bytes of decode_layers' workspace (LayersLayout in ffi/fused_cuda.cu): qkv, attention out and SwiGLU
+  out in bf16, the attention partials in f32, the counters."""
+  return (_align(b * n * 2) + _align(b * h * dh * 2) + _align(b * f * 2) + _align(b * h * splits * (dh + 2) * 4)
           + _align(b * g * 4))
 
 
 def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale: float, k_cache, v_cache, *,
                   pdl: bool = True):
-  """Every layer of the fused decode step in one FFI call (CUDA): the same six kernels per layer as the
-  per-op path (forward_decode_fused), launched from one handler, each (pdl) a programmatic dependent of
-  the one before. x [B, D] f32 -> (x [B, D] f32, caches updated in place)."""
+  """Every layer of the fused decode step in one FFI call (CUDA): the per-op path's kernels
+  (forward_decode_fused) with the QKV epilogue folded into the attention kernel, five per layer, launched
+  from one handler, each (pdl) a programmatic dependent of the one before.
+  x [B, D] f32 -> (x [B, D] f32, caches updated in place)."""
   from jaxllm.kernels import ffi
   ffi._ensure_registered()
   c, w = config, weights
@@ -227,12 +230,17 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale:
   return x, k_cache, v_cache
 
 
-def layers_call() -> tuple[bool, bool]:
-  """(all layers in one FFI call, with programmatic dependent launch): on the GPU both by default;
-  JAXLLM_LAYERS_CALL=0 runs one FFI call per op, JAXLLM_PDL=0 launches plainly (for comparison)."""
+class LayersCall(NamedTuple):
+  one: bool        # every layer from one FFI call (decode_layers)
+  pdl: bool        # programmatic dependent launch
+
+
+def layers_call() -> LayersCall:
+  """How the GPU runs the fused step's layers: one FFI call and PDL by default; JAXLLM_LAYERS_CALL=0 runs
+  one FFI call per op, JAXLLM_PDL=0 launches plainly (for comparison)."""
   import os
   one = jax.default_backend() == "gpu" and os.environ.get("JAXLLM_LAYERS_CALL", "1") != "0"
-  return one, os.environ.get("JAXLLM_PDL", "1") != "0"
+  return LayersCall(one, os.environ.get("JAXLLM_PDL", "1") != "0")
 
 
 # ---- when the fused decode step runs ---------------------------------------------------------------------
