@@ -4,9 +4,10 @@ The decode step donates its whole DecodeState, so every output aliases an input 
 stay fixed from step to step: the condition for XLA to replay a recorded command buffer unchanged
 (docs/cuda-graphs.md says what was measured about it). Sampling settings, seeds and stop conditions are
 data in that state, so one executable serves every request of a batch size (two, where every row is
-greedy: an argmax-only step). The loop is pipelined: step i+1 is dispatched before token i is read on the
-host, so the device never waits for the host; `pipelined=False` reads every token before the next
-dispatch (the streaming baseline).
+greedy: an argmax-only step). The loop is pipelined: call i+1 is dispatched before the tokens of call i
+are read on the host, so the device never waits for the host; `pipelined=False` reads every token before
+the next dispatch (the streaming baseline). A call is one decode step, or K (`tokens_per_call`, 8 by
+default where the GPU runs the fused step) whose tokens arrive together.
 
 Prompts run in chunks of `prefill_chunk` tokens (one executable per chunk size; the last chunk padded to
 a power of two), each attending to what the cache already holds, so no intermediate grows with the
