@@ -23,7 +23,14 @@ def test_bench_smoke_schema(tmp_path, monkeypatch):
                "--report", str(report)]) == 0
   assert main(["synthetic:tiny-test", "--prompt-len", "5", "--decode-len", "3", "--repeat", "1", "--batch", "3",
                "--loop", "pipelined", "--out", str(out)]) == 0
+  assert main(["synthetic:tiny-test", "--prompt-len", "5", "--decode-len", "6", "--repeat", "1", "--loop", "both",
+               "--tokens-per-call", "4", "--host-timings", "--out", str(out)]) == 0
   records = [json.loads(line) for line in out.read_text().splitlines()]
+  k4 = records[5:]
+  records = records[:5]
+  assert [r["tokens_per_call"] for r in k4] == [4, 4] and all(r["tokens_per_call"] == 1 for r in records)
+  host = k4[0]["host_timings"]
+  assert host["serial_step_ms"] >= host["serial_dispatch_ms"] > 0 and host["snapshot_ms"] > 0
   assert len(records) == 5
   for r in records:
     assert FIELDS <= set(r), FIELDS - set(r)

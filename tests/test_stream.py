@@ -90,6 +90,8 @@ def test_tokens_per_call_gives_the_same_tokens(model, k):
 
 def test_tokens_per_call_must_be_a_small_positive_integer(model):
   path, one, tok = model
+  assert one.tokens_per_call_for(1) == 1            # the default off the GPU's fused step
+  assert Engine(one.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=5).tokens_per_call_for(3) == 5
   for bad in (0, -1, 65, 2.0, True):
     with pytest.raises(ValueError, match="tokens_per_call"):
       Engine(one.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=bad)
