@@ -201,7 +201,7 @@ def use_fused(config: Config, weights: Weights, cache: KVCache, batch: int, kern
 
 def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
                          active: jax.Array) -> tuple[jax.Array, KVCache]:
-  """One token per sequence through the fused kernels: six per layer (jaxllm/kernels/fused.py), on the
+  """One token per sequence through the fused kernels: six ops per layer (jaxllm/kernels/fused.py), on the
   GPU all layers from one FFI call of five kernels per layer (fused.decode_layers; fused.layers_call says
   when).
 

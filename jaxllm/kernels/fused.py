@@ -8,7 +8,9 @@ A decode layer through them is six kernels (docs/kernels.md):
   linear_residual(attn, wo, x)               O projection + residual add                 -> x f32
   norm_linear(x, ffn_norm, w_gate_up, swiglu) RMSNorm + gate/up GEMV + SiLU(gate) * up   -> act [B, F]
   linear_residual(act, w_down, x)            down projection + residual add              -> x f32
-and the head is norm_argmax (final norm, LM head, greedy argmax: no [B, V] logits) or norm_linear.
+and the head is norm_argmax (final norm, LM head, greedy argmax: no [B, V] logits) or norm_linear. On the
+GPU decode_layers runs every layer in one FFI call with the QKV epilogue folded into the attention: five
+kernels a layer, the same bits.
 
 Shapes: M rows (the batch), K inputs, N outputs, L stacked layers; x is the f32 residual stream.
 Weights and per-layer vectors stay stacked [L, ...] and are indexed by `layer` inside the kernels, so XLA
