@@ -363,6 +363,8 @@ class Engine:
 
     Returns a dict with "state" ("on" | "off" | "unknown"), "requested", the command-buffer count and
     the share of the step's work thunks they hold ("coverage"), and the user's XLA_FLAGS setting if any.
+    What it compiles is the executable a batch-1 request runs: "tokens_per_call" steps, whose thunks are
+    "work_thunks" in all and "work_thunks_per_step" per step.
     `dump_dir` keeps XLA's dump there (default: a temporary directory).
     """
     info = {"requested": self.graphs_requested, "fallback": self.graphs_fallback,
@@ -386,6 +388,8 @@ class Engine:
       options = dict(self.compiler_options, xla_dump_to=target)
       _compile(fn, donate, options, args)
       info.update(graphs.read_dump(target))
+    if "work_thunks" in info:
+      info["work_thunks_per_step"] = info["work_thunks"] / k
     return info
 
   def _chunks(self, n: int) -> list[int]:
