@@ -141,19 +141,20 @@ void RowsDot64Any(const float* x, int64_t mt, int64_t k, const int8_t* row, cons
 }
 
 #ifdef JAXLLM_CPU_VNNI
-// The rows of x, 64-wide groups as two int16 parts (see the top of the file): q [M][G][2][64], s [M][G][2].
+// One row of x, its 64-wide groups as two int16 parts (see the top of the file): q [G][2][64], s [G][2].
 struct SplitX {
   std::vector<int16_t> q;
   std::vector<float> s;
 };
 
-// The int16 part of each of 64 values v and its scale: q = round(v / s), s = max |v| / 32767 (0: all zero).
+// The int16 part of each of 64 finite values v and its scale: q = round(v / s), s = max |v| / 32767 (0 when
+// all are zero).
 inline float QuantizeInt16(const float* v, int16_t* q) {
   float mx = 0.f;
   for (int j = 0; j < kGroup; ++j) mx = std::max(mx, std::fabs(v[j]));
-  if (!(mx > 0.f) || !std::isfinite(mx)) {   // zeros (or a non-finite x: left to the f32 path's result)
+  if (mx == 0.f) {
     std::fill(q, q + kGroup, int16_t(0));
-    return mx > 0.f ? mx : 0.f;
+    return 0.f;
   }
   const float sc = mx / 32767.f, inv = 32767.f / mx;
   for (int j = 0; j < kGroup; ++j)
@@ -161,93 +162,76 @@ inline float QuantizeInt16(const float* v, int16_t* q) {
   return sc;
 }
 
-SplitX Split(const float* xf, int64_t m, int64_t k) {
+// x [K], every value finite (the caller checks: the f32 path propagates NaN and inf).
+SplitX Split(const float* x, int64_t k) {
   const int64_t groups = k / kGroup;
-  SplitX x{std::vector<int16_t>(size_t(m * groups * 2 * kGroup)), std::vector<float>(size_t(m * groups * 2))};
+  SplitX sx{std::vector<int16_t>(size_t(groups * 2 * kGroup)), std::vector<float>(size_t(groups * 2))};
   float rest[kGroup];
-  for (int64_t i = 0; i < m * groups; ++i) {
-    const float* v = xf + i * kGroup;   // row i / groups, group i % groups: contiguous in xf
-    int16_t* q = &x.q[size_t(i) * 2 * kGroup];
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* v = x + g * kGroup;
+    int16_t* q = &sx.q[size_t(g) * 2 * kGroup];
     const float s1 = QuantizeInt16(v, q);
     for (int j = 0; j < kGroup; ++j) rest[j] = std::fma(-float(q[j]), s1, v[j]);
-    x.s[2 * i] = s1;
-    x.s[2 * i + 1] = QuantizeInt16(rest, q + kGroup);
+    sx.s[2 * g] = s1;
+    sx.s[2 * g + 1] = QuantizeInt16(rest, q + kGroup);
   }
-  return x;
+  return sx;
 }
 
-// One weight row against MT rows of the split x: out[m] = sum_g scale[g] (s1 D1 + s2 D2), D the groups'
-// exact integer inner products (each int32 lane sums 4 products of at most 32767 x 128: exact in f32).
-template <int MT>
-void RowsDotVnni(const SplitX& x, int64_t m0, int64_t groups, const int8_t* __restrict row,
-                 const float* __restrict scales, float* out) {
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+// One weight row against the split x: sum_g scale[g] (s1 D1 + s2 D2), D the groups' exact integer inner
+// products (each int32 lane sums 4 products of at most 32767 x 128: exact in f32).
+float RowDotVnni(const SplitX& x, int64_t groups, const int8_t* __restrict row, const float* __restrict scales) {
+  __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup)));
     const __m512i w1 =
         _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup + 32)));
+    const __m512i* qv = reinterpret_cast<const __m512i*>(&x.q[size_t(g) * 2 * kGroup]);
+    __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(qv));
+    d1 = _mm512_dpwssd_epi32(d1, w1, _mm512_loadu_si512(qv + 1));
+    __m512i d2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(qv + 2));
+    d2 = _mm512_dpwssd_epi32(d2, w1, _mm512_loadu_si512(qv + 3));
     const float sw = scales[g];
-    for (int m = 0; m < MT; ++m) {
-      const size_t at = size_t((m0 + m) * groups + g);
-      const int16_t* q = &x.q[at * 2 * kGroup];
-      const __m512i* qv = reinterpret_cast<const __m512i*>(q);
-      __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(qv));
-      d1 = _mm512_dpwssd_epi32(d1, w1, _mm512_loadu_si512(qv + 1));
-      __m512i d2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(qv + 2));
-      d2 = _mm512_dpwssd_epi32(d2, w1, _mm512_loadu_si512(qv + 3));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(sw * x.s[2 * at]), acc[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(sw * x.s[2 * at + 1]), acc[m]);
-    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(sw * x.s[2 * g]), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(sw * x.s[2 * g + 1]), acc);
   }
-  for (int m = 0; m < MT; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  return _mm512_reduce_add_ps(acc);
 }
 
-void RowsDotVnniAny(const SplitX& x, int64_t m0, int64_t mt, int64_t groups, const int8_t* row, const float* scales,
-                    float* out) {
-  switch (mt) {
-    case 1: RowsDotVnni<1>(x, m0, groups, row, scales, out); return;
-    case 2: RowsDotVnni<2>(x, m0, groups, row, scales, out); return;
-    case 3: RowsDotVnni<3>(x, m0, groups, row, scales, out); return;
-    default: RowsDotVnni<4>(x, m0, groups, row, scales, out); return;
-  }
-}
-
-// Whether every value of xf is finite (the split needs it; otherwise the f32 path propagates NaN/inf).
-inline bool AllFinite(const float* xf, int64_t n) {
+inline bool AllFinite(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(xf[i])) return false;
+    if (!std::isfinite(x[i])) return false;
   return true;
 }
 #endif
+
+// Runs fn(n0, n1) on the calling thread and the pool for the weight rows [n0, n1) of each chunk.
+template <typename Fn>
+void ForRowChunks(ffi::ThreadPool& pool, int64_t rows, Fn fn) {
+  ParallelFor(pool, (rows + kRowsPerChunk - 1) / kRowsPerChunk,
+              [&](int64_t c) { fn(c * kRowsPerChunk, std::min(rows, (c + 1) * kRowsPerChunk)); });
+}
 
 // y[m, n] = x[m] . dequant(w[n]) for f32 rows xf [M, K]; emit(m, n, value) stores each (from pool threads,
 // each (m, n) once).
 template <typename Emit>
 void MatmulF32(ffi::ThreadPool& pool, const MatmulShape& s, const float* xf, const int8_t* wl, const float* sl,
                Emit emit) {
-  const int64_t chunks = (s.n + kRowsPerChunk - 1) / kRowsPerChunk;
 #ifdef JAXLLM_CPU_VNNI
   // One row of x (decode at batch 1): measured 1.1-1.3x the f32 path's rate on the 2-core AMD EPYC (up to
   // ~20 G weights/s, near what its memory delivers); four rows ran no faster, so M > 1 keeps the f32 path.
-  if (s.group == kGroup && s.m == 1 && AllFinite(xf, s.m * s.k)) {
-    const SplitX x = Split(xf, s.m, s.k);
-    ParallelFor(pool, chunks, [&, wl, sl](int64_t c) {
-      float tile[4];
-      for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n)
-        for (int64_t m0 = 0; m0 < s.m; m0 += 4) {
-          const int64_t mt = std::min<int64_t>(4, s.m - m0);
-          RowsDotVnniAny(x, m0, mt, s.groups, wl + n * s.k, sl + n * s.groups, tile);
-          for (int64_t i = 0; i < mt; ++i) emit(m0 + i, n, tile[i]);
-        }
+  if (s.group == kGroup && s.m == 1 && AllFinite(xf, s.k)) {
+    const SplitX x = Split(xf, s.k);
+    ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) emit(0, n, RowDotVnni(x, s.groups, wl + n * s.k, sl + n * s.groups));
     });
     return;
   }
 #endif
   if (s.group == kGroup) {
-    ParallelFor(pool, chunks, [&, xf, wl, sl](int64_t c) {
+    ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
       float tile[4];
-      for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n)
+      for (int64_t n = n0; n < n1; ++n)
         for (int64_t m0 = 0; m0 < s.m; m0 += 4) {
           const int64_t mt = std::min<int64_t>(4, s.m - m0);
           RowsDot64Any(&xf[m0 * s.k], mt, s.k, wl + n * s.k, sl + n * s.groups, s.groups, tile);
@@ -257,9 +241,9 @@ void MatmulF32(ffi::ThreadPool& pool, const MatmulShape& s, const float* xf, con
     return;
   }
   // Other group sizes: each group of a row is widened to f32 once and reused for every row of x.
-  ParallelFor(pool, chunks, [&, xf, wl, sl](int64_t c) {
+  ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
     std::vector<float> wf(s.group), acc(s.m);
-    for (int64_t n = c * kRowsPerChunk; n < std::min(s.n, (c + 1) * kRowsPerChunk); ++n) {
+    for (int64_t n = n0; n < n1; ++n) {
       std::fill(acc.begin(), acc.end(), 0.f);
       const int8_t* row = wl + n * s.k;
       for (int64_t g = 0; g < s.groups; ++g) {
