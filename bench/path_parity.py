@@ -28,15 +28,22 @@ from jaxllm.kernels import resolve_kernels
 from jaxllm.model import use_fused
 
 
-def forced_logits(config, weights, tokens: list[int], prompt_len: int, kernels: str, dtype) -> np.ndarray:
-  """f32 logits [len(tokens) - prompt_len + 1, V]: after the prompt, then after each forced token."""
-  run = jax.jit(functools.partial(sequence_logits, config, kernels=kernels), donate_argnums=(1,))
+def forced_logits(config, weights, tokens: list[int], prompt_len: int, kernels: str, dtype, step=None) -> np.ndarray:
+  """f32 logits [len(tokens) - prompt_len + 1, V]: after the prompt, then after each forced token, each
+  through sequence_logits on `kernels`, or (step) the tokens after the prompt through
+  step(weights, cache, token [1], pos [1]) -> (logits [1, V], cache)."""
+  prefill = jax.jit(functools.partial(sequence_logits, config, kernels=kernels), donate_argnums=(1,))
+  run = jax.jit(step, donate_argnums=(1,)) if step else None
   cache = create_cache(config, 1, len(tokens) + 1, dtype)
-  out, cache = run(weights, cache, jnp.asarray([tokens[:prompt_len]], jnp.int32), jnp.zeros((1,), jnp.int32))
+  out, cache = prefill(weights, cache, jnp.asarray([tokens[:prompt_len]], jnp.int32), jnp.zeros((1,), jnp.int32))
   rows = [np.asarray(out[0, -1], np.float32)]
   for pos in range(prompt_len, len(tokens)):
-    out, cache = run(weights, cache, jnp.asarray([[tokens[pos]]], jnp.int32), jnp.full((1,), pos, jnp.int32))
-    rows.append(np.asarray(out[0, 0], np.float32))
+    if run is None:
+      out, cache = prefill(weights, cache, jnp.asarray([[tokens[pos]]], jnp.int32), jnp.full((1,), pos, jnp.int32))
+      rows.append(np.asarray(out[0, 0], np.float32))
+    else:
+      out, cache = run(weights, cache, jnp.asarray([tokens[pos]], jnp.int32), jnp.full((1,), pos, jnp.int32))
+      rows.append(np.asarray(out[0], np.float32))
   return np.stack(rows)
 
 
@@ -50,15 +57,7 @@ def forced_decode_logits(config, weights, tokens: list[int], prompt_len: int, dt
     x, cache = forward_decode_fused(config, weights, cache, token, pos, jnp.ones((1,), bool))
     out = fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head, dtype=cache.compute_dtype)
     return out.astype(jnp.float32), cache
-  prefill = jax.jit(functools.partial(sequence_logits, config, kernels="ffi"), donate_argnums=(1,))
-  run = jax.jit(step, donate_argnums=(1,))
-  cache = create_cache(config, 1, len(tokens) + 1, dtype)
-  out, cache = prefill(weights, cache, jnp.asarray([tokens[:prompt_len]], jnp.int32), jnp.zeros((1,), jnp.int32))
-  rows = [np.asarray(out[0, -1], np.float32)]
-  for pos in range(prompt_len, len(tokens)):
-    out, cache = run(weights, cache, jnp.asarray([tokens[pos]], jnp.int32), jnp.full((1,), pos, jnp.int32))
-    rows.append(np.asarray(out[0], np.float32))
-  return np.stack(rows)
+  return forced_logits(config, weights, tokens, prompt_len, "ffi", dtype, step=step)
 
 
 def compare(lf: np.ndarray, lx: np.ndarray) -> dict:

@@ -311,15 +311,22 @@ class Engine:
     greedy: False (sampling), True (every row greedy, no penalties: the fused path's argmax head) or
     "penalized" (every row greedy, some with penalties), as greedy_mode says.
     """
-    fn = functools.partial(decode_step, self.config, kernels=self.kernels, **_step_flags(greedy))
-    return self._build(("step", batch, greedy), fn, 1, (self.weights, self._state_spec(batch)))
+    return self._build(("step", batch, greedy), *self._decode_program(batch, greedy, 1))
 
   def steps_fn(self, batch: int, greedy: bool | str, k: int) -> Callable:
     """Compiled decode_steps(weights, state, block [k, B]) -> (state, block): k steps per call, the state
     and the token block donated."""
-    fn = functools.partial(decode_steps, self.config, kernels=self.kernels, **_step_flags(greedy))
-    block = jax.ShapeDtypeStruct((k, batch), jnp.int32)
-    return self._build(("steps", batch, greedy, k), fn, (1, 2), (self.weights, self._state_spec(batch), block))
+    return self._build(("steps", batch, greedy, k), *self._decode_program(batch, greedy, k))
+
+  def _decode_program(self, batch: int, greedy: bool | str, k: int) -> tuple[Callable, int | tuple, tuple]:
+    """(function, donated arguments, abstract arguments) of the decode executable of k steps per call:
+    decode_step for k = 1, decode_steps with its [k, B] token block otherwise."""
+    flags = _step_flags(greedy)
+    if k == 1:
+      return (functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1,
+              (self.weights, self._state_spec(batch)))
+    return (functools.partial(decode_steps, self.config, kernels=self.kernels, **flags), (1, 2),
+            (self.weights, self._state_spec(batch), jax.ShapeDtypeStruct((k, batch), jnp.int32)))
 
   def tokens_per_call_for(self, batch: int) -> int:
     """Decode steps per executable call at this batch size: the engine's tokens_per_call, or by default
@@ -376,13 +383,7 @@ class Engine:
     import tempfile
     k = self.tokens_per_call_for(1)
     info["tokens_per_call"] = k
-    flags = _step_flags(greedy)
-    if k == 1:
-      fn, donate = functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1
-      args = (self.weights, self._state_spec(1))
-    else:
-      fn, donate = functools.partial(decode_steps, self.config, kernels=self.kernels, **flags), (1, 2)
-      args = (self.weights, self._state_spec(1), jax.ShapeDtypeStruct((k, 1), jnp.int32))
+    fn, donate, args = self._decode_program(1, greedy, k)
     with tempfile.TemporaryDirectory(prefix="jaxllm-dump-") as tmp:
       target = dump_dir or tmp
       options = dict(self.compiler_options, xla_dump_to=target)
@@ -590,16 +591,21 @@ class Engine:
                                         reuse_cache=reuse_cache):
       yield int(tokens[0]), t
 
+  def _timing_start(self, prompt_ids: Sequence[int], tokens: int) -> tuple[DecodeState, Callable]:
+    """A greedy batch-1 request of `tokens` tokens for a timing loop, prefilled: (its state, the compiled
+    single step). The caller holds the lock and puts the last state's cache back."""
+    self.check_prompt(prompt_ids)
+    sampler, limits, eog, greedy = self._setup([prompt_ids], tokens, SamplingParams(), 0, True)
+    self._close_abandoned()
+    state, _ = self._prefill([prompt_ids], sampler, limits, eog, greedy, False)
+    return state, self.step_fn(1, greedy)
+
   def burst_step_ms(self, prompt_ids: Sequence[int], steps: int) -> float:
     """Mean ms per greedy decode step when `steps` steps are dispatched back to back and read once at the
     end: the device-bound step time when host dispatch keeps ahead of the device."""
     steps = min(steps, self.max_context - len(prompt_ids))
-    self.check_prompt(prompt_ids)
-    sampler, limits, eog, greedy = self._setup([prompt_ids], steps + 1, SamplingParams(), 0, True)
     with self._lock:
-      self._close_abandoned()
-      state, _ = self._prefill([prompt_ids], sampler, limits, eog, greedy, False)
-      step = self.step_fn(1, greedy)
+      state, step = self._timing_start(prompt_ids, steps + 1)
       state = step(self.weights, state)
       state.tokens.block_until_ready()
       t0 = time.perf_counter()
@@ -620,13 +626,9 @@ class Engine:
     (the pipelined and burst loops).
     """
     steps = max(2, min(steps, (self.max_context - len(prompt_ids)) // 3))
-    self.check_prompt(prompt_ids)
-    sampler, limits, eog, greedy = self._setup([prompt_ids], 3 * steps + 1, SamplingParams(), 0, True)
     med = lambda xs: statistics.median(xs) * 1e3
     with self._lock:
-      self._close_abandoned()
-      state, _ = self._prefill([prompt_ids], sampler, limits, eog, greedy, False)
-      step = self.step_fn(1, greedy)
+      state, step = self._timing_start(prompt_ids, 3 * steps + 1)
       state = step(self.weights, state)
       np.asarray(_snapshot_jit(state.tokens))
       dispatch, read, snap, busy = [], [], [], []
