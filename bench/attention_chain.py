@@ -2,7 +2,11 @@
 call's query), per call, for the one-kernel (merged) and the two-kernel (split + combine) forms, by visible
 length and split count; beside them a W8A16 call of 64 x 64 (the fixed cost of any FFI kernel in the graph).
 
-  python bench/attention_chain.py [--model synthetic:qwen2.5-0.5b] [--out out.json]
+  python bench/attention_chain.py [--model synthetic:qwen2.5-0.5b] [--lengths 1 256 4096] [--splits 1 8 32 64]
+                                  [--out out.json]
+
+"default" among --splits is the engine's choice (fused.merged_splits). JAXLLM_ATTN_CLUSTER=0 merges the
+one-kernel form's splits through global memory only (no thread-block clusters), for comparison.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ def main(argv=None) -> int:
   p.add_argument("--model", default="synthetic:qwen2.5-0.5b")
   p.add_argument("--max-context", type=int, default=4096)
   p.add_argument("--calls", type=int, default=240)
+  p.add_argument("--lengths", type=int, nargs="+", default=[1, 256, 4096])
+  p.add_argument("--splits", nargs="+", default=["1", "8", "32", "64"], help="split counts, or 'default'")
   p.add_argument("--out")
   args = p.parse_args(argv)
   import jax
@@ -58,9 +64,10 @@ def main(argv=None) -> int:
     return x
   base = timed(tiny_chain, jnp.ones((1, 64), dt))
   rows.append({"op": "w8a16 64x64", "us": base})
-  for length in (1, 256, 4096):
+  for length in args.lengths:
     lengths = jnp.asarray([length], jnp.int32)
-    for splits in (1, 8, 32, 64):
+    for item in args.splits:
+      splits = fused.merged_splits(1, k) if item == "default" else int(item)
       def merged(q, k, v, cnt):
         for i in range(n):   # the kernel leaves the counters zero: one buffer passed along
           q, cnt = fused.decode_attention_merged(q, k, v, i % 2, lengths, cnt, splits=splits, with_counters=True)

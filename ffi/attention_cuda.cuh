@@ -5,9 +5,14 @@
 // (LPP lanes per position, 128 bytes of the row each) for the scores and the head dims (D / 32 per lane)
 // for the weighted sum.
 // Softmax is online in base 2 (q carries log2 e). A sequence whose visible keys fit the first P tiles uses
-// `used` = ceil(len / TP) (at most P) blocks; with one, it writes `out` itself; otherwise each block writes
-// its unnormalized partials ws[b, h, p] = (acc [D], m, l), takes a ticket from counters[b, g], and the
-// block that draws the last one resets the counter and merges the splits.
+// `used` = ceil(len / TP) (at most P) blocks; with one, it writes `out` itself. Otherwise the splits are
+// merged in two levels:
+//   - in a thread-block cluster (C blocks along x, C = 2..8; sm_90): each block puts its unnormalized
+//     partials (acc [D], m, l) into the shared memory of the cluster's first block (distributed shared
+//     memory), which merges them after one cluster barrier. No global memory, fence or atomic: with all
+//     used blocks in one cluster (len <= C tiles) the merged result is the output.
+//   - across clusters (or blocks, without clusters): partials ws[b, h, i] in global memory, a ticket from
+//     counters[b, g], and the block that draws the last one resets the counter and merges.
 //
 // The kernel is kept small on purpose: the two-kernel form (cuda_kernels.cu) unrolls over the heads and
 // runs to 60-110 KB of machine code, and measured 8.3 us per call even at one visible key on the H200
@@ -18,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "qkv_cuda.cuh"   // qkv::Args, qkv::WarpHead
 #include "w8a16_cuda.cuh"   // GridDepWait, GridDepLaunch, LaunchEx
@@ -27,6 +33,31 @@ namespace attn1 {
 
 constexpr int kMaxSplits = 256;
 constexpr int kMaxGroup = 16;   // query heads per kv head (warps per block)
+constexpr int kMaxCluster = 8;  // blocks of a cluster (the portable maximum)
+constexpr int kMaxSlotBytes = 40 * 1024;   // the cluster merge's slots, C x R x (D + 2) f32 (static q_s: <= 8 KB more)
+
+// Cluster barrier halves (sm_90): arrive (release unless relaxed) and wait (acquire).
+__device__ __forceinline__ void ClusterArrive(bool relaxed) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (relaxed) asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+  else asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void ClusterWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+// Address of `p` (this block's shared memory) in the shared memory of block `rank` of the cluster.
+__device__ __forceinline__ float* ClusterShared(float* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint64_t out;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(p), "r"(rank));
+  return reinterpret_cast<float*>(out);
+#else
+  return p;
+#endif
+}
 
 
 template <typename T> __device__ __forceinline__ float Elem(const uint32_t* w, int e);
@@ -90,11 +121,12 @@ struct Tile {
 // computes its query head from the QKV projection (pa.qkv), and the block whose tiles hold the write position
 // (block 0 when no visible tile does) appends the new key and value to the caches first, then reads that tile
 // through L2 (the others read-only). The same bits as the epilogue kernel then this one.
+// C: blocks per cluster along x (1: no cluster; gridDim.x is then a multiple of C, and blocks p >= P idle).
 template <typename T, int D, bool PRO = false>
 __global__ void __launch_bounds__(32 * kMaxGroup)
     Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
            float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
-           int S, int P, qkv::Args pa) {
+           int S, int P, int C, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   w8a16::GridDepWait();
@@ -102,94 +134,146 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   const int R = H / G, h = g * R + r;
   const int len = min(max(lengths[b], 1), S);
   const int tiles = (len + TP - 1) / TP, used = min(P, tiles);
-  if (p >= used) return;
+  // Whether this block's cluster merges its splits itself (the same for every block of a cluster).
+  const bool clustered = C > 1 && used > 1;
+  if (clustered) {
+    if (p / C * C >= used) return;   // no block of this cluster has a tile
+    ClusterArrive(true);             // first phase: this block has started (waited on before writing to block 0)
+  } else if (p >= used) {
+    return;
+  }
+  const bool work = p < used;   // (false only for idle blocks of a clustered merge)
   __shared__ float q_s[kMaxGroup][D];
   const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;
   const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
-  int tile_at = -1;   // PRO: the tile that holds the new key (in this block's range or not)
-  if constexpr (PRO) {
-    qkv::WarpHead<T, D>(pa, b, h, H, G, lane, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
-    const int at = pa.writes[b];
-    tile_at = at >= 0 && at < S ? at / TP : -1;
-    const int owner = tile_at < tiles ? tile_at % P : 0;
-    if (r == 0 && at >= 0 && at < S && p == owner) {
-      T* kd = static_cast<T*>(pa.kc) + head + size_t(at) * D;
-      T* vd = static_cast<T*>(pa.vc) + head + size_t(at) * D;
-      qkv::WarpHead<T, D>(pa, b, H + g, H, G, lane, [&](int e, T x) { kd[e] = x; });
-      const T* row = static_cast<const T*>(pa.qkv) + size_t(b) * (H + 2 * G) * D;
-      for (int e = lane; e < D; e += 32) vd[e] = FromF32<T>(qkv::Biased(row, pa.bias, (H + G + g) * D + e));
-    }
-    __syncthreads();   // the new key and value are in the cache before any warp loads its tiles
-  } else {
-    for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
-  }
-  const T* kh = k + head;
-  const T* vh = v + head;
-  const float* qr = q_s[r] + (lane % LPP) * EK;
   float m = -INFINITY, l = 0.f, acc[DV];
 #pragma unroll
   for (int e = 0; e < DV; ++e) acc[e] = 0.f;
-  __syncwarp();
-  for (int c = p; c < tiles; c += P) {
-    const int base = c * TP;
-    Tile<T, D> cur;   // (no prefetch of the next tile: the other warps and blocks on the SM hide the latency)
-    if (PRO && c == tile_at) cur.template Load<true>(kh, vh, base, len, lane);
-    else cur.template Load<false>(kh, vh, base, len, lane);
-    float s = 0.f;
+  if (work) {
+    int tile_at = -1;   // PRO: the tile that holds the new key (in this block's range or not)
+    if constexpr (PRO) {
+      qkv::WarpHead<T, D>(pa, b, h, H, G, lane, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
+      const int at = pa.writes[b];
+      tile_at = at >= 0 && at < S ? at / TP : -1;
+      const int owner = tile_at < tiles ? tile_at % P : 0;
+      if (r == 0 && tile_at >= 0 && p == owner) {
+        T* kd = static_cast<T*>(pa.kc) + head + size_t(at) * D;
+        T* vd = static_cast<T*>(pa.vc) + head + size_t(at) * D;
+        qkv::WarpHead<T, D>(pa, b, H + g, H, G, lane, [&](int e, T x) { kd[e] = x; });
+        const T* row = static_cast<const T*>(pa.qkv) + size_t(b) * (H + 2 * G) * D;
+        for (int e = lane; e < D; e += 32) vd[e] = FromF32<T>(qkv::Biased(row, pa.bias, (H + G + g) * D + e));
+      }
+      __syncthreads();   // the new key and value are in the cache before any warp loads its tiles
+    } else {
+      for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
+    }
+    const T* kh = k + head;
+    const T* vh = v + head;
+    const float* qr = q_s[r] + (lane % LPP) * EK;
+    __syncwarp();
+    for (int c = p; c < tiles; c += P) {
+      const int base = c * TP;
+      Tile<T, D> cur;   // (no prefetch of the next tile: the other warps and blocks on the SM hide the latency)
+      if (PRO && c == tile_at) cur.template Load<true>(kh, vh, base, len, lane);
+      else cur.template Load<false>(kh, vh, base, len, lane);
+      float s = 0.f;
 #pragma unroll
-    for (int e = 0; e < EK; ++e) s = fmaf(qr[e], Elem<T>(cur.k, e), s);
+      for (int e = 0; e < EK; ++e) s = fmaf(qr[e], Elem<T>(cur.k, e), s);
 #pragma unroll
-    for (int off = 1; off < LPP; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (base + lane / LPP >= len) s = -INFINITY;
-    float mx = s;
+      for (int off = 1; off < LPP; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (base + lane / LPP >= len) s = -INFINITY;
+      float mx = s;
 #pragma unroll
-    for (int off = 16; off >= LPP; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float m_new = fmaxf(m, mx);   // finite: the tile's first position is visible
-    const float pr = exp2f(s - m_new);
-    float sum = pr;
+      for (int off = 16; off >= LPP; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m, mx);   // finite: the tile's first position is visible
+      const float pr = exp2f(s - m_new);
+      float sum = pr;
 #pragma unroll
-    for (int off = 16; off >= LPP; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    const float alpha = exp2f(m - m_new);
-    l = l * alpha + sum;   // the shuffles above summed each position once (over lanes of one key part)
-    m = m_new;
+      for (int off = 16; off >= LPP; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      const float alpha = exp2f(m - m_new);
+      l = l * alpha + sum;   // the shuffles above summed each position once (over lanes of one key part)
+      m = m_new;
 #pragma unroll
-    for (int e = 0; e < DV; ++e) acc[e] *= alpha;
+      for (int e = 0; e < DV; ++e) acc[e] *= alpha;
 #pragma unroll
-    for (int j = 0; j < TP; ++j) {
-      const float pj = __shfl_sync(0xffffffffu, pr, j * LPP);
+      for (int j = 0; j < TP; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, pr, j * LPP);
 #pragma unroll
-      for (int e = 0; e < DV; ++e) acc[e] = fmaf(pj, Elem<T>(cur.v[j], e), acc[e]);
+        for (int e = 0; e < DV; ++e) acc[e] = fmaf(pj, Elem<T>(cur.v[j], e), acc[e]);
+      }
     }
   }
   w8a16::GridDepLaunch();
+  T* o_out = out + (size_t(b) * H + h) * D + lane * DV;
   if (used == 1) {
 #pragma unroll
-    for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = FromF32<T>(acc[e] / l);
+    for (int e = 0; e < DV; ++e) o_out[e] = FromF32<T>(acc[e] / l);
     return;
   }
-  float* o = ws + ((size_t(b) * H + h) * P + p) * (D + 2);
+  int parts = used, part = p;   // the partials merged through global memory, and this block's index among them
+  if (clustered) {
+    // Level 1: every block's partials into block 0's slots [C][R][D + 2]; block 0 merges them.
+    extern __shared__ float slots[];
+    const int rank = p % C, cl = p / C;
+    ClusterWait();   // every block of the cluster has started: block 0's shared memory is there
+    if (work) {
+      float* dst = ClusterShared(slots, 0) + (size_t(rank) * R + r) * (D + 2);
+#pragma unroll
+      for (int e = 0; e < DV; ++e) dst[lane * DV + e] = acc[e];
+      if (lane == 0) { dst[D] = m; dst[D + 1] = l; }
+    }
+    ClusterArrive(false);   // second phase: the slots are written (release)
+    if (rank != 0) return;
+    ClusterWait();
+    const int nu = min(C, used - cl * C);   // blocks of this cluster with tiles (the first nu)
+    float mm = -INFINITY;
+    for (int i = 0; i < nu; ++i) mm = fmaxf(mm, slots[(i * R + r) * (D + 2) + D]);
+    float a[DV], ll = 0.f;
+#pragma unroll
+    for (int e = 0; e < DV; ++e) a[e] = 0.f;
+    for (int i = 0; i < nu; ++i) {
+      const float* si = slots + (i * R + r) * (D + 2);
+      const float f = exp2f(si[D] - mm);
+      ll = fmaf(f, si[D + 1], ll);
+#pragma unroll
+      for (int e = 0; e < DV; ++e) a[e] = fmaf(f, si[lane * DV + e], a[e]);
+    }
+    if (used <= C) {   // one cluster held every tile: this is the output
+#pragma unroll
+      for (int e = 0; e < DV; ++e) o_out[e] = FromF32<T>(a[e] / ll);
+      return;
+    }
+    m = mm;
+    l = ll;
+#pragma unroll
+    for (int e = 0; e < DV; ++e) acc[e] = a[e];
+    parts = (used + C - 1) / C;
+    part = cl;
+  }
+  // Level 2: partials in global memory, merged by the block that draws the last ticket.
+  float* o = ws + ((size_t(b) * H + h) * P + part) * (D + 2);
 #pragma unroll
   for (int e = 0; e < DV; ++e) o[lane * DV + e] = acc[e];
   if (lane == 0) { o[D] = m; o[D + 1] = l; }
   __shared__ int is_last;
   __threadfence();   // the partials are visible device-wide before the ticket
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(counters + size_t(b) * G + g, 1) == used - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + size_t(b) * G + g, 1) == parts - 1;
   __syncthreads();
   if (!is_last) return;
   if (threadIdx.x == 0) counters[size_t(b) * G + g] = 0;   // every ticket drawn: the counter resets itself
   __threadfence();
-  // Merge this warp's head over the splits; other blocks wrote them: loads through L2 (ld.cg).
+  // Merge this warp's head over the partials; other blocks wrote them: loads through L2 (ld.cg).
   const float* wr = ws + (size_t(b) * H + h) * P * (D + 2);
   float mm = -INFINITY;
-  for (int i = lane; i < used; i += 32) mm = fmaxf(mm, __ldcg(wr + i * (D + 2) + D));
+  for (int i = lane; i < parts; i += 32) mm = fmaxf(mm, __ldcg(wr + i * (D + 2) + D));
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, off));
   float a[DV], ll = 0.f;
 #pragma unroll
   for (int e = 0; e < DV; ++e) a[e] = 0.f;
-#pragma unroll 4
-  for (int i = 0; i < used; ++i) {
+#pragma unroll 8
+  for (int i = 0; i < parts; ++i) {
     const float* wi = wr + i * (D + 2);
     const float f = exp2f(__ldcg(wi + D) - mm);
     ll = fmaf(f, __ldcg(wi + D + 1), ll);
@@ -197,7 +281,28 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     for (int e = 0; e < DV; ++e) a[e] = fmaf(f, __ldcg(wi + lane * DV + e), a[e]);
   }
 #pragma unroll
-  for (int e = 0; e < DV; ++e) out[(size_t(b) * H + h) * D + lane * DV + e] = FromF32<T>(a[e] / ll);
+  for (int e = 0; e < DV; ++e) o_out[e] = FromF32<T>(a[e] / ll);
+}
+
+// Blocks per cluster for P splits of R heads: the largest of 8, 4, 2 that P reaches (a cluster of blocks
+// that mostly idle buys nothing) and whose slots fit kMaxSlotBytes; 1 (no cluster) below sm_90, with P = 1,
+// or with JAXLLM_ATTN_CLUSTER=0 (for comparison).
+template <int D>
+int ClusterSize(int P, int R) {
+  static const int enabled = [] {
+    int dev = 0, major = 0;
+    const char* env = std::getenv("JAXLLM_ATTN_CLUSTER");
+    if (env != nullptr && env[0] == '0') return 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return major >= 9 ? 1 : 0;
+  }();
+  if (!enabled) return 1;
+  for (int c = kMaxCluster; c > 1; c /= 2)
+    if (c <= P && size_t(c) * R * (D + 2) * sizeof(float) <= size_t(kMaxSlotBytes)) return c;
+  return 1;
 }
 
 // Launches the kernel: q [B, H, D], caches [L, B, G, S, D], ws [B, H, P, D + 2] f32, counters [B, G] (zero).
@@ -207,12 +312,12 @@ template <typename T, int D>
 cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, const int32_t* lengths, float* ws, T* out,
                    int32_t* counters, int layer, int B, int H, int G, int S, int P, bool pdl = false,
                    const qkv::Args& pa = {}) {
-  const dim3 grid(P, G, B), block(32 * (H / G));
-  if (pa.qkv != nullptr)
-    return w8a16::LaunchEx(stream, pdl, grid, block, 0, Kernel<T, D, true>, q, k, v, lengths, ws, out, counters,
-                           layer, B, H, G, S, P, pa);
-  return w8a16::LaunchEx(stream, pdl, grid, block, 0, Kernel<T, D, false>, q, k, v, lengths, ws, out, counters, layer,
-                         B, H, G, S, P, pa);
+  const int R = H / G, C = ClusterSize<D>(P, R);
+  const dim3 grid((P + C - 1) / C * C, G, B), block(32 * R);
+  const size_t smem = C > 1 ? size_t(C) * R * (D + 2) * sizeof(float) : 0;
+  auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
+  return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
+                         G, S, P, C, pa);
 }
 
 }  // namespace attn1

@@ -115,11 +115,21 @@ def _optional_f32(a):
   return jnp.zeros((0,), jnp.float32) if a is None else a.astype(jnp.float32)
 
 
+def merged_tile(itemsize: int, head_dim: int) -> int:
+  """Cache positions per tile of the one-kernel attention (attn1::Geo::TP): a lane holds 128 bytes of a key row,
+  so a warp's 32 lanes cover 32 / (lanes per position) positions."""
+  return 32 // max(1, head_dim * itemsize // 128)
+
+
 def merged_splits(b: int, k_cache) -> int:
-  """Splits of the one-kernel attention: ffi.attention_splits' choice, at most MERGE_MAX_SPLITS."""
+  """Splits of the one-kernel attention: a tile each up to the cache's length, about ffi.ATTN_TARGET_BLOCKS
+  (sequence, kv head, split) blocks, at most MERGE_MAX_SPLITS. A block per tile keeps the short lengths of
+  decode at one tile of latency; the kernel merges up to 8 splits in a thread-block cluster (sm_90) and only
+  longer ones through global memory."""
   from jaxllm.kernels import ffi
-  return min(ffi.attention_splits(b, k_cache.shape[2], k_cache.shape[3], k_cache.dtype.itemsize, k_cache.shape[4]),
-             MERGE_MAX_SPLITS)
+  _, _, g, s, dh = k_cache.shape
+  tiles = -(-s // merged_tile(k_cache.dtype.itemsize, dh))
+  return max(1, min(tiles, MERGE_MAX_SPLITS, -(-ffi.ATTN_TARGET_BLOCKS // (b * g))))
 
 
 def _stacked(lin: Linear, layer: int | None) -> tuple[Linear, int]:
