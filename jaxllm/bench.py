@@ -158,7 +158,8 @@ def run(args) -> list[dict]:
   records = []
   for kernels in kernel_list(args.kernels):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
-                    prefill_chunk=args.prefill_chunk, tokens_per_call=args.tokens_per_call)
+                    prefill_chunk=args.prefill_chunk, tokens_per_call=args.tokens_per_call,
+                    device_loop=args.device_loop)
     t0 = time.perf_counter()
     engine.warmup(args.prompt_len, params, batch=args.batch)
     compile_s = time.perf_counter() - t0
@@ -186,7 +187,7 @@ def run(args) -> list[dict]:
              "peak_memory_bytes": peak, "peak_rss_bytes": _peak_rss(), "weights_bytes": all_weight_bytes,
              "cache_bytes": cache_bytes(config, args.batch, max_context, engine.cache_dtype),
              "prefill_chunk": engine.prefill_chunk, "tokens_per_call": engine.tokens_per_call_for(args.batch),
-             "env": env}
+             "device_loop": engine.device_loop, "env": env}
       if rec["peak_memory_bytes"] is not None:
         rec["peak_beyond_weights_and_cache_bytes"] = rec["peak_memory_bytes"] - all_weight_bytes - rec["cache_bytes"]
       records.append(rec)
@@ -226,6 +227,7 @@ def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
     cmd += ["--prefill-chunk", str(args.prefill_chunk)]
   if args.tokens_per_call:
     cmd += ["--tokens-per-call", str(args.tokens_per_call)]
+  cmd += ["--device-loop", args.device_loop]
   cmd += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p)]
   if args.graph_state:
     cmd.append("--graph-state")
@@ -312,7 +314,7 @@ def runs_table(records: list[dict]) -> str:
   for r in records:
     lines.append(f"| {r.get('label') or ''} | {r['kernels']} | {'on' if r['graphs_requested'] else 'off'} | "
                  f"{r['graph_state'].get('state')} | {r['graph_state'].get('work_thunks', '')} | "
-                 f"{r.get('tokens_per_call', 1)} | {r['loop']} | "
+                 f"{r.get('tokens_per_call', 1)}{' while' if r.get('device_loop') == 'while' else ''} | {r['loop']} | "
                  f"{r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} / "
                  f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | {r['decode_tok_s']:.1f} | "
                  f"{r['weight_gb_s']:.0f} | {r['byte_floor_ms']:.3f} |")
@@ -366,6 +368,8 @@ def build_parser():
   p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk")
   p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
                  help="decode steps per executable call (Engine(tokens_per_call=K); default: the engine's)")
+  p.add_argument("--device-loop", choices=("unrolled", "while"), default="unrolled",
+                 help="how a call of K steps runs them: K unrolled copies, or a while loop (Engine(device_loop=))")
   p.add_argument("--temperature", type=float, default=0.0, help="sampling (default greedy)")
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)

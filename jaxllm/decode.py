@@ -161,11 +161,28 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
                      sampler=sampler)
 
 
-def decode_steps(config: Config, weights: Weights, state: DecodeState, block: jax.Array, **step_flags
-                 ) -> tuple[DecodeState, jax.Array]:
+DEVICE_LOOPS = ("unrolled", "while")
+
+
+def decode_steps(config: Config, weights: Weights, state: DecodeState, block: jax.Array, *,
+                 loop: str = "unrolled", **step_flags) -> tuple[DecodeState, jax.Array]:
   """K = block.shape[0] decode steps in one program (K tokens per executable call: the host's dispatch and
   read are paid once per K tokens). block [K, B] int32 is overwritten with each step's tokens (donate it
-  with the state, so that its address too stays fixed from call to call); step_flags as decode_step's."""
+  with the state, so that its address too stays fixed from call to call); step_flags as decode_step's.
+
+  loop: "unrolled" traces the step K times (K copies of its thunks in the program); "while" runs it in a
+  `lax.fori_loop` (one copy, in a while loop whose body XLA records as a command buffer; XLA's WHILE and
+  CONDITIONAL command types, `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`, are meant to put the
+  loop itself into one). On the H200 both ran at the same TPOT (docs/results/2026-12-01-h200-cluster.md).
+  """
+  if loop not in DEVICE_LOOPS:
+    raise ValueError(f"loop must be one of {DEVICE_LOOPS}, got {loop!r}")
+  if loop == "while":
+    def body(i, carry):
+      state, block = carry
+      state = decode_step(config, weights, state, **step_flags)
+      return state, jax.lax.dynamic_update_index_in_dim(block, state.tokens, i, 0)
+    return jax.lax.fori_loop(0, block.shape[0], body, (state, block))
   for i in range(block.shape[0]):
     state = decode_step(config, weights, state, **step_flags)
     block = block.at[i].set(state.tokens)

@@ -34,7 +34,8 @@ import numpy as np
 from jaxllm import graphs
 from jaxllm.cache import KVCache, check_fits, create_cache
 from jaxllm.config import Config
-from jaxllm.decode import MAX_EOG, DecodeState, decode_step, decode_steps, eog_table, extend, finish_prefill
+from jaxllm.decode import (DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, eog_table, extend,
+                           finish_prefill)
 from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights
 from jaxllm.sampling import NONFINITE, Sampler, SamplingParams, rows_of
@@ -176,17 +177,23 @@ class Engine:
       per that many tokens, which then arrive together; a stream may compute up to that many - 1 steps past
       the point where its caller stops reading. None (the default): GPU_TOKENS_PER_CALL where the GPU runs
       the fused step, else 1 (tokens_per_call_for says which).
+    device_loop: how a call of several steps runs them (decode.decode_steps' loop): "unrolled" (the default:
+      K copies of the step in the program) or "while" (one copy in a while loop).
   """
 
   def __init__(self, config: Config, weights: Weights, tokenizer: Tokenizer | None, max_context: int,
                kernels: str = "auto", graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
-               cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None):
+               cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None,
+               device_loop: str = "unrolled"):
     if not isinstance(max_context, int) or max_context < 2:
       raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
     if tokens_per_call is not None and (not isinstance(tokens_per_call, int) or isinstance(tokens_per_call, bool)
                                         or not 1 <= tokens_per_call <= MAX_TOKENS_PER_CALL):
       raise ValueError(f"tokens_per_call must be an integer in [1, {MAX_TOKENS_PER_CALL}], got {tokens_per_call!r}")
+    if device_loop not in DEVICE_LOOPS:
+      raise ValueError(f"device_loop must be one of {DEVICE_LOOPS}, got {device_loop!r}")
     self.tokens_per_call = tokens_per_call
+    self.device_loop = device_loop
     self.config = config
     self.weights = weights
     self.tokenizer = tokenizer
@@ -316,7 +323,7 @@ class Engine:
   def steps_fn(self, batch: int, greedy: bool | str, k: int) -> Callable:
     """Compiled decode_steps(weights, state, block [k, B]) -> (state, block): k steps per call, the state
     and the token block donated."""
-    return self._build(("steps", batch, greedy, k), *self._decode_program(batch, greedy, k))
+    return self._build(("steps", batch, greedy, k, self.device_loop), *self._decode_program(batch, greedy, k))
 
   def _decode_program(self, batch: int, greedy: bool | str, k: int) -> tuple[Callable, int | tuple, tuple]:
     """(function, donated arguments, abstract arguments) of the decode executable of k steps per call:
@@ -325,7 +332,7 @@ class Engine:
     if k == 1:
       return (functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1,
               (self.weights, self._state_spec(batch)))
-    return (functools.partial(decode_steps, self.config, kernels=self.kernels, **flags), (1, 2),
+    return (functools.partial(decode_steps, self.config, kernels=self.kernels, loop=self.device_loop, **flags), (1, 2),
             (self.weights, self._state_spec(batch), jax.ShapeDtypeStruct((k, batch), jnp.int32)))
 
   def tokens_per_call_for(self, batch: int) -> int:

@@ -44,9 +44,11 @@ _CONTAINERS = {"CommandBuffer", "Sequential", "WaitForStreams", "While", "Condit
 def parse_thunk_sequence(text: str) -> dict:
   """Reads XLA's thunk-sequence dump: how many command buffers and what share of the work they hold.
 
-  A line naming a thunk kind (kKernel, kGemm, kCustomCall, kCommandBuffer, ...) is one thunk; a thunk
-  indented under a kCommandBuffer line belongs to it. Coverage = work thunks inside command buffers /
-  all work thunks.
+  A line naming a thunk kind (kKernel, kGemm, kCustomCall, kCommandBuffer, ...) is one thunk, nested (by
+  indentation) in the thunks above it with less indentation: a while loop's condition and body, a command
+  buffer's commands. A work thunk (not a container: CommandBuffer, Sequential, While, Conditional, ...) is
+  captured when any thunk it is nested in is a command buffer; coverage = captured / all work thunks.
+  command_buffers counts the outermost ones.
   """
   entries = []
   for line in text.splitlines():
@@ -55,19 +57,21 @@ def parse_thunk_sequence(text: str) -> dict:
       entries.append((len(line) - len(line.lstrip()), m.group(1)))
   if not entries:
     return {"command_buffers": 0, "work_thunks": 0, "captured": 0, "coverage": 0.0, "kinds_outside": {}}
-  top = min(indent for indent, _ in entries)
   command_buffers, captured, outside, kinds = 0, 0, {}, {}
-  inside = False
+  stack: list[tuple[int, str]] = []   # (indent, kind) of the thunks the current one is nested in
   for indent, kind in entries:
-    if indent == top:
-      inside = kind == "CommandBuffer"
-      command_buffers += inside
-      if not inside and kind not in _CONTAINERS:
-        outside[kind] = outside.get(kind, 0) + 1
-    elif inside and kind not in _CONTAINERS:
-      captured += 1
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    inside = any(k == "CommandBuffer" for _, k in stack)
+    if kind == "CommandBuffer" and not inside:
+      command_buffers += 1
     if kind not in _CONTAINERS:
       kinds[kind] = kinds.get(kind, 0) + 1
+      if inside:
+        captured += 1
+      else:
+        outside[kind] = outside.get(kind, 0) + 1
+    stack.append((indent, kind))
   work = captured + sum(outside.values())
   return {"command_buffers": command_buffers, "work_thunks": work, "captured": captured,
           "coverage": captured / work if work else 0.0, "kinds_outside": outside, "work_kinds": kinds}

@@ -71,6 +71,19 @@ def test_parity_qwen_shape_gpu(kernels):
   assert len(a) == 128 and a == b
 
 
+@pytest.mark.gpu
+def test_while_device_loop_gpu():
+  """Eight steps a call in a while loop: the unrolled program's tokens, graphs on and off (Qwen shape, the
+  default fused path, 64 tokens)."""
+  config = preset("qwen2.5-0.5b")
+  weights = random_weights(config, seed=0)
+  unrolled = Engine(config, weights, None, max_context=256, tokens_per_call=8, graphs_on=True)
+  looped = [Engine(config, weights, None, max_context=256, tokens_per_call=8, device_loop="while", graphs_on=g)
+            for g in (True, False)]
+  want = _tokens(unrolled, 64)
+  assert len(want) == 64 and all(_tokens(e, 64) == want for e in looped)
+
+
 def test_graph_state_reports_cpu_truthfully():
   if ON_GPU:
     pytest.skip("CPU-only statement")
@@ -96,6 +109,26 @@ def test_graph_state_gpu(kernels, monkeypatch):
   off = Engine(config, weights, None, max_context=256, kernels=kernels).graph_state()
   print("graphs off:", off)
   assert off["state"] == "off" and off["command_buffers"] == 0 and not off["requested"]
+
+
+def test_parse_thunk_sequence_nesting():
+  """Work thunks count as captured only under a command buffer, at any depth (a while loop's body included)."""
+  flat = "\n".join(["000: kCommandBuffer", "  000: kKernel fusion", "  001: kCustomCall jaxllm", "001: kCopy"])
+  got = graphs.parse_thunk_sequence(flat)
+  assert (got["command_buffers"], got["work_thunks"], got["captured"]) == (1, 3, 2)
+  assert got["kinds_outside"] == {"Copy": 1}
+  # A while loop run from the host: its body's command buffer holds the body, the condition stays outside.
+  host_loop = "\n".join(["000: kKernel fusion", "001: kWhile", "  condition:", "    000: kKernel cond",
+                          "  body:", "    000: kCommandBuffer", "      000: kCustomCall jaxllm",
+                          "      001: kKernel fusion.2"])
+  got = graphs.parse_thunk_sequence(host_loop)
+  assert (got["command_buffers"], got["work_thunks"], got["captured"]) == (1, 4, 2), got
+  assert got["kinds_outside"] == {"Kernel": 2}
+  # The whole loop in one command buffer (WHILE command type): everything under it is captured.
+  in_graph = "\n".join(["000: kCommandBuffer", "  000: kWhile", "    000: kKernel cond", "    001: kCustomCall",
+                         "  001: kKernel fusion"])
+  got = graphs.parse_thunk_sequence(in_graph)
+  assert (got["command_buffers"], got["work_thunks"], got["captured"], got["coverage"]) == (1, 3, 3, 1.0), got
 
 
 def test_count_log_segments():
@@ -131,6 +164,7 @@ def test_replay_needs_no_update_gpu(tmp_path):
   # This shows the log is on and read right, so the zeros below mean no updates, not no logging.
   assert seg["alternating-input"]["updates"] >= 9, seg
   assert seg["decode-step"]["executions"] == 32 and seg["decode-step"]["updates"] == 0, seg
+  assert seg["decode-steps-8"]["executions"] == 4 and seg["decode-steps-8"]["updates"] == 0, seg
   assert seg["aliased-64"]["updates"] == 0, seg
   # A new request's prefill writes fresh token/position buffers that its first decode step takes over:
   # at most one update each for prefill and step per request, none after.

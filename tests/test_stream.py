@@ -62,14 +62,15 @@ def test_pipelined_and_streaming_loops_agree(model):
   assert a.ids != c.ids
 
 
-@pytest.mark.parametrize("k", [3, 4])
-def test_tokens_per_call_gives_the_same_tokens(model, k):
-  """K decode steps per executable call: the same tokens as one per call (greedy and sampled, both loops,
-  lengths that are not multiples of K, a stop string, EOS and a full context), and reuse_cache still
-  reuses what the cache holds."""
+@pytest.mark.parametrize("k, device_loop", [(3, "unrolled"), (4, "while")])
+def test_tokens_per_call_gives_the_same_tokens(model, k, device_loop):
+  """K decode steps per executable call, unrolled or in a while loop: the same tokens as one per call
+  (greedy and sampled, both loops, lengths that are not multiples of K, a stop string, EOS and a full
+  context), and reuse_cache still reuses what the cache holds."""
   path, one, tok = model
   gf = GGUFFile(path)
-  many = Engine(gf.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=k)
+  many = Engine(gf.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=k,
+                device_loop=device_loop)
   prompt = tok.encode("hello")
   sampled = SamplingParams(temperature=0.8, top_p=0.9)
   for params, n, pipelined in ((SamplingParams(), 17, True), (sampled, 10, True), (sampled, 11, False)):
@@ -95,6 +96,8 @@ def test_tokens_per_call_must_be_a_small_positive_integer(model):
   for bad in (0, -1, 65, 2.0, True):
     with pytest.raises(ValueError, match="tokens_per_call"):
       Engine(one.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=bad)
+  with pytest.raises(ValueError, match="device_loop must be one of"):
+    Engine(one.config, one.weights, tok, max_context=64, kernels="xla", device_loop="scan")
 
 
 def test_generation_ends_when_context_is_full(model):
