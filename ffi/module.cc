@@ -24,6 +24,8 @@ extern "C" XLA_FFI_Error* W8A16FusedCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* W8A16FusedCudaInto(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* QkvEpilogueCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeLayersCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* TopCandidatesCudaHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* TopCandidatesCudaIntoHandler(XLA_FFI_CallFrame*);
 #endif
 }  // namespace jaxllm
 
@@ -62,6 +64,8 @@ PYBIND11_MODULE(_ffi, m) {
     d["jaxllm_w8a16_fused_into"] = Capsule(jaxllm::W8A16FusedCudaInto);
     d["jaxllm_qkv_epilogue"] = Capsule(jaxllm::QkvEpilogueCuda);
     d["jaxllm_decode_layers"] = Capsule(jaxllm::DecodeLayersCuda);
+    d["jaxllm_top_candidates"] = Capsule(jaxllm::TopCandidatesCudaHandler);
+    d["jaxllm_top_candidates_into"] = Capsule(jaxllm::TopCandidatesCudaIntoHandler);
 #endif
     return d;
   });

@@ -133,8 +133,9 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
   """Runs each active sequence's last token and samples the next one; done sequences stay as they are.
 
   greedy_only (static): compile only the argmax, for states whose every row is greedy.
-  penalties (static): False promises that no row has a repeat/presence/frequency penalty; with greedy_only
-    the fused path then takes the token from the LM-head kernel's argmax and never writes the logits.
+  penalties (static): False promises that no row has a repeat/presence/frequency penalty (they are then
+    skipped); with greedy_only the fused path takes the token from the LM-head kernel's argmax and never
+    writes the logits.
   kernels "ffi" runs the fused kernels where they take the model and batch (model.use_fused).
   """
   active = ~state.done
@@ -147,12 +148,14 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
     else:
       step_logits = fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head,
                                       dtype=cache.compute_dtype).astype(jnp.float32)          # [B, V]
-      new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only)
+      new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only, penalties=penalties,
+                            kernels=kernels)
   else:
     hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, active[:, None],
                             kernels=kernels)
     step_logits = logits(weights, hidden[:, 0], cache.compute_dtype, kernels=kernels)        # [B, V]
-    new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only)
+    new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only, penalties=penalties,
+                          kernels=kernels)
   tokens = jnp.where(active, new, state.tokens)
   pos = jnp.where(active, state.pos + 1, state.pos)
   sampler = sampler.push(tokens, pos, active)

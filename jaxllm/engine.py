@@ -38,7 +38,7 @@ from jaxllm.decode import (DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, deco
                            finish_prefill)
 from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights
-from jaxllm.sampling import NONFINITE, Sampler, SamplingParams, rows_of
+from jaxllm.sampling import NONFINITE, Sampler, SamplingParams, candidates_kernel, rows_of
 from jaxllm.tokenizer import StreamDecoder, Tokenizer
 
 MIN_BUCKET = 16
@@ -236,7 +236,7 @@ class Engine:
       disk_key = store.executable_key(key, self.config, self.kernels, jnp.dtype(self.dtype).name,
                                       jnp.dtype(self.cache_dtype).name, self.max_context,
                                       sorted(self.compiler_options.items()), fused.layers_call(), fused.cpu_fused(),
-                                      select.ffi_ops(), jax.tree.structure(args),
+                                      select.ffi_ops(), candidates_kernel(), jax.tree.structure(args),
                                       [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
       compiled = store.load_executable(disk_key)
       if compiled is not None:
@@ -301,22 +301,23 @@ class Engine:
             jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32))
     return self._build(("extend", batch, size), fn, 1, args)                 # (weights, cache, ...)
 
-  def prefill_fn(self, batch: int, bucket: int, greedy: bool) -> Callable:
+  def prefill_fn(self, batch: int, bucket: int, greedy: bool | str) -> Callable:
     """Compiled final prefill chunk (weights, cache, tokens [B, bucket], lengths, start, last, pos, sampler,
     limit, eog) -> DecodeState."""
-    fn = functools.partial(_final_chunk, self.config, greedy_only=bool(greedy), kernels=self.kernels,
+    fn = functools.partial(_final_chunk, self.config, greedy_only=_greedy_only(greedy), kernels=self.kernels,
                            layers=self.prefill_layers)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
             jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32), vec, self._sampler_spec(batch), vec,
             jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
-    return self._build(("prefill", batch, bucket, greedy), fn, 1, args)
+    return self._build(("prefill", batch, bucket, _greedy_only(greedy)), fn, 1, args)
 
   def step_fn(self, batch: int = 1, greedy: bool | str = True) -> Callable:
     """Compiled decode_step(weights, state) -> state, the state donated.
 
-    greedy: False (sampling), True (every row greedy, no penalties: the fused path's argmax head) or
-    "penalized" (every row greedy, some with penalties), as greedy_mode says.
+    greedy: True (every row greedy, no penalties: the fused path's argmax head), "penalized" (every row
+    greedy, some with penalties), "sampled" (sampling, no penalties) or False (sampling), as greedy_mode
+    says.
     """
     return self._build(("step", batch, greedy), *self._decode_program(batch, greedy, 1))
 
@@ -711,21 +712,28 @@ class Engine:
 
 
 def greedy_mode(rows: SamplingParams | Sequence[SamplingParams]) -> bool | str:
-  """The step a request needs (Engine.step_fn's `greedy`): False unless every row is greedy; then True, or
-  "penalized" where some row has a penalty. rows: one SamplingParams or one per row."""
+  """The step a request needs (Engine.step_fn's `greedy`): True where every row is greedy without penalties
+  (the fused path's argmax head), "penalized" where every row is greedy and some has a penalty, "sampled"
+  where some row samples and none has a penalty (the penalties are left out of the program), else False.
+  rows: one SamplingParams or one per row."""
   rows = [rows] if isinstance(rows, SamplingParams) else rows
+  penalized = any(p.penalized for p in rows)
   if not all(p.greedy for p in rows):
-    return False
-  return "penalized" if any(p.penalized for p in rows) else True
+    return False if penalized else "sampled"
+  return "penalized" if penalized else True
 
 
 def _all_greedy(params, batch: int) -> bool | str:
   return greedy_mode(rows_of(params, batch))
 
 
+def _greedy_only(greedy: bool | str) -> bool:
+  return greedy is True or greedy == "penalized"
+
+
 def _step_flags(greedy: bool | str) -> dict:
   """decode_step's static flags for a greedy mode (see Engine.step_fn)."""
-  return {"greedy_only": bool(greedy), "penalties": greedy is not True}
+  return {"greedy_only": _greedy_only(greedy), "penalties": greedy in (False, "penalized")}
 
 
 class _Sequence:

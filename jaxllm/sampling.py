@@ -14,13 +14,16 @@ the last 64 tokens, prompt included):
   4. a draw: with none of top-k/top-p/min-p, exactly from the full softmax (Gumbel-max over all V logits);
      with any, among the MAX_TOP_K most likely tokens. Top-p and min-p are therefore exact whenever the
      tokens they keep are among those candidates; a nucleus wider than MAX_TOP_K tokens is cut to them.
-Candidates come from an exact two-stage top-k (block maxima, then the best blocks), never a sort of V.
+Candidates come from an exact two-stage top-k (block maxima, then the best blocks), never a sort of V; on the
+GPU's FFI path with JAXLLM_CANDIDATES_KERNEL=1 from one CUDA kernel (jaxllm.kernels.ffi.top_candidates:
+radix selects instead of XLA's sorts; opt-in until it has run on a GPU, see candidates_kernel).
 A row whose logits are not all finite samples token -1 and is reported, never drawn from.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Sequence
 
 import jax
@@ -165,7 +168,8 @@ def top_candidates(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
   Exact, without sorting V: the blocks holding the top k are among the k blocks with the largest maxima
   (a block whose maximum ranks below k holds no element that does), so top-k runs over V / block maxima
-  and then over those k blocks' k * block values.
+  and then over those k blocks' k * block values. Equal values rank as lax.top_k ranks them (which the
+  backend decides); the GPU kernel (candidates) puts the lower id first.
   """
   b, v = x.shape
   c = CANDIDATE_BLOCK
@@ -188,13 +192,40 @@ def _split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return split[:, 0], split[:, 1], split[:, 2]
 
 
-def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False) -> tuple[jax.Array, Sampler]:
+CANDIDATES_ENV = "JAXLLM_CANDIDATES_KERNEL"
+
+
+def candidates_kernel() -> bool:
+  """Whether FFI paths take the candidates from the CUDA kernel: only with JAXLLM_CANDIDATES_KERNEL=1 for
+  now. The kernel (ffi/sampling_cuda.cu) was written on 2026-12-01 without a GPU to run it on; it becomes
+  the default once its GPU tests (tests/test_sampling.py) pass on the H200 and the sampled step is timed."""
+  value = os.environ.get(CANDIDATES_ENV, "0").strip()
+  if value not in ("0", "1"):
+    raise ValueError(f"{CANDIDATES_ENV} must be 0 or 1, got {value!r}")
+  return value == "1"
+
+
+def candidates(x: jax.Array, k: int, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
+  """top_candidates(x, k), from the CUDA kernel where kernels is an FFI path, the kernel is switched on
+  (candidates_kernel) and it takes x."""
+  if kernels != "xla" and candidates_kernel():
+    from jaxllm.kernels import ffi
+    if ffi.top_candidates_supported(x.shape[-1], k):
+      return ffi.top_candidates(x, k)
+  return top_candidates(x, k)
+
+
+def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False, penalties: bool = True,
+           kernels: str = "xla") -> tuple[jax.Array, Sampler]:
   """Draws one token per row: logits [B, V] f32 -> (tokens [B] int32, sampler with advanced keys).
 
   greedy_only (static) compiles just the argmax, for batches where every row is greedy; the settings
   still come from `sampler` (penalties apply), so the result equals the full path's for such rows.
+  penalties (static) False promises that no row has a penalty, and skips them.
+  kernels: "xla" keeps every op in jnp; an FFI path may take the candidates from the GPU's kernel
+  (candidates).
   """
-  x = apply_penalties(logits, sampler)
+  x = apply_penalties(logits, sampler) if penalties else logits
   finite = jnp.all(jnp.isfinite(logits), axis=-1)
   greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
   if greedy_only:
@@ -207,7 +238,7 @@ def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False) ->
   gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[1:], jnp.float32))(k_full)
   full_tok = jnp.argmax(z + gumbel, axis=-1).astype(jnp.int32)
   # Among the candidates: top-k, then top-p on what top-k left, then min-p.
-  vals, ids = top_candidates(z, MAX_TOP_K)                                  # [B, K] descending
+  vals, ids = candidates(z, MAX_TOP_K, kernels)                             # [B, K] descending
   rank = jnp.arange(vals.shape[1])[None, :]
   top_k = sampler.top_k[:, None]
   keep = (top_k == 0) | (rank < top_k)

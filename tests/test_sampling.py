@@ -103,15 +103,85 @@ def test_window_holds_the_last_tokens():
   assert sorted(window_of([1, 2, 3], -9).tolist()) == [-9] * (PENALTY_WINDOW - 3) + [1, 2, 3]
 
 
+def _candidate_rows(v, ties=False):
+  """Rows for the candidates: random, the best in one block, -inf, the top values packed into the last
+  blocks; with ties, also rows of many equal values (lax.top_k orders those as the backend decides, the CUDA
+  kernel the lower id first)."""
+  rng = np.random.default_rng(v)
+  x = rng.standard_normal((7 if ties else 4, v)).astype(np.float32) * 3
+  x[1, :50] += 10                                  # the best all in one block
+  x[2, ::3] = -np.inf
+  x[3] = np.sort(x[3])                             # the top values packed into the last blocks
+  if ties:
+    x[4] = np.round(x[4])                          # ties everywhere
+    x[5] = 0.5                                     # one value: the first k ids
+    x[6, rng.integers(0, v, 300)] = 7.0            # 300 ties at the top
+  return x
+
+
 @pytest.mark.parametrize("v, k", [(151936, MAX_TOP_K), (49152, 40), (1000, 128), (100, 128), (5000, 1)])
 def test_top_candidates_equal_a_full_sort(v, k):
-  rng = np.random.default_rng(v)
-  x = rng.standard_normal((3, v)).astype(np.float32)
-  x[1, :50] += 10                                  # the best all in one block
+  x = _candidate_rows(v)
   vals, ids = top_candidates(jnp.asarray(x), k)
   want = np.argsort(-x, axis=-1, kind="stable")[:, :min(k, v)]
   np.testing.assert_array_equal(np.asarray(ids), want)
   np.testing.assert_array_equal(np.asarray(vals), np.take_along_axis(x, want, -1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v, k", [(151936, MAX_TOP_K), (32003, MAX_TOP_K), (16384, MAX_TOP_K), (49152, 40),
+                                  (20000, 1)])
+def test_cuda_top_candidates_equal_a_full_sort(v, k):
+  """The GPU kernel against numpy's stable sort, every value and id (vals written into a NaN-poisoned buffer)."""
+  from jaxllm.kernels import ffi
+  x = _candidate_rows(v, ties=True)
+  poison = jnp.full((x.shape[0], k), jnp.nan, jnp.float32)
+  vals, ids = jax.jit(lambda x, p: ffi.top_candidates(x, k, poison=p))(jnp.asarray(x), poison)
+  want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(np.asarray(ids), want)
+  np.testing.assert_array_equal(np.asarray(vals), np.take_along_axis(x, want, -1))
+  untied = _candidate_rows(v)
+  _, jnp_ids = jax.jit(lambda x: top_candidates(x, k))(jnp.asarray(untied))   # the jnp path, on the GPU too
+  np.testing.assert_array_equal(np.asarray(jnp_ids), np.argsort(-untied, axis=-1, kind="stable")[:, :k])
+
+
+@pytest.mark.gpu
+def test_sample_draws_the_same_tokens_on_the_kernel_path(monkeypatch):
+  """With the same keys and tie-free logits, the FFI path (candidates from the CUDA kernel, penalties left
+  out where none is set) draws what the jnp path draws, for every kind of setting."""
+  monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", "1")
+  x = jnp.asarray(_candidate_rows(151936)[:, None, :].repeat(4, 1).reshape(16, 151936))
+  rows = [SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_k=40, seed=2),
+          SamplingParams(temperature=0.8, min_p=0.05, seed=3), SamplingParams(temperature=1.2, seed=4)] * 4
+  smp = Sampler.create(rows, 16)
+  want, _ = jax.jit(lambda x, s: sample(x, s))(x, smp)
+  got, _ = jax.jit(lambda x, s: sample(x, s, penalties=False, kernels="ffi"))(x, smp)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_candidates_take_the_jnp_path_where_no_kernel_runs(monkeypatch):
+  from jaxllm.sampling import candidates
+  x = _candidate_rows(20000)
+  want = np.argsort(-x, axis=-1, kind="stable")[:, :MAX_TOP_K]
+  for env in ("0", "1"):
+    monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", env)
+    for kernels in ("xla", "ffi"):
+      _, ids = candidates(jnp.asarray(x), MAX_TOP_K, kernels)
+      np.testing.assert_array_equal(np.asarray(ids), want)
+  monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", "yes")
+  with pytest.raises(ValueError, match="JAXLLM_CANDIDATES_KERNEL must be 0 or 1"):
+    candidates(jnp.asarray(x), MAX_TOP_K, "ffi")
+
+
+def test_leaving_out_unset_penalties_draws_the_same_tokens():
+  """penalties=False (the engine's "sampled" mode: no row has a penalty) draws what the full path draws."""
+  x = jnp.asarray(_candidate_rows(5000))
+  rows = [SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_k=40, seed=2),
+          SamplingParams(temperature=0.8, min_p=0.05, seed=3), SamplingParams(temperature=1.2, seed=4)]
+  smp = Sampler.create(rows, 4, history=[[1, 2, 3]] * 4, vocab_size=5000)
+  want, _ = sample(x, smp)
+  got, _ = sample(x, smp, penalties=False)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_a_row_is_drawn_the_same_in_any_batch():

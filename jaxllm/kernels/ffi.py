@@ -26,6 +26,9 @@ MAX_M = {"gpu": 4, "cpu": 32}
 ATTN_MAX_SPLITS = 256    # kMaxSplits in cuda_kernels.cu
 ATTN_TARGET_BLOCKS = 512 # split blocks wanted across the GPU (one (sequence, kv head, split) each): about
                          # 4 per SM of the H200, as many as fit at once (128 threads, <= 128 registers)
+CANDIDATE_BLOCK = 128    # kBlock in sampling_cuda.cu (jaxllm.sampling.CANDIDATE_BLOCK)
+MAX_CANDIDATES = 128     # kMaxK there
+MAX_CANDIDATE_BLOCKS = 8192   # kMaxBlocks there: V <= 1M
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -241,3 +244,33 @@ def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, laye
   args = (q, k_cache, v_cache, start.astype(jnp.int32)) + ((poison,) if poison is not None else ())
   return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential",
                           **kw)(*args, layer=np.int64(layer))
+
+
+def top_candidates_supported(v: int, k: int) -> bool:
+  """Whether the CUDA candidates kernel takes rows of v logits and k candidates (on this backend)."""
+  n = -(-v // CANDIDATE_BLOCK)
+  return (jax.default_backend() == "gpu" and 1 <= k <= MAX_CANDIDATES and k <= n <= MAX_CANDIDATE_BLOCKS
+          and unavailable_reason() is None)
+
+
+def top_candidates(x: jax.Array, k: int, *, poison: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """The k largest values of each row of x [B, V] and their ids, descending: vals [B, k] f32, ids [B, k] int32.
+
+  jaxllm.sampling.top_candidates' result (ties: the lower id first) from the CUDA kernel of
+  ffi/sampling_cuda.cu (block maxima, then radix selects in shared memory) instead of XLA's sorts.
+  `poison` (tests only): a [B, k] f32 buffer the kernel writes vals into, to catch unwritten outputs.
+  """
+  _ensure_registered()
+  if x.ndim != 2:
+    raise ValueError(f"x must be [B, V], got {x.shape}")
+  b, v = x.shape
+  n = -(-v // CANDIDATE_BLOCK)
+  if not (1 <= k <= MAX_CANDIDATES and k <= n <= MAX_CANDIDATE_BLOCKS):
+    raise ValueError(f"top_candidates: k must be in [1, {MAX_CANDIDATES}] and V / {CANDIDATE_BLOCK} in [k, "
+                     f"{MAX_CANDIDATE_BLOCKS}], got k={k}, V={v}")
+  outs = (jax.ShapeDtypeStruct((b, k), jnp.float32), jax.ShapeDtypeStruct((b, k), jnp.int32),
+          jax.ShapeDtypeStruct((b, 2 * n), jnp.uint32))
+  name, alias = _target("jaxllm_top_candidates", poison, 1)
+  args = (x.astype(jnp.float32),) if poison is None else (x.astype(jnp.float32), poison)
+  vals, ids, _ = jax.ffi.ffi_call(name, outs, vmap_method="sequential", **alias)(*args)
+  return vals, ids
