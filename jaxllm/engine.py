@@ -78,42 +78,47 @@ class GenerationResult:
 class _StopText:
   """Holds back text that could still become a stop string; reports when one appears.
 
-  Only the tail that could still hold a stop string is searched, so the cost per token does not grow with
-  the text generated.
+  Shown text is kept as a list of pieces and only the held-back tail (shorter than the longest stop string,
+  plus the newest piece) is searched and rebuilt, so the cost per token does not grow with the text
+  generated.
   """
 
   def __init__(self, stops: Sequence[str]):
     self.stops = [s for s in stops if s]
-    self.longest = max((len(s) for s in self.stops), default=0)
-    self.text = ""
-    self.emitted = 0
+    self.shown: list[str] = []   # text already returned, in pieces
+    self.pending = ""            # decoded text not returned yet: it may still begin a stop string
+
+  @property
+  def text(self) -> str:
+    """All the text so far (cut before the stop string, once one appeared)."""
+    return "".join(self.shown) + self.pending
+
+  def _show(self, n: int) -> str:
+    out, self.pending = self.pending[:n], self.pending[n:]
+    if out:
+      self.shown.append(out)
+    return out
 
   def push(self, piece: str) -> tuple[str, bool]:
     """Adds decoded text; returns (text safe to show now, whether a stop string was hit)."""
-    tail_from = max(0, len(self.text) - self.longest + 1)
-    self.text += piece
+    # Shown text never ends with the start of a stop string (that much is held back), so a stop string
+    # can only begin in the pending text.
+    self.pending += piece
     for s in self.stops:
-      at = self.text.find(s, tail_from)
+      at = self.pending.find(s)
       if at >= 0:
-        self.text = self.text[:at]
-        out = self.text[self.emitted:]
-        self.emitted = len(self.text)
-        return out, True
+        self.pending = self.pending[:at]
+        return self._show(at), True
     hold = 0
     for s in self.stops:
-      for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-        if self.text.endswith(s[:n]):
+      for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+        if self.pending.endswith(s[:n]):
           hold = max(hold, n)
           break
-    safe = len(self.text) - hold
-    out = self.text[self.emitted:safe]
-    self.emitted = max(self.emitted, safe)
-    return out, False
+    return self._show(len(self.pending) - hold), False
 
   def flush(self) -> str:
-    out = self.text[self.emitted:]
-    self.emitted = len(self.text)
-    return out
+    return self._show(len(self.pending))
 
 
 # Decode steps per executable call by default where the GPU runs the fused step (Engine.tokens_per_call_for;

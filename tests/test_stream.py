@@ -40,6 +40,30 @@ def test_stop_text_holds_back_prefixes():
   assert s.text == "abc STOx "
 
 
+def test_stop_text_against_a_full_search():
+  """Random pieces against the plain rule (cut before the first occurrence, reported with the piece that
+  completes it), with the held-back text never longer than the stop string: the work a piece costs does
+  not grow with the text."""
+  import random
+  rng = random.Random(0)
+  for trial in range(300):
+    stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 4)))
+    s, full, shown, hit_at = _StopText([stop]), "", "", None
+    for i in range(rng.randint(1, 40)):
+      piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 3)))
+      full += piece
+      out, hit = s.push(piece)
+      shown += out
+      if hit:
+        hit_at = i
+        break
+      assert len(s.pending) < len(stop) and full.startswith(shown)
+    cut = full.find(stop)
+    assert (hit_at is not None) == (cut >= 0), (stop, full)
+    want = full[:cut] if cut >= 0 else full
+    assert shown + ("" if hit_at is not None else s.flush()) == want == s.text, (stop, full, shown)
+
+
 def test_generate_stops_at_stop_string(model):
   _, engine, tok = model
   prompt = tok.encode("the cat")
