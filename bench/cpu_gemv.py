@@ -1,11 +1,16 @@
 """W8A16 matmul throughput of the CPU handler, one shape at a time (G weights/s; 1 byte each).
 
   python bench/cpu_gemv.py [--m 1 4]
+  python bench/cpu_gemv.py --chain 30      # a layer stack: each shape 30 times, chained, in one program
 
 Each shape's weights are one random [N, K] int8 matrix (64-wide groups), x random f32; one jitted call
 timed back to back, best of three batches. Shapes: SmolLM2-135M's gate/up (4096 rows), part of and its
 whole LM head, Qwen2.5-0.5B's LM head and down projection. Rates on weights far larger than the caches are
 bounded by what the memory delivers; those that fit (the first) show the compute ceiling.
+
+--chain L times what a decode step sees instead: L stacked copies of each shape (SmolLM2-135M's four layer
+matmuls), each call's input depending on the previous call's output, in one jitted program, so no call
+finds its weights in the caches; per call = (that program - the same chain without the matmuls) / L.
 """
 from __future__ import annotations
 
@@ -14,11 +19,13 @@ import sys
 import time
 
 SHAPES = [(576, 4096), (576, 16384), (576, 49152), (896, 151936), (4864, 896)]
+CHAIN_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]   # SmolLM2-135M: qkv, o, gate/up, down
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", type=int, nargs="+", default=[1, 4], help="rows of x")
+  p.add_argument("--chain", type=int, default=0, metavar="L", help="time L chained layers of each shape instead")
   args = p.parse_args(argv)
   import jax
   import jax.numpy as jnp
@@ -26,6 +33,8 @@ def main(argv=None) -> int:
   from jaxllm.kernels import ffi
   from jaxllm.quant import Linear, quantize_int8
   rng = np.random.default_rng(0)
+  if args.chain:
+    return chain(args.chain)
   print("| K | N | weights (MB) | M | us per call | G weights/s |\n|---|---|---|---|---|---|")
   for k, n in SHAPES:
     q, s = quantize_int8(rng.standard_normal((1, n, k)).astype(np.float32))
@@ -43,6 +52,47 @@ def main(argv=None) -> int:
         r.block_until_ready()
         best = min(best, (time.perf_counter() - t0) / calls)
       print(f"| {k} | {n} | {n * k / 1e6:.1f} | {m} | {best * 1e6:.1f} | {n * k / best / 1e9:.2f} |")
+  return 0
+
+
+def best_of(f, *a, calls=20) -> float:
+  """Seconds per call of the jitted f, best of 5 batches of `calls`."""
+  import jax
+  jax.block_until_ready(f(*a))
+  best = float("inf")
+  for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      r = f(*a)
+    jax.block_until_ready(r)
+    best = min(best, (time.perf_counter() - t0) / calls)
+  return best
+
+
+def chain(layers: int) -> int:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jaxllm.kernels import ffi
+  from jaxllm.quant import Linear, quantize_int8
+  rng = np.random.default_rng(0)
+  print(f"| K | N | layers | MB | us per call | G weights/s |\n|---|---|---|---|---|---|")
+  for k, n in CHAIN_SHAPES:
+    q, s = quantize_int8(rng.standard_normal((layers, n, k)).astype(np.float32))
+    lin = Linear(jnp.asarray(q), jnp.asarray(s))
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
+
+    def with_matmuls(x, lin):
+      for i in range(layers):
+        x = x + ffi.w8a16_matmul(x, lin, i)[:, :1] * 0   # a dependency on the call, nothing more
+      return x
+
+    def without(x, lin):
+      for i in range(layers):
+        x = x + x[:, :1] * 0
+      return x
+    per = (best_of(jax.jit(with_matmuls), x, lin) - best_of(jax.jit(without), x, lin)) / layers
+    print(f"| {k} | {n} | {layers} | {layers * n * k / 1e6:.1f} | {per * 1e6:.1f} | {n * k / per / 1e9:.2f} |")
   return 0
 
 
