@@ -2,21 +2,7 @@
 # NOT RUN: prepared in the fourth session of 2026-12-01 for a second device call that was not lent (see ../2026-12-01-h200-cluster.md).
 # Call 2 (fourth session): build; GPU tests of the candidates kernel and sampling; sampling's parts; greedy vs
 # sampled step; the while program's thunk dumps; batch 4 and 16; fused-decode parity.
-set -u
-R=$OUT/r; mkdir -p $R
-export PYTHONUNBUFFERED=1
-pack() { tar czf $OUT/g.tgz -C $OUT r && rm -rf $R; }
-trap pack EXIT
-T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $R/stamps.txt; }
-DEADLINE=${DEADLINE:-560}
-room() { [ $(( $(date +%s) - T0 + $1 )) -lt $DEADLINE ] || { stamp "skipped: $2"; return 1; }; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/env.txt
-export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90-real \
-  > $R/build.log 2>&1 || { stamp "build failed"; tail -30 $R/build.log; exit 1; }
-stamp built
+source bench/device_call.sh   # environment, build, stamp/room helpers, logs packed at exit
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_sampling.py \
   > $R/gpu_tests_sampling.log 2>&1
 stamp "sampling tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" $R/gpu_tests_sampling.log | head; grep -E "^E " $R/gpu_tests_sampling.log | head -8

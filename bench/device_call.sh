@@ -1,0 +1,20 @@
+# Sourced at the top of a device-call script (docs/results/*/call*.sh): the machine's environment, the
+# extension built for sm_90, and helpers. Logs go to $OUT/r, packed into $OUT/g.tgz when the script exits.
+#   stamp MSG          seconds since the start, and MSG, into r/stamps.txt
+#   room SECONDS WHAT  true while SECONDS more fit before $DEADLINE (default 560 s), else logs WHAT as skipped
+# Expects the ignored .whl/ (the gguf wheel: the machine has no gguf) beside the working tree.
+set -u
+R=$OUT/r; mkdir -p $R
+export PYTHONUNBUFFERED=1
+pack() { tar czf $OUT/g.tgz -C $OUT r && rm -rf $R; }
+trap pack EXIT
+T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $R/stamps.txt; }
+DEADLINE=${DEADLINE:-560}
+room() { [ $(( $(date +%s) - T0 + $1 )) -lt $DEADLINE ] || { stamp "skipped: $2"; return 1; }; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/env.txt
+export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90-real \
+  > $R/build.log 2>&1 || { stamp "build failed"; tail -30 $R/build.log; exit 1; }
+stamp built
