@@ -8,8 +8,8 @@ Parts (logits [1, V] f32, the settings of `jaxllm.sampling.sample` as data):
   chain        nothing but the chaining itself (one pass over V), included in every row below
   greedy       sample(..., greedy_only=True): the penalties, the finiteness check, the argmax
   full         sample(...) with temperature 0.7, top-p 0.9: everything the sampled step ran before the kernel
-  full_ffi     the same as the engine's step runs it now: penalties left out (none set), the candidates from
-               the CUDA kernel (sample(..., penalties=False, kernels="ffi"))
+  full_ffi     the same with the candidates from the CUDA kernel (sample(..., kernels="ffi"),
+               JAXLLM_CANDIDATES_KERNEL=1)
   penalties    apply_penalties alone
   candidates   top_candidates(z, MAX_TOP_K) (the exact two-stage top-k, jnp: XLA's sorts)
   candidates_ffi  the CUDA kernel's candidates (jaxllm.kernels.ffi.top_candidates)
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
       "chain": lambda x, s: x[0, 0],   # the chain's own cost (dep's pass over V), in every other row too
       "greedy": lambda x, s: sampling.sample(x, s, greedy_only=True)[0][0],
       "full": lambda x, s: sampling.sample(x, s)[0][0],
-      "full_ffi": lambda x, s: sampling.sample(x, s, penalties=False, kernels="ffi")[0][0],
+      "full_ffi": lambda x, s: sampling.sample(x, s, kernels="ffi")[0][0],
       "penalties": lambda x, s: sampling.apply_penalties(x, s)[0, 7],
       "candidates": lambda x, s: sampling.top_candidates(x / 0.7, sampling.MAX_TOP_K)[1][0, -1],
       "candidates_ffi": lambda x, s: ffi.top_candidates(x / 0.7, sampling.MAX_TOP_K)[1][0, -1],

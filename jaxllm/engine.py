@@ -309,20 +309,19 @@ class Engine:
   def prefill_fn(self, batch: int, bucket: int, greedy: bool | str) -> Callable:
     """Compiled final prefill chunk (weights, cache, tokens [B, bucket], lengths, start, last, pos, sampler,
     limit, eog) -> DecodeState."""
-    fn = functools.partial(_final_chunk, self.config, greedy_only=_greedy_only(greedy), kernels=self.kernels,
+    fn = functools.partial(_final_chunk, self.config, greedy_only=bool(greedy), kernels=self.kernels,
                            layers=self.prefill_layers)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
             jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32), vec, self._sampler_spec(batch), vec,
             jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
-    return self._build(("prefill", batch, bucket, _greedy_only(greedy)), fn, 1, args)
+    return self._build(("prefill", batch, bucket, greedy), fn, 1, args)
 
   def step_fn(self, batch: int = 1, greedy: bool | str = True) -> Callable:
     """Compiled decode_step(weights, state) -> state, the state donated.
 
-    greedy: True (every row greedy, no penalties: the fused path's argmax head), "penalized" (every row
-    greedy, some with penalties), "sampled" (sampling, no penalties) or False (sampling), as greedy_mode
-    says.
+    greedy: False (sampling), True (every row greedy, no penalties: the fused path's argmax head) or
+    "penalized" (every row greedy, some with penalties), as greedy_mode says.
     """
     return self._build(("step", batch, greedy), *self._decode_program(batch, greedy, 1))
 
@@ -717,28 +716,22 @@ class Engine:
 
 
 def greedy_mode(rows: SamplingParams | Sequence[SamplingParams]) -> bool | str:
-  """The step a request needs (Engine.step_fn's `greedy`): True where every row is greedy without penalties
-  (the fused path's argmax head), "penalized" where every row is greedy and some has a penalty, "sampled"
-  where some row samples and none has a penalty (the penalties are left out of the program), else False.
-  rows: one SamplingParams or one per row."""
+  """The step a request needs (Engine.step_fn's `greedy`): False unless every row is greedy (one sampling
+  step serves every sampling setting, penalties included: changing them never compiles); then True, or
+  "penalized" where some row has a penalty. rows: one SamplingParams or one per row."""
   rows = [rows] if isinstance(rows, SamplingParams) else rows
-  penalized = any(p.penalized for p in rows)
   if not all(p.greedy for p in rows):
-    return False if penalized else "sampled"
-  return "penalized" if penalized else True
+    return False
+  return "penalized" if any(p.penalized for p in rows) else True
 
 
 def _all_greedy(params, batch: int) -> bool | str:
   return greedy_mode(rows_of(params, batch))
 
 
-def _greedy_only(greedy: bool | str) -> bool:
-  return greedy is True or greedy == "penalized"
-
-
 def _step_flags(greedy: bool | str) -> dict:
   """decode_step's static flags for a greedy mode (see Engine.step_fn)."""
-  return {"greedy_only": _greedy_only(greedy), "penalties": greedy in (False, "penalized")}
+  return {"greedy_only": bool(greedy), "penalties": greedy is not True}
 
 
 class _Sequence:

@@ -147,15 +147,15 @@ def test_cuda_top_candidates_equal_a_full_sort(v, k):
 
 @pytest.mark.gpu
 def test_sample_draws_the_same_tokens_on_the_kernel_path(monkeypatch):
-  """With the same keys and tie-free logits, the FFI path (candidates from the CUDA kernel, penalties left
-  out where none is set) draws what the jnp path draws, for every kind of setting."""
+  """With the same keys and tie-free logits, the FFI path (candidates from the CUDA kernel) draws what the
+  jnp path draws, for every kind of setting."""
   monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", "1")
   x = jnp.asarray(_candidate_rows(151936)[:, None, :].repeat(4, 1).reshape(16, 151936))
   rows = [SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_k=40, seed=2),
           SamplingParams(temperature=0.8, min_p=0.05, seed=3), SamplingParams(temperature=1.2, seed=4)] * 4
   smp = Sampler.create(rows, 16)
   want, _ = jax.jit(lambda x, s: sample(x, s))(x, smp)
-  got, _ = jax.jit(lambda x, s: sample(x, s, penalties=False, kernels="ffi"))(x, smp)
+  got, _ = jax.jit(lambda x, s: sample(x, s, kernels="ffi"))(x, smp)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -174,7 +174,8 @@ def test_candidates_take_the_jnp_path_where_no_kernel_runs(monkeypatch):
 
 
 def test_leaving_out_unset_penalties_draws_the_same_tokens():
-  """penalties=False (the engine's "sampled" mode: no row has a penalty) draws what the full path draws."""
+  """penalties=False (a promise that no row has a penalty, as the greedy argmax step makes) draws what the
+  full path draws."""
   x = jnp.asarray(_candidate_rows(5000))
   rows = [SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_k=40, seed=2),
           SamplingParams(temperature=0.8, min_p=0.05, seed=3), SamplingParams(temperature=1.2, seed=4)]
