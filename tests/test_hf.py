@@ -143,7 +143,7 @@ def teacher_forced(both):
     hf_logits = both["hf"](torch.tensor([ids])).logits[0].numpy()
   wq = load_weights(both["gf"], quant="w8a16", dtype=jnp.float32, progress=False)
   return dict(ids=ids, hf=hf_logits, ours=_our_logits(both["config"], both["wf"], ids),
-              quant=_our_logits(both["config"], wq, ids))
+              quant=_our_logits(both["config"], wq, ids), wq=wq)
 
 
 def test_teacher_forced_agreement_with_hf(both, teacher_forced):
@@ -159,12 +159,45 @@ def _log_softmax(x):
   return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def _agreement(ref, got):
+  """Top-1 agreement, relative L2 error of the logits and mean KL(ref || got) in nats over the rows."""
+  agree = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+  rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+  lr, lg = _log_softmax(ref.astype(np.float64)), _log_softmax(got.astype(np.float64))
+  return agree, rel, float(np.mean(np.sum(np.exp(lr) * (lr - lg), axis=-1)))
+
+
 def test_w8a16_agreement_with_float(both, teacher_forced):
-  f, q = teacher_forced["ours"], teacher_forced["quant"]
-  agree = float(np.mean(f.argmax(-1) == q.argmax(-1)))
-  rel = float(np.linalg.norm(q - f) / np.linalg.norm(f))
-  lf, lq = _log_softmax(f.astype(np.float64)), _log_softmax(q.astype(np.float64))
-  kl = float(np.mean(np.sum(np.exp(lf) * (lf - lq), axis=-1)))
-  print(f"{both['name']}: W8A16 vs float over {len(f)} positions: top-1 agreement {agree:.4f}, "
+  agree, rel, kl = _agreement(teacher_forced["ours"], teacher_forced["quant"])
+  print(f"{both['name']}: W8A16 vs float over {len(teacher_forced['ours'])} positions: top-1 agreement "
+        f"{agree:.4f}, logits rel err {rel:.4f}, mean KL {kl:.5f} nats")
+  assert agree >= 0.95 and rel < 0.1 and kl < 0.05
+
+
+def test_fused_decode_agrees_with_hf(both, teacher_forced, monkeypatch):
+  """The fused decode step (the GPU's decode path; JAXLLM_FUSED_CPU=1 runs it on the CPU's fused handlers),
+  W8A16, fed the text one token at a time after a 64-token prompt, against HF's float logits at the same
+  positions: within test_w8a16_agreement_with_float's bounds."""
+  import jax
+  from jaxllm.kernels import fused
+  from jaxllm.model import forward_decode_fused
+  monkeypatch.setenv("JAXLLM_FUSED_CPU", "1")
+  config, wq, ids = both["config"], teacher_forced["wq"], teacher_forced["ids"]
+  prompt, steps = 64, 128
+  cache = create_cache(config, 1, prompt + steps + 1, jnp.float32)
+  assert fused.fused_decode_reason(config, wq, cache, 1) is None, fused.fused_decode_reason(config, wq, cache, 1)
+  _, cache = sequence_logits(config, wq, cache, jnp.asarray([ids[:prompt]], jnp.int32), jnp.zeros((1,), jnp.int32),
+                             kernels="ffi")
+
+  def step(weights, cache, token, pos):
+    x, cache = forward_decode_fused(config, weights, cache, token, pos, jnp.ones((1,), bool))
+    return fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head, dtype=cache.compute_dtype), cache
+  run = jax.jit(step, donate_argnums=(1,))
+  rows = []
+  for pos in range(prompt, prompt + steps):
+    out, cache = run(wq, cache, jnp.asarray([ids[pos]], jnp.int32), jnp.full((1,), pos, jnp.int32))
+    rows.append(np.asarray(out[0], np.float32))
+  agree, rel, kl = _agreement(teacher_forced["hf"][prompt:prompt + steps], np.stack(rows))
+  print(f"{both['name']}: fused decode (W8A16) vs HF over {steps} steps: top-1 agreement {agree:.4f}, "
         f"logits rel err {rel:.4f}, mean KL {kl:.5f} nats")
   assert agree >= 0.95 and rel < 0.1 and kl < 0.05
