@@ -18,6 +18,7 @@
 #include <string>
 
 #include "common.h"
+#include "w8a16_cuda.cuh"   // OrderedBits
 
 namespace jaxllm {
 namespace {
@@ -27,12 +28,12 @@ constexpr int kMaxK = 128;           // candidates (jaxllm.sampling.MAX_TOP_K)
 constexpr int kThreads = 1024;       // Select's block
 constexpr int kMaxBlocks = 8 * kThreads;   // blocks of a row Select holds (8 keys a thread): V <= 1M
 
+// The LM-head argmax's packing (w8a16::OrderedBits of the value, then ~index), with -0.0 counted as +0.0.
 __device__ __forceinline__ uint64_t KeyOf(float v, int64_t i) {
-  const uint32_t u = __float_as_uint(v == 0.f ? 0.f : v);
-  const uint32_t o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (uint64_t(o) << 32) | uint32_t(~uint32_t(i));
+  return (uint64_t(w8a16::OrderedBits(v == 0.f ? 0.f : v)) << 32) | uint32_t(~uint32_t(i));
 }
-__device__ __forceinline__ float ValueOf(uint64_t key) {
+__device__ __forceinline__ float ValueOf(uint64_t key) {   // OrderedBits undone
+
   const uint32_t o = uint32_t(key >> 32);
   return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
 }
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(256) BlockMax(const float* __restrict__ x, uin
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if (lane == 0) ws[size_t(b) * n + i] = (KeyOf(m, 0) & 0xffffffff00000000ull) | uint32_t(~uint32_t(i));
+  if (lane == 0) ws[size_t(b) * n + i] = KeyOf(m, i);   // the block's index below its maximum
 }
 
 struct SelectShared {

@@ -246,11 +246,14 @@ def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, laye
                           **kw)(*args, layer=np.int64(layer))
 
 
+def _candidates_shape_ok(v: int, k: int) -> bool:
+  """Whether the candidates kernel takes rows of v logits and k candidates (at least k blocks of V)."""
+  return 1 <= k <= MAX_CANDIDATES and k <= -(-v // CANDIDATE_BLOCK) <= MAX_CANDIDATE_BLOCKS
+
+
 def top_candidates_supported(v: int, k: int) -> bool:
   """Whether the CUDA candidates kernel takes rows of v logits and k candidates (on this backend)."""
-  n = -(-v // CANDIDATE_BLOCK)
-  return (jax.default_backend() == "gpu" and 1 <= k <= MAX_CANDIDATES and k <= n <= MAX_CANDIDATE_BLOCKS
-          and unavailable_reason() is None)
+  return jax.default_backend() == "gpu" and _candidates_shape_ok(v, k) and unavailable_reason() is None
 
 
 def top_candidates(x: jax.Array, k: int, *, poison: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -265,7 +268,7 @@ def top_candidates(x: jax.Array, k: int, *, poison: jax.Array | None = None) -> 
     raise ValueError(f"x must be [B, V], got {x.shape}")
   b, v = x.shape
   n = -(-v // CANDIDATE_BLOCK)
-  if not (1 <= k <= MAX_CANDIDATES and k <= n <= MAX_CANDIDATE_BLOCKS):
+  if not _candidates_shape_ok(v, k):
     raise ValueError(f"top_candidates: k must be in [1, {MAX_CANDIDATES}] and V / {CANDIDATE_BLOCK} in [k, "
                      f"{MAX_CANDIDATE_BLOCKS}], got k={k}, V={v}")
   outs = (jax.ShapeDtypeStruct((b, k), jnp.float32), jax.ShapeDtypeStruct((b, k), jnp.int32),
