@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 SHAPES = [(576, 4096), (576, 16384), (576, 49152), (896, 151936), (4864, 896)]
 CHAIN_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]   # SmolLM2-135M: qkv, o, gate/up, down
@@ -30,6 +29,7 @@ def main(argv=None) -> int:
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from jaxllm.bench import best_seconds
   from jaxllm.kernels import ffi
   from jaxllm.quant import Linear, quantize_int8
   rng = np.random.default_rng(0)
@@ -42,41 +42,20 @@ def main(argv=None) -> int:
     for m in args.m:
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
       f = jax.jit(lambda x: ffi.w8a16_matmul(x, lin, 0))
-      f(x).block_until_ready()
-      calls = max(10, int(2e8 / (n * k)))
-      best = float("inf")
-      for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-          r = f(x)
-        r.block_until_ready()
-        best = min(best, (time.perf_counter() - t0) / calls)
+      best = best_seconds(f, x, calls=max(10, int(2e8 / (n * k))), batches=3)
       print(f"| {k} | {n} | {n * k / 1e6:.1f} | {m} | {best * 1e6:.1f} | {n * k / best / 1e9:.2f} |")
   return 0
-
-
-def best_of(f, *a, calls=20) -> float:
-  """Seconds per call of the jitted f, best of 5 batches of `calls`."""
-  import jax
-  jax.block_until_ready(f(*a))
-  best = float("inf")
-  for _ in range(5):
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      r = f(*a)
-    jax.block_until_ready(r)
-    best = min(best, (time.perf_counter() - t0) / calls)
-  return best
 
 
 def chain(layers: int) -> int:
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from jaxllm.bench import best_seconds
   from jaxllm.kernels import ffi
   from jaxllm.quant import Linear, quantize_int8
   rng = np.random.default_rng(0)
-  print(f"| K | N | layers | MB | us per call | G weights/s |\n|---|---|---|---|---|---|")
+  print("| K | N | layers | MB | us per call | G weights/s |\n|---|---|---|---|---|---|")
   for k, n in CHAIN_SHAPES:
     q, s = quantize_int8(rng.standard_normal((layers, n, k)).astype(np.float32))
     lin = Linear(jnp.asarray(q), jnp.asarray(s))
@@ -91,7 +70,8 @@ def chain(layers: int) -> int:
       for i in range(layers):
         x = x + x[:, :1] * 0
       return x
-    per = (best_of(jax.jit(with_matmuls), x, lin) - best_of(jax.jit(without), x, lin)) / layers
+    per = (best_seconds(jax.jit(with_matmuls), x, lin, calls=20)
+           - best_seconds(jax.jit(without), x, lin, calls=20)) / layers
     print(f"| {k} | {n} | {layers} | {layers * n * k / 1e6:.1f} | {per * 1e6:.1f} | {n * k / per / 1e9:.2f} |")
   return 0
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 
 def main(argv=None) -> int:
@@ -36,6 +35,7 @@ def main(argv=None) -> int:
   import numpy as np
 
   from jaxllm import sampling
+  from jaxllm.bench import best_seconds
   from jaxllm.kernels import ffi
   from jaxllm.sampling import SamplingParams, Sampler
 
@@ -64,14 +64,7 @@ def main(argv=None) -> int:
       for _ in range(n):
         x = dep(x, fn(x, s))
       return x
-    f = jax.jit(run)
-    jax.block_until_ready(f(x0, smp))
-    best = float("inf")
-    for _ in range(5):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(x0, smp))
-      best = min(best, time.perf_counter() - t0)
-    return best
+    return best_seconds(jax.jit(run), x0, smp)
 
   rows = []
   if ffi.unavailable_reason() or jax.default_backend() != "gpu":

@@ -93,6 +93,21 @@ def _gb(n) -> str:
   return "n/a" if n is None else f"{n / 1e9:.2f}"
 
 
+def best_seconds(fn, *args, calls: int = 1, batches: int = 5) -> float:
+  """Seconds per call of fn(*args) (a jitted function): one warm-up call, then the best of `batches` batches of
+  `calls` calls dispatched back to back and waited for once."""
+  import jax
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(batches):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    best = min(best, (time.perf_counter() - t0) / calls)
+  return best
+
+
 def load_model(model: str, quant: str, seed: int):
   """(config, weights, tokenizer or None, synthetic?) for a path, demo name or synthetic preset."""
   from jaxllm.load import default_dtype, load
