@@ -129,9 +129,15 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
            int S, int P, int C, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
-  w8a16::GridDepWait();
   const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
   const int R = H / G, h = g * R + r;
+  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
+  const T* kh = k + head;
+  const T* vh = v + head;
+  if constexpr (PRO) {   // the layers call's early trigger: the next kernel may launch before this one waits
+    if (pa.early) w8a16::GridDepLaunch();
+  }
+  w8a16::GridDepWait();
   const int len = min(max(lengths[b], 1), S);
   const int tiles = (len + TP - 1) / TP, used = min(P, tiles);
   // Whether this block's cluster merges its splits itself (the same for every block of a cluster).
@@ -145,7 +151,6 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   const bool work = p < used;   // (false only for idle blocks of a clustered merge)
   __shared__ float q_s[kMaxGroup][D];
   const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;
-  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
   float m = -INFINITY, l = 0.f, acc[DV];
 #pragma unroll
   for (int e = 0; e < DV; ++e) acc[e] = 0.f;
@@ -167,8 +172,6 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     } else {
       for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
     }
-    const T* kh = k + head;
-    const T* vh = v + head;
     const float* qr = q_s[r] + (lane % LPP) * EK;
     __syncwarp();
     for (int c = p; c < tiles; c += P) {
@@ -203,7 +206,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
       }
     }
   }
-  w8a16::GridDepLaunch();
+  if (!(PRO && pa.early)) w8a16::GridDepLaunch();
   T* o_out = out + (size_t(b) * H + h) * D + lane * DV;
   if (used == 1) {
 #pragma unroll
@@ -291,8 +294,7 @@ template <int D>
 int ClusterSize(int P, int R) {
   static const int enabled = [] {
     int dev = 0, major = 0;
-    const char* env = std::getenv("JAXLLM_ATTN_CLUSTER");
-    if (env != nullptr && env[0] == '0') return 0;
+    if (!EnvFlag("JAXLLM_ATTN_CLUSTER", true)) return 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
       cudaGetLastError();
       return 0;

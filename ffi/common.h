@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -10,6 +11,12 @@
 namespace jaxllm {
 
 namespace ffi = xla::ffi;
+
+// An on/off switch from the environment: unset or empty gives dflt, a value starting with '0' off, else on.
+inline bool EnvFlag(const char* name, bool dflt) {
+  const char* v = std::getenv(name);
+  return v == nullptr || v[0] == '\0' ? dflt : v[0] != '0';
+}
 
 inline std::string DimsString(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";

@@ -32,6 +32,9 @@ struct Args {
   int layer = 0;
   bool neox = false;
   float pos_scale = 1.f, eps = 0.f;
+  // The layers call's launch option for the attention kernel it prefixes: let the next kernel launch before
+  // waiting on the previous one (programmatic dependent launch).
+  bool early = false;
 };
 
 // The elements of RoPE pair i of a head of D: neox pairs i and i + D / 2, the normal style 2i and 2i + 1.

@@ -7,10 +7,11 @@
 //   1. BlockMax (all SMs): the key of each block of 128 logits' maximum, with the block's ~index below it:
 //      ws [B, 2n] uint32 (n uint64 keys).
 //   2. Select, one block of 1024 threads per row: the K blocks with the largest keys hold the top K values
-//      (a block whose maximum ranks below K holds nothing that does); a radix select (8 rounds of 8 bits,
-//      shared-memory histograms) finds the K-th largest block key, the K blocks at or above it are kept, the
-//      same select over their K x 128 values finds the K-th largest value key, and the K keys at or above it
-//      are sorted (bitonic, in shared memory) and written.
+//      (a block whose maximum ranks below K holds nothing that does); a radix select (rounds of 8 bits,
+//      shared-memory histograms, stopping once the digits chosen separate exactly K keys) finds a bound for
+//      the K-th largest block key, the K blocks at or above it are kept, the same select over those of their
+//      K x 128 values that reach the K-th block maximum finds the K-th largest value key, and each of the K
+//      keys at or above it is written at its rank (the number of the K keys larger than it).
 // Command-buffer compatible: kernels on XLA's stream, nothing allocated, no host read.
 #include <cuda_runtime.h>
 
@@ -58,34 +59,42 @@ __global__ void __launch_bounds__(256) BlockMax(const float* __restrict__ x, uin
 }
 
 struct SelectShared {
-  unsigned hist[256];
+  unsigned hist[2][256];   // a round's histogram, and the next one's (cleared meanwhile)
   uint64_t keys[kMaxK];
   int blocks[kMaxK];
   int count;
-  int digit;
-  int rem;
+  int digit[2], rem[2], done[2];
 };
 
-// The k-th largest (1-based) of the block's keys (PER a thread; 0 pads, below every real key; at least k
-// real keys). 8 rounds of 8 bits from the top: count the keys that match the digits chosen so far by their
-// next digit, pick the digit where the k-th falls.
+// A lower bound of the k-th largest (1-based) of the block's nonzero keys (PER a thread; 0 pads, below every
+// real key; at least k real keys) such that exactly k keys are at or above it. Rounds of 8 bits from the top:
+// count the keys that match the digits chosen so far by their next digit (warp-aggregated shared atomics:
+// the top digits of similar logits are mostly the same), pick the digit where the k-th falls; stop early
+// once every key of that digit is among the k (then prefix | digit, the lower bits zero, is the bound).
+// Two barriers a round: the histograms alternate, the next one cleared while this one is scanned.
 template <int PER>
 __device__ uint64_t SelectKth(const uint64_t (&keys)[PER], int k, SelectShared& sh) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[0][i] = 0;
+  __syncthreads();
   uint64_t prefix = 0, mask = 0;
   int rem = k;
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
-    __syncthreads();
+  for (int round = 0, shift = 56; shift >= 0; ++round, shift -= 8) {
+    const int cur = round & 1;
+    unsigned* h = sh.hist[cur];
 #pragma unroll
-    for (int j = 0; j < PER; ++j)
-      if ((keys[j] & mask) == prefix) atomicAdd(&sh.hist[(keys[j] >> shift) & 255], 1u);
+    for (int j = 0; j < PER; ++j) {
+      const bool in = keys[j] != 0 && (keys[j] & mask) == prefix;
+      const unsigned d = in ? unsigned(keys[j] >> shift) & 255u : 256u;
+      const unsigned peers = __match_any_sync(0xffffffffu, d);
+      if (in && int(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[d], unsigned(__popc(peers)));
+    }
     __syncthreads();
     if (threadIdx.x < 32) {
       // Lane l holds digits 255 - 8l ... 248 - 8l (the largest first).
       const int lane = threadIdx.x;
       unsigned c[8], s = 0;
 #pragma unroll
-      for (int t = 0; t < 8; ++t) { c[t] = sh.hist[255 - 8 * lane - t]; s += c[t]; }
+      for (int t = 0; t < 8; ++t) { c[t] = h[255 - 8 * lane - t]; s += c[t]; }
       unsigned incl = s;
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
@@ -97,37 +106,24 @@ __device__ uint64_t SelectKth(const uint64_t (&keys)[PER], int k, SelectShared& 
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
           if (before + c[t] >= unsigned(rem)) {
-            sh.digit = 255 - 8 * lane - t;
-            sh.rem = rem - int(before);
+            sh.digit[cur] = 255 - 8 * lane - t;
+            sh.rem[cur] = rem - int(before);
+            sh.done[cur] = c[t] == unsigned(rem) - before;
             break;
           }
           before += c[t];
         }
       }
+    } else {
+      for (int i = threadIdx.x - 32; i < 256; i += blockDim.x - 32) sh.hist[cur ^ 1][i] = 0;
     }
     __syncthreads();
-    prefix |= uint64_t(sh.digit) << shift;
+    prefix |= uint64_t(sh.digit[cur]) << shift;
     mask |= uint64_t(255) << shift;
-    rem = sh.rem;
-    __syncthreads();   // every thread has read digit and rem before the next round's warp 0 writes them
+    rem = sh.rem[cur];
+    if (sh.done[cur]) break;
   }
   return prefix;
-}
-
-// Sorts sh.keys[0, N) descending (N a power of two, N / 2 <= blockDim.x).
-__device__ void SortKeys(SelectShared& sh, int N) {
-  for (int size = 2; size <= N; size <<= 1) {
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      const int i = threadIdx.x;
-      if (i < N / 2) {
-        const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
-        const bool desc = (lo & size) == 0;
-        const uint64_t a = sh.keys[lo], c = sh.keys[hi];
-        if ((a < c) == desc) { sh.keys[lo] = c; sh.keys[hi] = a; }
-      }
-      __syncthreads();
-    }
-  }
 }
 
 // One block per row: vals [B, K] f32 and ids [B, K] int32, descending. Needs n >= K blocks.
@@ -144,12 +140,15 @@ __global__ void __launch_bounds__(kThreads) Select(const float* __restrict__ x, 
     bk[j] = i < n ? ws[size_t(b) * n + i] : 0;
   }
   if (t == 0) sh.count = 0;
-  const uint64_t tb = SelectKth(bk, K, sh);   // (its syncs order the count's reset before the adds below)
+  const uint64_t tb = SelectKth(bk, K, sh);   // (its barriers order the count's reset before the adds below)
 #pragma unroll
   for (int j = 0; j < kMaxBlocks / kThreads; ++j)
     if (bk[j] >= tb && bk[j] != 0) sh.blocks[atomicAdd(&sh.count, 1)] = IndexOf(bk[j]);
   __syncthreads();
-  // 2. Their K x 128 values (in whatever order the blocks landed: the keys carry the order).
+  // 2. Their K x 128 values (in whatever order the blocks landed: the keys carry the order). The K-th largest
+  // value is at least the K-th largest block maximum (K distinct values reach it), so only values whose
+  // ordered bits reach the bound's take part.
+  const uint32_t floor_bits = uint32_t(tb >> 32);
   constexpr int PER = kMaxK * kBlock / kThreads;
   uint64_t ck[PER];
 #pragma unroll
@@ -158,24 +157,26 @@ __global__ void __launch_bounds__(kThreads) Select(const float* __restrict__ x, 
     ck[j] = 0;
     if (s < K * kBlock) {
       const int64_t e = int64_t(sh.blocks[s / kBlock]) * kBlock + s % kBlock;
-      if (e < V) ck[j] = KeyOf(x[size_t(b) * V + e], e);
+      if (e < V) {
+        const uint64_t key = KeyOf(x[size_t(b) * V + e], e);
+        if (uint32_t(key >> 32) >= floor_bits) ck[j] = key;
+      }
     }
   }
   __syncthreads();
   if (t == 0) sh.count = 0;
   const uint64_t tv = SelectKth(ck, K, sh);
-  int N = 1;
-  while (N < K) N <<= 1;
-  for (int i = t; i < N; i += kThreads) sh.keys[i] = 0;
-  __syncthreads();
 #pragma unroll
   for (int j = 0; j < PER; ++j)
     if (ck[j] >= tv && ck[j] != 0) sh.keys[atomicAdd(&sh.count, 1)] = ck[j];
   __syncthreads();
-  SortKeys(sh, N);
-  for (int i = t; i < K; i += kThreads) {
-    vals[size_t(b) * K + i] = ValueOf(sh.keys[i]);
-    ids[size_t(b) * K + i] = IndexOf(sh.keys[i]);
+  // 3. Exactly K distinct keys: each one's place is the number of keys above it.
+  if (t < K) {
+    const uint64_t key = sh.keys[t];
+    int place = 0;
+    for (int i = 0; i < K; ++i) place += sh.keys[i] > key;
+    vals[size_t(b) * K + place] = ValueOf(key);
+    ids[size_t(b) * K + place] = IndexOf(key);
   }
 }
 

@@ -242,12 +242,15 @@ enum : unsigned {
 
 // The fused operands: the norm weight [K] and eps (kNorm), the residual [M, N] (kResidual, may be y itself:
 // each element is read and then written by one thread); pdl: launch as a programmatic dependent of the
-// previous kernel on the stream (the kernel issues its first weight loads, then waits for that kernel).
+// previous kernel on the stream (the kernel issues its first weight loads, then waits for that kernel);
+// early: with pdl, let the next kernel launch as soon as this one's weight loads are issued (before its wait),
+// not once its weights are read, so that the next kernel's loads overlap this one's whole run.
 struct Fuse {
   const float* norm_w = nullptr;
   float eps = 0.f;
   const float* res = nullptr;
   bool pdl = false;
+  bool early = false;
 };
 
 // Programmatic dependent launch (sm_90): wait for the grid this one depends on (a no-op without one), and
@@ -440,17 +443,22 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
   // Nothing before GridDepWait reads what an earlier kernel writes: the weights' first loads go out first.
   if constexpr (NORM) {   // the weights' first loads are in flight while the block normalizes x
     load_round(c0);
+    if (fu.early) GridDepLaunch();
     GridDepWait();
     norm_rows();
     stage_x();
     __syncthreads();
   } else {
     if constexpr (XS && XA) {
+      if (fu.early) GridDepLaunch();
       GridDepWait();
       stage_x();
     }
     load_round(c0);
-    if constexpr (!(XS && XA)) GridDepWait();
+    if constexpr (!(XS && XA)) {
+      if (fu.early) GridDepLaunch();
+      GridDepWait();
+    }
     if constexpr (XS && !XA) stage_x();
     if constexpr (XS) __syncthreads();
   }
@@ -481,7 +489,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
     if (c0 >= chunks) break;
     load_round(c0);
   }
-  GridDepLaunch();   // the weights are read: the next kernel may start issuing its own
+  if (!fu.early) GridDepLaunch();   // the weights are read: the next kernel may start issuing its own
   // Reduce over the team: its lanes in each warp by shuffles (a[0] ends up with the total of value j on
   // the lanes j * kLanes / V ...), then (TPR > 32) the team's warps through shared memory.
   constexpr int V = MT * ROWS;

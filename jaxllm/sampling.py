@@ -15,8 +15,8 @@ the last 64 tokens, prompt included):
      with any, among the MAX_TOP_K most likely tokens. Top-p and min-p are therefore exact whenever the
      tokens they keep are among those candidates; a nucleus wider than MAX_TOP_K tokens is cut to them.
 Candidates come from an exact two-stage top-k (block maxima, then the best blocks), never a sort of V; on the
-GPU's FFI path with JAXLLM_CANDIDATES_KERNEL=1 from one CUDA kernel (jaxllm.kernels.ffi.top_candidates:
-radix selects instead of XLA's sorts; opt-in until it has run on a GPU, see candidates_kernel).
+GPU's FFI path from one CUDA kernel (jaxllm.kernels.ffi.top_candidates: radix selects instead of XLA's
+sorts; JAXLLM_CANDIDATES_KERNEL=0 keeps the jnp path, see candidates_kernel).
 A row whose logits are not all finite samples token -1 and is reported, never drawn from.
 """
 from __future__ import annotations
@@ -196,10 +196,9 @@ CANDIDATES_ENV = "JAXLLM_CANDIDATES_KERNEL"
 
 
 def candidates_kernel() -> bool:
-  """Whether FFI paths take the candidates from the CUDA kernel: only with JAXLLM_CANDIDATES_KERNEL=1 for
-  now. The kernel (ffi/sampling_cuda.cu) was written on 2026-12-01 without a GPU to run it on; it becomes
-  the default once its GPU tests (tests/test_sampling.py) pass on the H200 and the sampled step is timed."""
-  value = os.environ.get(CANDIDATES_ENV, "0").strip()
+  """Whether FFI paths take the candidates from the CUDA kernel (ffi/sampling_cuda.cu) where it runs: yes
+  unless JAXLLM_CANDIDATES_KERNEL=0 (the jnp path, for comparison)."""
+  value = os.environ.get(CANDIDATES_ENV, "1").strip() or "1"
   if value not in ("0", "1"):
     raise ValueError(f"{CANDIDATES_ENV} must be 0 or 1, got {value!r}")
   return value == "1"
