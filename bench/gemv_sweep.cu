@@ -21,19 +21,11 @@
 #include <string>
 #include <vector>
 
+#include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
 
 using bf16 = __nv_bfloat16;
 namespace w = jaxllm::w8a16;
-
-#define CHECK(call)                                                                                  \
-  do {                                                                                               \
-    cudaError_t e_ = (call);                                                                         \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-      std::exit(1);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 __device__ uint32_t Hash(uint64_t i, uint32_t seed) {
   uint64_t z = i * 0x9e3779b97f4a7c15ull + seed;
@@ -229,42 +221,6 @@ Config MakeStream() {
                 MINB > 1 ? ("_minb" + std::to_string(MINB)).c_str() : "", C == w::Conv::kInt16 ? "_int16" : "");
   return {buf, 1, w::StreamFits<U>, [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int, int n,
                              int k, int g) { return w::LaunchStream<bf16, ROWS, U, HINT, MINB, C>(st, x, q, s, y, n, k, g); }};
-}
-
-// Median over `reps` replays of a graph of `calls` launches of fn(i) (i = call index).
-float GraphMedianUs(cudaStream_t st, int calls, const std::function<void(int)>& fn, int reps = 15) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < calls; ++i) fn(i);
-  CHECK(cudaStreamEndCapture(st, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, st));
-  std::vector<float> ts;
-  for (int r = 0; r < reps; ++r) {
-    CHECK(cudaEventRecord(a, st));
-    CHECK(cudaGraphLaunch(exec, st));
-    CHECK(cudaEventRecord(b, st));
-    CHECK(cudaEventSynchronize(b));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms * 1e3f);
-  }
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
-}
-
-// Per-call microseconds: (graph of 2n calls - graph of n calls) / n.
-float PerCallUs(cudaStream_t st, int n, const std::function<void(int)>& fn) {
-  const float t1 = GraphMedianUs(st, n, fn), t2 = GraphMedianUs(st, 2 * n, fn);
-  return (t2 - t1) / n;
 }
 
 int main(int argc, char** argv) {
