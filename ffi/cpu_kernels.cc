@@ -401,6 +401,37 @@ ffi::Error QkvCpu(ffi::ThreadPool, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi:
   return ffi::Error::Success();
 }
 
+// exp(x) for x <= 0 (-inf included: about 1e-38, not 0) without a library call, so that a loop of it
+// vectorizes: x = n ln 2 + r with n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by Cephes' degree-6
+// polynomial (relative error about 2e-7), 2^n through the exponent bits.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.f);
+  const float t = std::fma(x, 1.44269504f, 12582912.f);   // 1.5 * 2^23 + x / ln 2: n in the low bits
+  const float n = t - 12582912.f;
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r) + 1.f;
+  uint32_t tb, pb;
+  std::memcpy(&tb, &t, 4);
+  std::memcpy(&pb, &p, 4);
+  pb += (tb - 0x4B400000u) << 23;   // n (two's complement, |n| <= 126) added to the exponent
+  float out;
+  std::memcpy(&out, &pb, 4);
+  return out;
+}
+
+constexpr int64_t kAttnChunk = 256;   // positions a task of the CPU decode attention takes
+
+// Decode attention: a task per (sequence, kv head, chunk of kAttnChunk visible positions). It reads each key
+// once for the group's query heads (scores), takes exp(score - the chunk's maximum) in one vectorized pass,
+// then reads each value once for the weighted sums; the chunks of a (sequence, kv head) then merge by their
+// maxima (one chunk: nothing to merge). Scores and sums in f32.
 ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> /*workspace: used by the CUDA handler only*/,
@@ -411,37 +442,78 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   // Visible lengths are clipped to [1, S], the contract of every path (jaxllm/kernels/attention.py).
   const int32_t* len_in = static_cast<const int32_t*>(lengths.untyped_data());
   std::vector<int32_t> len(s.b);
-  for (int64_t b = 0; b < s.b; ++b) len[b] = int32_t(std::clamp<int64_t>(len_in[b], 1, s.s));
-  const int64_t rep = s.h / s.g;
-  const float softmax_scale = 1.f / std::sqrt(float(s.d));
-  // One task per (b, kv head): it reads that head's keys/values once for all `rep` query heads.
-  ParallelFor(pool, s.b * s.g, [&, t, tkv, rep, softmax_scale](int64_t bg) {
-    const int64_t b = bg / s.g, g = bg % s.g;
-    const int64_t base = (((layer * s.b + b) * s.g + g) * s.s) * s.d;   // cache[layer, b, g, 0, 0]
-    std::vector<float> qf(rep * s.d), acc(rep * s.d, 0.f), kf(s.d), vf(s.d), mx(rep, -INFINITY), den(rep, 0.f);
-    for (int64_t r = 0; r < rep; ++r) LoadF32(q.untyped_data(), t, (b * s.h + g * rep + r) * s.d, s.d, &qf[r * s.d]);
-    for (int64_t pos = 0; pos < len[b]; ++pos) {
-      LoadF32(k.untyped_data(), tkv, base + pos * s.d, s.d, kf.data());
-      LoadF32(v.untyped_data(), tkv, base + pos * s.d, s.d, vf.data());
+  std::vector<int64_t> first(s.b + 1, 0);   // first task of sequence b's kv heads: chunks per head
+  for (int64_t b = 0; b < s.b; ++b) {
+    len[b] = int32_t(std::clamp<int64_t>(len_in[b], 1, s.s));
+    first[b + 1] = first[b] + (len[b] + kAttnChunk - 1) / kAttnChunk;
+  }
+  const int64_t rep = s.h / s.g, d = s.d;
+  const float softmax_scale = 1.f / std::sqrt(float(d));
+  // Partials per (sequence, kv head, chunk): acc [rep][d], then max [rep] and denominator [rep].
+  const int64_t part = rep * (d + 2);
+  std::vector<float> parts(size_t(first[s.b] * s.g * part));
+  ParallelFor(pool, first[s.b] * s.g, [&](int64_t task) {
+    const int64_t g = task % s.g, chunk_task = task / s.g;
+    const int64_t b = std::upper_bound(first.begin(), first.end(), chunk_task) - first.begin() - 1;
+    const int64_t p0 = (chunk_task - first[b]) * kAttnChunk, n = std::min<int64_t>(kAttnChunk, len[b] - p0);
+    const int64_t base = (((layer * s.b + b) * s.g + g) * s.s + p0) * d;   // cache[layer, b, g, p0, 0]
+    std::vector<float> qf(rep * d), row(d), sc(rep * n);
+    for (int64_t r = 0; r < rep; ++r) LoadF32(q.untyped_data(), t, (b * s.h + g * rep + r) * d, d, &qf[r * d]);
+    for (int64_t pos = 0; pos < n; ++pos) {
+      LoadF32(k.untyped_data(), tkv, base + pos * d, d, row.data());
       for (int64_t r = 0; r < rep; ++r) {
-        const float* qr = &qf[r * s.d];
+        const float* qr = &qf[r * d];
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < s.d; ++d) dot += qr[d] * kf[d];
-        const float score = dot * softmax_scale;
-        const float m_new = std::max(mx[r], score);
-        const float correction = std::exp(mx[r] - m_new), p = std::exp(score - m_new);
-        mx[r] = m_new;
-        den[r] = den[r] * correction + p;
-        float* ar = &acc[r * s.d];
-#pragma omp simd
-        for (int64_t d = 0; d < s.d; ++d) ar[d] = ar[d] * correction + p * vf[d];
+        for (int64_t e = 0; e < d; ++e) dot += qr[e] * row[e];
+        sc[r * n + pos] = dot * softmax_scale;
       }
     }
-    for (int64_t r = 0; r < rep; ++r)
-      for (int64_t d = 0; d < s.d; ++d)
-        StoreF32(out->untyped_data(), t, (b * s.h + g * rep + r) * s.d + d, acc[r * s.d + d] / den[r]);
+    float* pt = &parts[size_t(task) * part];   // acc [rep][d], max [rep], den [rep]
+    float* mx = pt + rep * d;
+    float* den = mx + rep;
+    for (int64_t r = 0; r < rep; ++r) {
+      float* sr = &sc[r * n];
+      float m = -INFINITY;
+      for (int64_t pos = 0; pos < n; ++pos) m = std::max(m, sr[pos]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t pos = 0; pos < n; ++pos) {
+        sr[pos] = ExpNonPositive(sr[pos] - m);
+        sum += sr[pos];
+      }
+      mx[r] = m;
+      den[r] = sum;
+    }
+    std::fill(pt, pt + rep * d, 0.f);
+    for (int64_t pos = 0; pos < n; ++pos) {
+      LoadF32(v.untyped_data(), tkv, base + pos * d, d, row.data());
+      for (int64_t r = 0; r < rep; ++r) {
+        const float w = sc[r * n + pos];
+        float* ar = pt + r * d;
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) ar[e] = std::fma(w, row[e], ar[e]);
+      }
+    }
   });
+  // Merge each (sequence, query head)'s chunks: weights exp(max_c - max over chunks).
+  for (int64_t b = 0; b < s.b; ++b) {
+    for (int64_t g = 0; g < s.g; ++g) {
+      for (int64_t r = 0; r < rep; ++r) {
+        float m = -INFINITY;
+        for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, parts[size_t(c * s.g + g) * part + rep * d + r]);
+        std::vector<float> acc(d, 0.f);
+        float den = 0.f;
+        for (int64_t c = first[b]; c < first[b + 1]; ++c) {
+          const float* pt = &parts[size_t(c * s.g + g) * part];
+          const float f = first[b + 1] - first[b] == 1 ? 1.f : std::exp(pt[rep * d + r] - m);
+          den = std::fma(f, pt[rep * d + rep + r], den);
+          for (int64_t e = 0; e < d; ++e) acc[e] = std::fma(f, pt[r * d + e], acc[e]);
+        }
+        for (int64_t e = 0; e < d; ++e) StoreF32(out->untyped_data(), t, (b * s.h + g * rep + r) * d + e, acc[e] / den);
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 
