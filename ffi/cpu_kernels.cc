@@ -459,13 +459,19 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     const int64_t base = (((layer * s.b + b) * s.g + g) * s.s + p0) * d;   // cache[layer, b, g, p0, 0]
     std::vector<float> qf(rep * d), row(d), sc(rep * n);
     for (int64_t r = 0; r < rep; ++r) LoadF32(q.untyped_data(), t, (b * s.h + g * rep + r) * d, d, &qf[r * d]);
+    // A cache row as f32: in place for an f32 cache, else widened into `row`.
+    auto row_of = [&](const ffi::AnyBuffer& c, int64_t pos) -> const float* {
+      if (tkv == ffi::F32) return static_cast<const float*>(c.untyped_data()) + base + pos * d;
+      LoadF32(c.untyped_data(), tkv, base + pos * d, d, row.data());
+      return row.data();
+    };
     for (int64_t pos = 0; pos < n; ++pos) {
-      LoadF32(k.untyped_data(), tkv, base + pos * d, d, row.data());
+      const float* kr = row_of(k, pos);
       for (int64_t r = 0; r < rep; ++r) {
         const float* qr = &qf[r * d];
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t e = 0; e < d; ++e) dot += qr[e] * row[e];
+        for (int64_t e = 0; e < d; ++e) dot += qr[e] * kr[e];
         sc[r * n + pos] = dot * softmax_scale;
       }
     }
@@ -487,12 +493,12 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     }
     std::fill(pt, pt + rep * d, 0.f);
     for (int64_t pos = 0; pos < n; ++pos) {
-      LoadF32(v.untyped_data(), tkv, base + pos * d, d, row.data());
+      const float* vr = row_of(v, pos);
       for (int64_t r = 0; r < rep; ++r) {
         const float w = sc[r * n + pos];
         float* ar = pt + r * d;
 #pragma omp simd
-        for (int64_t e = 0; e < d; ++e) ar[e] = std::fma(w, row[e], ar[e]);
+        for (int64_t e = 0; e < d; ++e) ar[e] = std::fma(w, vr[e], ar[e]);
       }
     }
   });
