@@ -131,9 +131,6 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
   const int R = H / G, h = g * R + r;
-  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
-  const T* kh = k + head;
-  const T* vh = v + head;
   if constexpr (PRO) {   // the layers call's early trigger: the next kernel may launch before this one waits
     if (pa.early) w8a16::GridDepLaunch();
   }
@@ -151,6 +148,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   const bool work = p < used;   // (false only for idle blocks of a clustered merge)
   __shared__ float q_s[kMaxGroup][D];
   const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;
+  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
   float m = -INFINITY, l = 0.f, acc[DV];
 #pragma unroll
   for (int e = 0; e < DV; ++e) acc[e] = 0.f;
@@ -172,6 +170,8 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     } else {
       for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
     }
+    const T* kh = k + head;
+    const T* vh = v + head;
     const float* qr = q_s[r] + (lane % LPP) * EK;
     __syncwarp();
     for (int c = p; c < tiles; c += P) {

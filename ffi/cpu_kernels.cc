@@ -502,17 +502,18 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
       }
     }
   });
-  // Merge each (sequence, query head)'s chunks: weights exp(max_c - max over chunks).
+  // Merge each (sequence, query head)'s chunks: weights exp(max_c - max over chunks) (1 for a single chunk).
+  std::vector<float> acc(d);
   for (int64_t b = 0; b < s.b; ++b) {
     for (int64_t g = 0; g < s.g; ++g) {
       for (int64_t r = 0; r < rep; ++r) {
         float m = -INFINITY;
         for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, parts[size_t(c * s.g + g) * part + rep * d + r]);
-        std::vector<float> acc(d, 0.f);
+        std::fill(acc.begin(), acc.end(), 0.f);
         float den = 0.f;
         for (int64_t c = first[b]; c < first[b + 1]; ++c) {
           const float* pt = &parts[size_t(c * s.g + g) * part];
-          const float f = first[b + 1] - first[b] == 1 ? 1.f : std::exp(pt[rep * d + r] - m);
+          const float f = std::exp(pt[rep * d + r] - m);
           den = std::fma(f, pt[rep * d + rep + r], den);
           for (int64_t e = 0; e < d; ++e) acc[e] = std::fma(f, pt[r * d + e], acc[e]);
         }

@@ -205,7 +205,8 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   // Each kernel lets the next one launch as soon as it has issued its weight loads, before its own wait, so
   // that the next one's loads overlap its whole run (JAXLLM_PDL_EARLY=0: once its weights are read, for
   // comparison; docs/kernels.md).
-  static const bool early = EnvFlag("JAXLLM_PDL_EARLY", true);
+  static const bool early_env = EnvFlag("JAXLLM_PDL_EARLY", true);
+  const bool early = use_pdl && early_env;
   const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
   qkv::Args pa;
   pa.qkv = qkv;
@@ -217,14 +218,14 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   pa.neox = neox != 0;
   pa.pos_scale = pos_scale;
   pa.eps = eps;
-  pa.early = use_pdl && early;
+  pa.early = early;
   // Layer i's slice of a stacked [L, rows, cols] weight (int8) or scale (f32).
   auto w8 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return i8(a) + i * m.n * m.k; };
   auto s32 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return f32(a) + i * m.n * m.groups; };
   cudaError_t e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
   for (int64_t i = 0; i < layers && e == cudaSuccess; ++i) {
     const float* xcur = i == 0 ? xin : xo;
-    Fuse fq{f32(attn_norm) + i * d, eps, nullptr, use_pdl && i > 0, use_pdl && early};
+    Fuse fq{f32(attn_norm) + i * d, eps, nullptr, use_pdl && i > 0, early};
     e = Dispatch<bf16, kNorm>(stream, mq, xcur, w8(wqkv, i, mq), s32(sqkv, i, mq), qkv, fq);
     if (e != cudaSuccess) break;
     pa.bias = LayerRow(bqkv, i, n);
@@ -236,13 +237,13 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
                  : attn1::Launch<bf16, 128>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h),
                                             int(g), int(smax), int(splits), use_pdl, pa);
     if (e != cudaSuccess) break;
-    Fuse fo{nullptr, 0.f, xcur, use_pdl, use_pdl && early};
+    Fuse fo{nullptr, 0.f, xcur, use_pdl, early};
     e = Dispatch<bf16, kResidual>(stream, mo, attn, w8(wo, i, mo), s32(so, i, mo), xo, fo);
     if (e != cudaSuccess) break;
-    Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, use_pdl, use_pdl && early};
+    Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, use_pdl, early};
     e = Dispatch<bf16, kNorm | kSwiGLU>(stream, mg, xo, w8(wgu, i, mg), s32(sgu, i, mg), act, fg);
     if (e != cudaSuccess) break;
-    Fuse fd{nullptr, 0.f, xo, use_pdl, use_pdl && early};
+    Fuse fd{nullptr, 0.f, xo, use_pdl, early};
     e = Dispatch<bf16, kResidual>(stream, md, act, w8(wd, i, md), s32(sd, i, md), xo, fd);
   }
   if (e != cudaSuccess) return ffi::Error::Internal(name + "launch: " + cudaGetErrorString(e));

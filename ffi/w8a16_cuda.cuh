@@ -243,8 +243,9 @@ enum : unsigned {
 // The fused operands: the norm weight [K] and eps (kNorm), the residual [M, N] (kResidual, may be y itself:
 // each element is read and then written by one thread); pdl: launch as a programmatic dependent of the
 // previous kernel on the stream (the kernel issues its first weight loads, then waits for that kernel);
-// early: with pdl, let the next kernel launch as soon as this one's weight loads are issued (before its wait),
-// not once its weights are read, so that the next kernel's loads overlap this one's whole run.
+// early: with pdl, let the next kernel launch just before this one waits (after issuing its first weight
+// loads, except where kXFirst stages x first), not once its weights are read, so that the next kernel's loads
+// overlap this one's whole run.
 struct Fuse {
   const float* norm_w = nullptr;
   float eps = 0.f;
