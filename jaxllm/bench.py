@@ -169,7 +169,8 @@ def run(args) -> list[dict]:
   all_weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
   graphs_on = {"on": True, "off": False, "env": None}[args.graphs]
   from jaxllm.sampling import SamplingParams
-  params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+  params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          repeat_penalty=args.repeat_penalty)
   records = []
   for kernels in kernel_list(args.kernels):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
@@ -388,6 +389,7 @@ def build_parser():
   p.add_argument("--temperature", type=float, default=0.0, help="sampling (default greedy)")
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (a penalized step otherwise)")
   p.add_argument("--label", default="")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="append JSON lines here (default: stdout)")

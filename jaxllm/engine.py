@@ -309,7 +309,7 @@ class Engine:
   def prefill_fn(self, batch: int, bucket: int, greedy: bool | str) -> Callable:
     """Compiled final prefill chunk (weights, cache, tokens [B, bucket], lengths, start, last, pos, sampler,
     limit, eog) -> DecodeState."""
-    fn = functools.partial(_final_chunk, self.config, greedy_only=bool(greedy), kernels=self.kernels,
+    fn = functools.partial(_final_chunk, self.config, greedy_only=_greedy_only(greedy), kernels=self.kernels,
                            layers=self.prefill_layers)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
@@ -320,8 +320,9 @@ class Engine:
   def step_fn(self, batch: int = 1, greedy: bool | str = True) -> Callable:
     """Compiled decode_step(weights, state) -> state, the state donated.
 
-    greedy: False (sampling), True (every row greedy, no penalties: the fused path's argmax head) or
-    "penalized" (every row greedy, some with penalties), as greedy_mode says.
+    greedy: True (every row greedy, no penalties: the fused path's argmax head), "penalized" (every row
+    greedy, some with penalties), "sampled" (sampling, no penalties) or False (sampling with penalties), as
+    greedy_mode says.
     """
     return self._build(("step", batch, greedy), *self._decode_program(batch, greedy, 1))
 
@@ -716,22 +717,30 @@ class Engine:
 
 
 def greedy_mode(rows: SamplingParams | Sequence[SamplingParams]) -> bool | str:
-  """The step a request needs (Engine.step_fn's `greedy`): False unless every row is greedy (one sampling
-  step serves every sampling setting, penalties included: changing them never compiles); then True, or
-  "penalized" where some row has a penalty. rows: one SamplingParams or one per row."""
+  """The step a request needs (Engine.step_fn's `greedy`): where every row is greedy, True, or "penalized"
+  where some row has a penalty; where some row samples, "sampled" when no row has a penalty (the step
+  skips them: a pass over [B, V] less), else False. Each sampling step serves every temperature, top-k,
+  top-p, min-p and seed (they are data: changing them never compiles). rows: one SamplingParams or one per
+  row."""
   rows = [rows] if isinstance(rows, SamplingParams) else rows
+  penalized = any(p.penalized for p in rows)
   if not all(p.greedy for p in rows):
-    return False
-  return "penalized" if any(p.penalized for p in rows) else True
+    return False if penalized else "sampled"
+  return "penalized" if penalized else True
 
 
 def _all_greedy(params, batch: int) -> bool | str:
   return greedy_mode(rows_of(params, batch))
 
 
+def _greedy_only(greedy: bool | str) -> bool:
+  """Whether a greedy mode (greedy_mode) compiles only the argmax."""
+  return greedy is True or greedy == "penalized"
+
+
 def _step_flags(greedy: bool | str) -> dict:
   """decode_step's static flags for a greedy mode (see Engine.step_fn)."""
-  return {"greedy_only": bool(greedy), "penalties": greedy is not True}
+  return {"greedy_only": _greedy_only(greedy), "penalties": greedy in (False, "penalized")}
 
 
 class _Sequence:

@@ -204,14 +204,14 @@ def candidates_kernel() -> bool:
   return value == "1"
 
 
-def candidates(x: jax.Array, k: int, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
-  """top_candidates(x, k), from the CUDA kernel where kernels is an FFI path, the kernel is switched on
-  (candidates_kernel) and it takes x."""
+def candidates(x: jax.Array, k: int, kernels: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+  """top_candidates(x, k) and each row's logsumexp [B]: from the CUDA kernel (one pass over x for both)
+  where kernels is an FFI path, the kernel is switched on (candidates_kernel) and it takes x."""
   if kernels != "xla" and candidates_kernel():
     from jaxllm.kernels import ffi
     if ffi.top_candidates_supported(x.shape[-1], k):
       return ffi.top_candidates(x, k)
-  return top_candidates(x, k)
+  return (*top_candidates(x, k), jax.nn.logsumexp(x, axis=-1))
 
 
 def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False, penalties: bool = True,
@@ -237,12 +237,12 @@ def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False, pe
   gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[1:], jnp.float32))(k_full)
   full_tok = jnp.argmax(z + gumbel, axis=-1).astype(jnp.int32)
   # Among the candidates: top-k, then top-p on what top-k left, then min-p.
-  vals, ids = candidates(z, MAX_TOP_K, kernels)                             # [B, K] descending
+  vals, ids, lse = candidates(z, MAX_TOP_K, kernels)                        # [B, K] descending, [B]
   rank = jnp.arange(vals.shape[1])[None, :]
   top_k = sampler.top_k[:, None]
   keep = (top_k == 0) | (rank < top_k)
   denom = jnp.where(top_k > 0, jax.nn.logsumexp(jnp.where(keep, vals, -jnp.inf), axis=-1, keepdims=True),
-                    jax.nn.logsumexp(z, axis=-1, keepdims=True))
+                    lse[:, None])
   probs = jnp.where(keep, jnp.exp(vals - denom), 0.0)
   before = jnp.cumsum(probs, axis=-1) - probs                               # mass strictly above each
   keep &= before < sampler.top_p[:, None]

@@ -136,13 +136,39 @@ def test_cuda_top_candidates_equal_a_full_sort(v, k):
   from jaxllm.kernels import ffi
   x = _candidate_rows(v, ties=True)
   poison = jnp.full((x.shape[0], k), jnp.nan, jnp.float32)
-  vals, ids = jax.jit(lambda x, p: ffi.top_candidates(x, k, poison=p))(jnp.asarray(x), poison)
+  vals, ids, _ = jax.jit(lambda x, p: ffi.top_candidates(x, k, poison=p))(jnp.asarray(x), poison)
   want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
   np.testing.assert_array_equal(np.asarray(ids), want)
   np.testing.assert_array_equal(np.asarray(vals), np.take_along_axis(x, want, -1))
   untied = _candidate_rows(v)
   _, jnp_ids = jax.jit(lambda x: top_candidates(x, k))(jnp.asarray(untied))   # the jnp path, on the GPU too
   np.testing.assert_array_equal(np.asarray(jnp_ids), np.argsort(-untied, axis=-1, kind="stable")[:, :k])
+
+
+def _logsumexp64(x):
+  x = np.asarray(x, np.float64)
+  m = np.max(x, axis=-1, keepdims=True)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(np.isneginf(m[:, 0]), -np.inf, (m + np.log(np.sum(np.exp(x - m), -1, keepdims=True)))[:, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [151936, 32003, 16384])
+def test_cuda_candidates_logsumexp(v):
+  """The kernel's logsumexp against numpy's in float64: random rows, large values, -inf entries, a row of
+  -inf (-inf), and rows with NaN or inf (NaN: such rows sample no token)."""
+  from jaxllm.kernels import ffi
+  x = _candidate_rows(v)
+  big = x[0] + 80.0                                # exp would overflow without the maximum taken out
+  rows = np.concatenate([x, big[None], np.full((1, v), -np.inf, np.float32), x[:2]]).astype(np.float32)
+  rows[-2, 777] = np.nan
+  rows[-1, 5] = np.inf
+  _, _, lse = jax.jit(lambda x: ffi.top_candidates(x, MAX_TOP_K))(jnp.asarray(rows))
+  lse = np.asarray(lse)
+  want = _logsumexp64(rows[:-2])
+  np.testing.assert_allclose(lse[:-3], want[:-1], rtol=2e-6)
+  assert lse[-3] == -np.inf
+  assert np.isnan(lse[-2]) and np.isnan(lse[-1])
 
 
 @pytest.mark.gpu
@@ -166,8 +192,9 @@ def test_candidates_take_the_jnp_path_where_no_kernel_runs(monkeypatch):
   for env in ("0", "1"):
     monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", env)
     for kernels in ("xla", "ffi"):
-      _, ids = candidates(jnp.asarray(x), MAX_TOP_K, kernels)
+      _, ids, lse = candidates(jnp.asarray(x), MAX_TOP_K, kernels)
       np.testing.assert_array_equal(np.asarray(ids), want)
+      np.testing.assert_allclose(np.asarray(lse), _logsumexp64(x), rtol=2e-6)
   monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", "yes")
   with pytest.raises(ValueError, match="JAXLLM_CANDIDATES_KERNEL must be 0 or 1"):
     candidates(jnp.asarray(x), MAX_TOP_K, "ffi")
@@ -183,6 +210,19 @@ def test_leaving_out_unset_penalties_draws_the_same_tokens():
   want, _ = sample(x, smp)
   got, _ = sample(x, smp, penalties=False)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_greedy_mode_names_the_step_a_batch_needs():
+  from jaxllm.engine import _step_flags, greedy_mode
+  plain, pen = SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, repeat_penalty=1.1)
+  cases = [([SamplingParams()], True, {"greedy_only": True, "penalties": False}),
+           ([SamplingParams(repeat_penalty=1.1)], "penalized", {"greedy_only": True, "penalties": True}),
+           ([plain, SamplingParams()], "sampled", {"greedy_only": False, "penalties": False}),
+           ([plain, SamplingParams(presence_penalty=0.5)], False, {"greedy_only": False, "penalties": True}),
+           ([pen], False, {"greedy_only": False, "penalties": True})]
+  for rows, mode, flags in cases:
+    assert greedy_mode(rows) == mode and type(greedy_mode(rows)) is type(mode)
+    assert _step_flags(mode) == flags
 
 
 def test_a_row_is_drawn_the_same_in_any_batch():

@@ -256,11 +256,14 @@ def top_candidates_supported(v: int, k: int) -> bool:
   return jax.default_backend() == "gpu" and _candidates_shape_ok(v, k) and unavailable_reason() is None
 
 
-def top_candidates(x: jax.Array, k: int, *, poison: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """The k largest values of each row of x [B, V] and their ids, descending: vals [B, k] f32, ids [B, k] int32.
+def top_candidates(x: jax.Array, k: int, *,
+                   poison: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The k largest values of each row of x [B, V] and their ids, descending, and each row's logsumexp:
+  vals [B, k] f32, ids [B, k] int32, lse [B] f32.
 
   jaxllm.sampling.top_candidates' result (ties: the lower id first) from the CUDA kernel of
-  ffi/sampling_cuda.cu (block maxima, then radix selects in shared memory) instead of XLA's sorts.
+  ffi/sampling_cuda.cu (block maxima and sums, then radix selects in shared memory) instead of XLA's sorts;
+  the logsumexp from the same pass over x (NaN where a row holds NaN or inf, -inf where all of it is -inf).
   `poison` (tests only): a [B, k] f32 buffer the kernel writes vals into, to catch unwritten outputs.
   """
   _ensure_registered()
@@ -272,8 +275,8 @@ def top_candidates(x: jax.Array, k: int, *, poison: jax.Array | None = None) -> 
     raise ValueError(f"top_candidates: k must be in [1, {MAX_CANDIDATES}] and V / {CANDIDATE_BLOCK} in [k, "
                      f"{MAX_CANDIDATE_BLOCKS}], got k={k}, V={v}")
   outs = (jax.ShapeDtypeStruct((b, k), jnp.float32), jax.ShapeDtypeStruct((b, k), jnp.int32),
-          jax.ShapeDtypeStruct((b, 2 * n), jnp.uint32))
+          jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b, 3 * n), jnp.uint32))
   name, alias = _target("jaxllm_top_candidates", poison, 1)
   args = (x.astype(jnp.float32),) if poison is None else (x.astype(jnp.float32), poison)
-  vals, ids, _ = jax.ffi.ffi_call(name, outs, vmap_method="sequential", **alias)(*args)
-  return vals, ids
+  vals, ids, lse, _ = jax.ffi.ffi_call(name, outs, vmap_method="sequential", **alias)(*args)
+  return vals, ids, lse
