@@ -1,7 +1,8 @@
-"""W8A16 matmul throughput of the CPU handler, one shape at a time (G weights/s; 1 byte each).
+"""Matmul throughput of the CPU handlers, one shape at a time (G weights/s).
 
   python bench/cpu_gemv.py [--m 1 4]
   python bench/cpu_gemv.py --chain 30      # a layer stack: each shape 30 times, chained, in one program
+  python bench/cpu_gemv.py --chain 30 --weights w8a16 q4 q5   # the low-bit handler's 4- and 5-bit weights too
 
 Each shape's weights are one random [N, K] int8 matrix (64-wide groups), x random f32; one jitted call
 timed back to back, best of three batches. Shapes: SmolLM2-135M's gate/up (4096 rows), part of and its
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", type=int, nargs="+", default=[1, 4], help="rows of x")
   p.add_argument("--chain", type=int, default=0, metavar="L", help="time L chained layers of each shape instead")
+  p.add_argument("--weights", nargs="+", default=["w8a16"], choices=("w8a16", "q4", "q5"),
+                 help="with --chain: W8A16 (int8, an f32 scale per 64) and/or LowBit 4- or 5-bit (f16 scale, min per 32)")
   args = p.parse_args(argv)
   import jax
   import jax.numpy as jnp
@@ -34,7 +37,7 @@ def main(argv=None) -> int:
   from jaxllm.quant import Linear, quantize_int8
   rng = np.random.default_rng(0)
   if args.chain:
-    return chain(args.chain)
+    return chain(args.chain, args.weights)
   print("| K | N | weights (MB) | M | us per call | G weights/s |\n|---|---|---|---|---|---|")
   for k, n in SHAPES:
     q, s = quantize_int8(rng.standard_normal((1, n, k)).astype(np.float32))
@@ -47,23 +50,38 @@ def main(argv=None) -> int:
   return 0
 
 
-def chain(layers: int) -> int:
+def _weights(kind: str, layers: int, n: int, k: int, rng):
+  """Random stacked weights [layers, n, k] of a kind, and the FFI matmul that takes them."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jaxllm.kernels import ffi
+  from jaxllm.quant import Linear, LowBit, quantize_int8
+  if kind == "w8a16":
+    q, s = quantize_int8(rng.standard_normal((layers, n, k)).astype(np.float32))
+    return Linear(jnp.asarray(q), jnp.asarray(s)), ffi.w8a16_matmul
+  g = k // 32
+  high = rng.integers(0, 2 ** 32, (layers, n, g if kind == "q5" else 0), dtype=np.uint32)
+  lin = LowBit(q=jnp.asarray(rng.integers(0, 256, (layers, n, k // 2), dtype=np.uint8)), high=jnp.asarray(high),
+               scale=jnp.asarray(rng.uniform(0.001, 0.01, (layers, n, g)).astype(np.float16)),
+               min=jnp.asarray(rng.uniform(-0.1, 0.0, (layers, n, g)).astype(np.float16)))
+  return lin, ffi.lowbit_matmul
+
+
+def chain(layers: int, kinds=("w8a16",)) -> int:
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jaxllm.bench import best_seconds
-  from jaxllm.kernels import ffi
-  from jaxllm.quant import Linear, quantize_int8
   rng = np.random.default_rng(0)
-  print("| K | N | layers | MB | us per call | G weights/s |\n|---|---|---|---|---|---|")
-  for k, n in CHAIN_SHAPES:
-    q, s = quantize_int8(rng.standard_normal((layers, n, k)).astype(np.float32))
-    lin = Linear(jnp.asarray(q), jnp.asarray(s))
+  print("| weights | K | N | layers | MB | us per call | G weights/s | GB/s |\n|---|---|---|---|---|---|---|---|")
+  for kind, (k, n) in ((kind, shape) for shape in CHAIN_SHAPES for kind in kinds):
+    lin, matmul = _weights(kind, layers, n, k, rng)
+    mb = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(lin)) / 1e6
     x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
 
     def with_matmuls(x, lin):
       for i in range(layers):
-        x = x + ffi.w8a16_matmul(x, lin, i)[:, :1] * 0   # a dependency on the call, nothing more
+        x = x + matmul(x, lin, i)[:, :1] * 0   # a dependency on the call, nothing more
       return x
 
     def without(x, lin):
@@ -72,7 +90,8 @@ def chain(layers: int) -> int:
       return x
     per = (best_seconds(jax.jit(with_matmuls), x, lin, calls=20)
            - best_seconds(jax.jit(without), x, lin, calls=20)) / layers
-    print(f"| {k} | {n} | {layers} | {layers * n * k / 1e6:.1f} | {per * 1e6:.1f} | {n * k / per / 1e9:.2f} |")
+    print(f"| {kind} | {k} | {n} | {layers} | {mb:.1f} | {per * 1e6:.1f} | {n * k / per / 1e9:.2f} | "
+          f"{mb / layers / 1e3 / per:.2f} |")
   return 0
 
 

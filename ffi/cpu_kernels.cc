@@ -22,67 +22,11 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu_util.h"
 
 namespace jaxllm {
 namespace {
 
-inline float Bf16ToF32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t F32ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
-  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even
-  return uint16_t(u >> 16);
-}
-
-// Loads n values of x (f32 or bf16) as f32 into dst.
-inline void LoadF32(const void* src, ffi::DataType t, int64_t offset, int64_t n, float* dst) {
-  if (t == ffi::F32) {
-    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
-  } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
-    for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
-  }
-}
-
-inline void StoreF32(void* dst, ffi::DataType t, int64_t offset, float v) {
-  if (t == ffi::F32) static_cast<float*>(dst)[offset] = v;
-  else static_cast<uint16_t*>(dst)[offset] = F32ToBf16(v);
-}
-
-// Runs fn(chunk) for chunk in [0, n) on the calling thread and the pool; returns when all are done.
-// Workers claim chunks from a shared counter, so a task the pool starts late finds nothing left to do.
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto work = [st, n, fn]() {
-    for (int64_t i; (i = st->next.fetch_add(1)) < n;) {
-      fn(i);
-      if (st->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(st->mu);
-        st->cv.notify_all();
-      }
-    }
-  };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == n; });
-}
-
-constexpr int64_t kRowsPerChunk = 64;
 constexpr int64_t kGroup = 64;   // jaxllm.quant.GROUP: the layout every jaxllm weight has
 
 // Decode (M = 1) with 64-wide groups: one pass over the row, int8 widened inside the multiply-add, the
@@ -204,13 +148,6 @@ inline bool AllFinite(const float* x, int64_t n) {
   return true;
 }
 #endif
-
-// Runs fn(n0, n1) on the calling thread and the pool for the weight rows [n0, n1) of each chunk.
-template <typename Fn>
-void ForRowChunks(ffi::ThreadPool& pool, int64_t rows, Fn fn) {
-  ParallelFor(pool, (rows + kRowsPerChunk - 1) / kRowsPerChunk,
-              [&](int64_t c) { fn(c * kRowsPerChunk, std::min(rows, (c + 1) * kRowsPerChunk)); });
-}
 
 // y[m, n] = x[m] . dequant(w[n]) for f32 rows xf [M, K]; emit(m, n, value) stores each (from pool threads,
 // each (m, n) once).

@@ -12,6 +12,8 @@ extern "C" XLA_FFI_Error* DecodeAttentionMergedCpuHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* W8A16FusedCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* W8A16FusedCpuInto(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* QkvEpilogueCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* LowBitMatmulCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* LowBitMatmulCpuInto(XLA_FFI_CallFrame*);
 #ifdef JAXLLM_WITH_CUDA
 extern "C" XLA_FFI_Error* W8A16MatmulCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCudaHandler(XLA_FFI_CallFrame*);
@@ -48,6 +50,8 @@ PYBIND11_MODULE(_ffi, m) {
     d["jaxllm_w8a16_fused"] = Capsule(jaxllm::W8A16FusedCpu);
     d["jaxllm_w8a16_fused_into"] = Capsule(jaxllm::W8A16FusedCpuInto);
     d["jaxllm_qkv_epilogue"] = Capsule(jaxllm::QkvEpilogueCpu);
+    d["jaxllm_lowbit"] = Capsule(jaxllm::LowBitMatmulCpu);
+    d["jaxllm_lowbit_into"] = Capsule(jaxllm::LowBitMatmulCpuInto);
     return d;
   });
   m.def("cuda_targets", [] {

@@ -157,6 +157,7 @@ def run(args) -> list[dict]:
   from jaxllm.cache import cache_bytes
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.presets import weight_bytes_per_token
+  from jaxllm.weights import resolve_quant
   t_load = time.perf_counter()
   config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
   jax.block_until_ready(weights)
@@ -192,7 +193,7 @@ def run(args) -> list[dict]:
       m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch
       peak = _peak_memory()                  # before the bandwidth probe below allocates its own buffer
       rec = {"schema_version": SCHEMA_VERSION, "label": args.label, "model": args.model, "synthetic": synthetic,
-             "arch": config.arch, "quant": args.quant, "kernels": engine.kernels,
+             "arch": config.arch, "quant": resolve_quant(args.quant), "kernels": engine.kernels,
              "graphs_requested": engine.graphs_requested, "graph_state": state,
              "compiler_options": engine.compiler_options, "loop": loop, "batch": args.batch,
              "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,
@@ -369,7 +370,8 @@ def build_parser():
   p.add_argument("--kernels", default="auto",
                  help="auto, ffi (fused decode step), ffi-unfused, xla, both (ffi and xla), or a comma list")
   p.add_argument("--loop", choices=("pipelined", "streaming", "both"), default="both")
-  p.add_argument("--quant", choices=("w8a16", "none"), default="w8a16")
+  p.add_argument("--quant", choices=("auto", "w8a16", "gguf", "none"), default="auto",
+                 help="auto: gguf on the CPU (the file's 4/5-bit blocks), w8a16 on the GPU")
   p.add_argument("--graphs", choices=("on", "off", "env"), default="env",
                  help="env = JAXLLM_CUDA_GRAPHS / XLA_FLAGS decide")
   p.add_argument("--no-graphs", dest="graphs", action="store_const", const="off")

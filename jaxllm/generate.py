@@ -15,7 +15,7 @@ import time
 
 from jaxllm.kernels import KERNEL_CHOICES
 from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS
-from jaxllm.weights import QUANT_CHOICES
+from jaxllm.weights import QUANT_CHOICES, resolve_quant
 
 CONTEXT_ROUND = 256
 CHAT_CONTEXT = 4096     # default context of an interactive chat (capped at the model's)
@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence in the last 64")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-  p.add_argument("--quant", choices=QUANT_CHOICES, default="w8a16", help="none = float weights (reference)")
+  p.add_argument("--quant", choices=QUANT_CHOICES, default="auto",
+                 help="auto = gguf on the CPU, w8a16 on the GPU; gguf = the file's own 4/5-bit blocks where every "
+                      "layer has them (exact), W8A16 for the rest; w8a16 = int8 re-quantized; none = float (reference)")
   p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                  help="ffi = jaxllm's kernels with the fused decode step, ffi-unfused = without it, "
                       "xla = pure jnp, auto = ffi where built")
@@ -144,6 +146,7 @@ def main(argv=None) -> int:
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.load import load
   try:
+    args.quant = resolve_quant(args.quant)
     config, weights, tok = load(model, quant=args.quant, progress=stages, cache=not args.no_cache)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise SystemExit(f"error: {e}") from None

@@ -300,6 +300,11 @@ class GGUFFile:
     data = gguf.quants.dequantize(raw, t.type)
     return np.asarray(data, np.float32).reshape(t.shape)
 
+  def tensor_blocks(self, name: str) -> np.ndarray:
+    """A 2-D tensor's bytes as the file stores them: [rows, bytes a row] uint8 (a view of the mapping)."""
+    t = self._tensors[name]
+    return self._bytes(t).reshape(t.shape[0], -1)
+
   def tensor_rows(self, name: str, start: int, stop: int) -> np.ndarray:
     """Rows [start, stop) of a 2-D tensor dequantized to float32 [stop - start, K]."""
     t = self._tensors[name]

@@ -18,7 +18,7 @@ from jaxllm.model import Weights
 from jaxllm.models import resolve_model
 from jaxllm.progress import Stages
 from jaxllm.tokenizer import Tokenizer
-from jaxllm.weights import assemble, convert, progress_total
+from jaxllm.weights import assemble, convert, progress_total, resolve_quant
 
 
 def default_dtype():
@@ -39,13 +39,15 @@ def read_model(path) -> tuple[GGUFFile, Tokenizer]:
   return gf, tokenizer
 
 
-def load(model: str, quant: str = "w8a16", dtype=None, progress: bool | Stages = True,
+def load(model: str, quant: str = "auto", dtype=None, progress: bool | Stages = True,
          cache: bool = True) -> tuple[Config, Weights, Tokenizer]:
   """Loads a GGUF model.
 
   Args:
     model: a .gguf path or a demo-model name (jaxllm.DEMO_MODELS).
-    quant: "w8a16" or "none" (float weights, for reference runs).
+    quant: "auto" (the default: "gguf" on the CPU, "w8a16" on the GPU), "w8a16" (int8 weights re-quantized
+      from the file), "gguf" (the file's own 4/5-bit blocks kept where every layer of a matrix has them,
+      W8A16 for the rest) or "none" (float weights, for reference runs); jaxllm.weights says more.
     dtype: activation dtype (default_dtype() if None); float weights are stored in it.
     progress: True prints a line per stage (and a bar on a terminal), False nothing; or a Stages.
     cache: use and fill the cache of converted models (jaxllm.store).
@@ -54,6 +56,7 @@ def load(model: str, quant: str = "w8a16", dtype=None, progress: bool | Stages =
   """
   stages = progress if isinstance(progress, Stages) else Stages(quiet=not progress)
   dtype = dtype or default_dtype()
+  quant = resolve_quant(quant)
   t0 = time.perf_counter()
   path = resolve_model(model)
   took = time.perf_counter() - t0

@@ -1,6 +1,8 @@
 """Synthetic models: the real shapes of known models with random weights, for benchmarks (no file needed)."""
 from __future__ import annotations
 
+import jax
+
 from jaxllm.config import Config
 from jaxllm.model import Weights
 
@@ -32,10 +34,6 @@ def preset(name: str) -> Config:
 
 
 def weight_bytes_per_token(weights: Weights) -> int:
-  """Bytes of weights one decode step reads: every matrix and scale except the embedding (one row)."""
-  total = 0
-  for lin in (weights.wqkv, weights.wo, weights.w_gate_up, weights.w_down, weights.head):
-    total += lin.w.size * lin.w.dtype.itemsize
-    if lin.scale is not None:
-      total += lin.scale.size * lin.scale.dtype.itemsize
-  return total
+  """Bytes of weights one decode step reads: every matrix and its scales except the embedding (one row)."""
+  lins = (weights.wqkv, weights.wo, weights.w_gate_up, weights.w_down, weights.head)
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(lins))

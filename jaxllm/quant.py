@@ -62,3 +62,86 @@ def quantize_int8(w: np.ndarray, group: int | None = GROUP) -> tuple[np.ndarray,
   scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
   q = np.clip(np.rint(g / scale[..., None]), -127, 127).astype(np.int8)
   return q.reshape(w.shape), scale
+
+
+LOWBIT_GROUP = 32   # values a scale and min in LowBit (the GGUF blocks' size)
+# GGUF block types LowBit holds without loss: (bytes a block, whether it has a min, whether a fifth bit).
+LOWBIT_TYPES = {"Q4_0": (18, False, False), "Q4_1": (20, True, False), "Q5_0": (22, False, True),
+                "Q5_1": (24, True, True)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowBit:
+  """A linear layer's weight at the GGUF file's own 4 or 5 bits: w = scale * q + min in groups of 32 inputs.
+
+  Holds Q4_0, Q4_1, Q5_0 and Q5_1 blocks exactly (Q4_0 and Q5_0 as min = -8 scale and -16 scale; a 4-bit
+  weight in a 5-bit stack has its fifth bits zero), in about half the bytes of W8A16.
+  q: [..., N, K // 2] uint8, a group's 16 bytes as the file keeps them: byte j holds value j in its low
+    nibble and value j + 16 in its high one.
+  high: [..., N, K // 32] uint32, bit j the fifth bit of value j of the group; [..., N, 0] for 4-bit weights.
+  scale, min: [..., N, K // 32] float16.
+  """
+  q: jax.Array
+  high: jax.Array
+  scale: jax.Array
+  min: jax.Array
+
+  @property
+  def bits(self) -> int:
+    return 5 if self.high.shape[-1] else 4
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """Float weight [..., N, K]."""
+    *lead, n, half = self.q.shape
+    g = half // 16
+    b = self.q.reshape(*lead, n, g, 16).astype(jnp.int32)
+    q = jnp.concatenate([b & 15, b >> 4], axis=-1)                               # [..., N, G, 32]
+    if self.high.shape[-1]:
+      bit = (self.high[..., None].astype(jnp.uint32) >> jnp.arange(32, dtype=jnp.uint32)) & 1
+      q = q | (bit.astype(jnp.int32) << 4)
+    w = q.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None] + self.min.astype(jnp.float32)[..., None]
+    return w.reshape(*lead, n, 2 * half).astype(dtype)
+
+
+def lowbit_bits(types) -> int | None:
+  """The LowBit width that holds tensors of these GGUF types exactly (4 or 5), or None (some other type)."""
+  types = set(types)
+  if not types or not types <= set(LOWBIT_TYPES):
+    return None
+  return 5 if any(LOWBIT_TYPES[t][2] for t in types) else 4
+
+
+def lowbit_from_blocks(raw: np.ndarray, ggml_type: str, bits: int) -> tuple[np.ndarray, ...] | None:
+  """A tensor's GGUF blocks as LowBit arrays (q, high, scale, min), or None where a min would overflow f16.
+
+  Args:
+    raw: [N, row_bytes] uint8, the tensor's rows as the file stores them.
+    ggml_type: one of LOWBIT_TYPES.
+    bits: the stack's width (lowbit_bits): 5 gives high bits (zero for 4-bit types), 4 none.
+  Returns:
+    q [N, K // 2] uint8, high [N, G or 0] uint32, scale [N, G] float16, min [N, G] float16.
+  """
+  size, has_min, has_high = LOWBIT_TYPES[ggml_type]
+  n = raw.shape[0]
+  blocks = np.ascontiguousarray(raw).reshape(n, -1, size)                      # [N, G, block]
+  g = blocks.shape[1]
+  d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+  at = 2
+  if has_min:
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    at = 4
+  else:
+    with np.errstate(over="ignore"):
+      m = (d.astype(np.float32) * np.float32(-16.0 if has_high else -8.0)).astype(np.float16)
+    if not np.all(np.isfinite(m) | ~np.isfinite(d)):
+      return None
+  if has_high:
+    high = blocks[..., at:at + 4].copy().view("<u4")[..., 0].astype(np.uint32)
+    at += 4
+  else:
+    high = np.zeros((n, g), np.uint32)
+  q = blocks[..., at:at + 16].reshape(n, g * 16)
+  if bits == 4:
+    high = np.zeros((n, 0), np.uint32)
+  return np.ascontiguousarray(q), high, d, m

@@ -1,8 +1,11 @@
 """Building the Weights pytree: from a GGUF file (dequantize, fuse, re-quantize) or at random.
 
 Matrices are fused where the model multiplies the same input by several of them (q/k/v, gate/up) and
-stacked over layers, then quantized in groups of 64 inputs (jaxllm.quant). `quant="none"` keeps them float
-for reference runs.
+stacked over layers, then quantized in groups of 64 inputs (jaxllm.quant). `quant="gguf"` keeps a matrix
+at the file's own 4 or 5 bits instead (jaxllm.quant.LowBit, exact) wherever every layer's parts are Q4_0,
+Q4_1, Q5_0 or Q5_1 blocks, W8A16 elsewhere; `quant="auto"` is "gguf" on the CPU (whose decode is bound by
+the bytes it reads) and "w8a16" on the GPU (whose fused kernels take W8A16). `quant="none"` keeps them
+float for reference runs.
 
 Loading streams: each stacked matrix is converted one layer at a time into a preallocated int8 array and
 its scales (the embedding and head in blocks of rows), so the float working set is one layer's tensors,
@@ -21,15 +24,23 @@ import numpy as np
 from jaxllm.config import Config
 from jaxllm.gguf import GGUFFile
 from jaxllm.model import Weights
-from jaxllm.quant import GROUP, Linear, quantize_int8
+from jaxllm.quant import GROUP, LOWBIT_GROUP, Linear, LowBit, lowbit_bits, lowbit_from_blocks, quantize_int8
 
-QUANT_CHOICES = ("w8a16", "none")
+QUANT_CHOICES = ("auto", "w8a16", "gguf", "none")
 ROW_BLOCK = 8192   # rows of the embedding / head converted at a time
 
 
 def _check_quant(quant: str) -> None:
   if quant not in QUANT_CHOICES:
     raise ValueError(f"quant must be one of {QUANT_CHOICES}, got {quant!r}")
+
+
+def resolve_quant(quant: str) -> str:
+  """The quantization "auto" means on the default backend: "gguf" on the CPU, "w8a16" elsewhere."""
+  _check_quant(quant)
+  if quant != "auto":
+    return quant
+  return "gguf" if jax.default_backend() == "cpu" else "w8a16"
 
 
 def _layer_parts(c: Config) -> dict[str, tuple[str, ...]]:
@@ -65,7 +76,7 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
   stacked array, or rows of the embedding or head) as each is done. The tied
   head is not repeated ("head.*" absent when the config ties it).
   """
-  _check_quant(quant)
+  quant = resolve_quant(quant)
   c = gf.config
   out: dict[str, object] = {}
   float_dtype = jnp.dtype(dtype) if quant == "none" else None
@@ -80,7 +91,36 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
       gf.release(f"blk.{i}.{t}")
     return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
+  def lowbit_stack(name: str, bits: int) -> bool:
+    """Converts matrix `name` to LowBit arrays (False, nothing done, where a block's min overflows f16)."""
+    stack = None
+    for i in range(c.n_layers):
+      pieces = []
+      for t in parts[name]:
+        full = f"blk.{i}.{t}"
+        piece = lowbit_from_blocks(gf.tensor_blocks(full), gf.tensor_type(full), bits)
+        if piece is None:
+          return False
+        pieces.append(piece)
+      q, high, scale, minv = (np.concatenate(a) for a in zip(*pieces))
+      if stack is None:
+        stack = [np.empty((c.n_layers, *a.shape), a.dtype) for a in (q, high, scale, minv)]
+      for dst, a in zip(stack, (q, high, scale, minv)):
+        dst[i] = a
+    for t in parts[name]:
+      for i in range(c.n_layers):
+        gf.release(f"blk.{i}.{t}")
+    for field, a in zip(("q", "high", "scale", "min"), stack):
+      done(f"{name}.{field}", a)
+    if on_progress:
+      on_progress(c.n_layers)
+    return True
+
   for name in parts:
+    if name in MATRICES and quant == "gguf":
+      bits = lowbit_bits(gf.tensor_type(f"blk.{i}.{t}") for i in range(c.n_layers) for t in parts[name])
+      if bits is not None and lowbit_stack(name, bits):
+        continue
     first = layer_rows(name, 0)
     if name in MATRICES:
       n, k = first.shape
@@ -138,6 +178,9 @@ def assemble(arrays: dict[str, object]) -> Weights:
     return jnp.asarray(arrays.pop(name)) if name in arrays else None
 
   def linear(name):
+    if name + ".q" in arrays:
+      return LowBit(q=take(name + ".q"), high=take(name + ".high"), scale=take(name + ".scale"),
+                    min=take(name + ".min"))
     w = take(name + ".w")
     return None if w is None else Linear(w=w, scale=take(name + ".scale"))
 
@@ -154,7 +197,8 @@ def load_weights(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32, progress
 
   Args:
     gf: an open GGUF file.
-    quant: "w8a16" (int8 weights, group scales) or "none" (float weights in `dtype`).
+    quant: "auto", "w8a16" (int8 weights, group scales), "gguf" (the file's 4/5-bit blocks where they allow,
+      else W8A16) or "none" (float weights in `dtype`).
     dtype: activation dtype; float weights are stored in it.
     progress: show a progress bar over the conversion.
   """
@@ -169,13 +213,21 @@ def load_weights(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32, progress
 def random_weights(config: Config, seed: int = 0, quant: str = "w8a16", dtype=jnp.bfloat16) -> Weights:
   """Random weights of the model's real shapes, made on the device (for benchmarks: same cost to run).
 
-  Float weights are N(0, 0.02) like a freshly initialized model; norms are 1.
+  Float weights are N(0, 0.02) like a freshly initialized model; norms are 1. quant "gguf" makes the
+  layers' matrices 4-bit LowBit (the bytes of a Q4_1 file), the embedding and head W8A16.
   """
-  _check_quant(quant)
+  quant = resolve_quant(quant)
   c = config
   keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
 
-  def lin(*shape):
+  def lin(*shape, layers=False):
+    if quant == "gguf" and layers:
+      *lead, n, k = shape
+      g = k // LOWBIT_GROUP
+      q = jax.random.randint(next(keys), (*lead, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+      return LowBit(q=q, high=jnp.zeros((*lead, n, 0), jnp.uint32),
+                    scale=jnp.full((*lead, n, g), 0.02 / 4.6, jnp.float16),   # std of U{0..15} ~ 4.6
+                    min=jnp.full((*lead, n, g), -0.02 * 7.5 / 4.6, jnp.float16))
     if quant == "none":
       return Linear(w=(0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype))
     q = jax.random.randint(next(keys), shape, -127, 128, jnp.int32).astype(jnp.int8)
@@ -187,11 +239,11 @@ def random_weights(config: Config, seed: int = 0, quant: str = "w8a16", dtype=jn
   return Weights(
       embed=embed,
       attn_norm=jnp.ones((L, c.d_model), jnp.float32),
-      wqkv=lin(L, qkv, c.d_model),
-      wo=lin(L, c.d_model, c.q_dim),
+      wqkv=lin(L, qkv, c.d_model, layers=True),
+      wo=lin(L, c.d_model, c.q_dim, layers=True),
       ffn_norm=jnp.ones((L, c.d_model), jnp.float32),
-      w_gate_up=lin(L, 2 * c.d_ff, c.d_model),
-      w_down=lin(L, c.d_model, c.d_ff),
+      w_gate_up=lin(L, 2 * c.d_ff, c.d_model, layers=True),
+      w_down=lin(L, c.d_model, c.d_ff, layers=True),
       out_norm=jnp.ones((c.d_model,), jnp.float32),
       head=embed if c.tied_embeddings else lin(c.vocab_size, c.d_model),
       bqkv=0.02 * jax.random.normal(next(keys), (L, qkv), jnp.float32) if c.qkv_bias else None,

@@ -47,12 +47,12 @@ def test_second_load_maps_the_cached_conversion(tmp_path, arch):
 
 def test_a_damaged_entry_is_converted_again(tmp_path):
   path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
-  _, w1, _ = jaxllm.load(path, progress=False)
+  _, w1, _ = jaxllm.load(path, quant="w8a16", progress=False)
   key = store.model_key(path, "w8a16", "float32")
   victim = store.models_dir() / key / "w_down.w.npy"
   victim.write_bytes(victim.read_bytes()[:-100])                      # truncated
   stages = Stages(quiet=True)
-  _, w2, _ = jaxllm.load(path, progress=stages)
+  _, w2, _ = jaxllm.load(path, quant="w8a16", progress=stages)
   assert "read model" in stages.times and _leaves_equal(w1, w2)
   assert store.load(key) is not None                                  # written whole again
 
@@ -113,7 +113,8 @@ def test_cli_stages_quiet_and_json(tmp_path, capsys):
   path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
   assert cli_main([path, "-p", "the", "-n", "3", "--ignore-eos", "--json"]) == 0
   err = capsys.readouterr().err
-  for stage in ("model: ", "read model: ", "convert to w8a16", "compile and warm up: "):
+  from jaxllm.weights import resolve_quant
+  for stage in ("model: ", "read model: ", f"convert to {resolve_quant('auto')}", "compile and warm up: "):
     assert stage in err, err
   assert "\r" not in err                                              # not a terminal: no bar frames
   assert cli_main([path, "-p", "the", "-n", "3", "--ignore-eos", "--json", "-q"]) == 0

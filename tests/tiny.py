@@ -30,8 +30,12 @@ def vocab() -> tuple[list[str], list[int]]:
 
 
 def write_tiny_model(path, arch: str = "qwen2", seed: int = 0, tensor_type: str = "F32",
-                     context: int = 512, rope_scale: float | None = None) -> str:
-  """Writes a random tiny model of `arch`; tensor_type F32 | F16 | Q8_0 for the 2-D weights."""
+                     context: int = 512, rope_scale: float | None = None,
+                     tensor_types: dict[str, str] | None = None) -> str:
+  """Writes a random tiny model of `arch`; tensor_type F32 | F16 | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 for the
+  2-D weights, `tensor_types` naming another type for some of them ({"blk.1.attn_v.weight": "Q8_0"}).
+  "F32-int8" is F32 on jaxllm's W8A16 grid (each 64 values q * 2^e with integer |q| <= 127, 127 among
+  them), which W8A16 holds exactly: a head that adds no error of its own."""
   d, h, g, dh, f, n_layers = SHAPES[arch]
   tokens, types = vocab()
   v = len(tokens)
@@ -62,13 +66,20 @@ def write_tiny_model(path, arch: str = "qwen2", seed: int = 0, tensor_type: str 
 
   def mat(name, n, k, scale=0.3):
     a = (rng.standard_normal((n, k)) * scale / np.sqrt(k) * 3).astype(np.float32)
-    if tensor_type == "F16":
+    kind = (tensor_types or {}).get(name, tensor_type)
+    if kind == "F32-int8":
+      g = a.reshape(n, k // 64, 64)
+      step = 2.0 ** np.round(np.log2(np.abs(g).max(-1, keepdims=True) / 127))
+      q = np.clip(np.round(g / step), -127, 127)
+      np.put_along_axis(q, np.abs(q).argmax(-1)[..., None], 127, axis=-1)
+      a, kind = (q * step).astype(np.float32).reshape(n, k), "F32"
+    if kind == "F16":
       w.add_tensor(name, a.astype(np.float16))
-    elif tensor_type == "Q8_0":
-      q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-      w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    else:
+    elif kind == "F32":
       w.add_tensor(name, a)
+    else:
+      t = gguf.GGMLQuantizationType[kind]
+      w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
 
   def vec(name, n, base=1.0, spread=0.2):
     w.add_tensor(name, (base + spread * rng.standard_normal(n)).astype(np.float32))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.quant import Linear
+from jaxllm.quant import Linear, LowBit
 
 # Rows of x the matmul kernel takes per backend; larger M (prefill, big batches) uses XLA's dot on
 # dequantized weights. GPU: measured on the H200 (Qwen2.5-0.5B shape, docs/embedding.md), batch 4 ran
@@ -144,6 +144,64 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
     return y.reshape(*lead, w.shape[1])
   y = _matmul_call(int(layer))(x.reshape(m, k), w.astype(jnp.int8), scale.astype(jnp.float32))
   return y.reshape(*lead, w.shape[1])
+
+
+def lowbit_supported() -> bool:
+  """Whether the FFI takes LowBit weights on the default backend (the CPU handler; the GPU runs them
+  through the reference: its fused kernels take W8A16)."""
+  return jax.default_backend() == "cpu" and unavailable_reason() is None
+
+
+@functools.lru_cache(maxsize=None)
+def _lowbit_call(layer: int):
+  """The FFI low-bit matmul for one layer index, batched under vmap by folding into M."""
+
+  @jax.custom_batching.custom_vmap
+  def call(x, q, high, scale, minv):   # x [M, K]; q [L, N, K/2], high [L, N, G or 0], scale/min [L, N, G]
+    out = jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), x.dtype)
+    return jax.ffi.ffi_call("jaxllm_lowbit", out)(x, q, high, scale, minv, layer=np.int64(layer))
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, x, *w):
+    if any(in_batched[1:]):
+      ws = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(w, in_batched[1:])]
+      xs = x if in_batched[0] else jnp.broadcast_to(x, (axis_size, *x.shape))
+      return jax.lax.map(lambda a: call(*a), (xs, *ws)), True
+    m, k = x.shape[-2:]
+    return call(x.reshape(axis_size * m, k), *w).reshape(axis_size, m, w[0].shape[1]), True
+
+  return call
+
+
+def lowbit_matmul(x: jax.Array, lin: LowBit, layer: int | None = None, *,
+                  poison: jax.Array | None = None) -> jax.Array:
+  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's low-bit kernel (M <= max_m() rows;
+  larger M runs the reference, XLA's dot on the dequantized layer).
+
+  `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
+  """
+  from jaxllm.kernels.linear import linear_reference
+  _ensure_registered()
+  _check_dtype("x", x)
+  arrays = (lin.q, lin.high, lin.scale, lin.min)
+  if lin.q.ndim == 2:
+    arrays, layer = tuple(a[None] for a in arrays), 0
+  q, high, scale, minv = arrays
+  if layer is None or not 0 <= layer < q.shape[0]:
+    raise ValueError(f"layer must index the {q.shape[0]} stacked weights, got {layer!r}")
+  k = x.shape[-1]
+  if k != 2 * q.shape[2]:
+    raise ValueError(f"x has K={k} but the weight has K={2 * q.shape[2]}")
+  lead = x.shape[:-1]
+  m = int(np.prod(lead)) if lead else 1
+  if m > max_m() and poison is None:
+    return linear_reference(x, LowBit(q=q, high=high, scale=scale, min=minv), layer)
+  if poison is not None:
+    name, kw = _target("jaxllm_lowbit", poison, 5)
+    out = jax.ShapeDtypeStruct((m, q.shape[1]), x.dtype)
+    y = jax.ffi.ffi_call(name, out, **kw)(x.reshape(m, k), q, high, scale, minv, poison, layer=np.int64(layer))
+    return y.reshape(*lead, q.shape[1])
+  return _lowbit_call(int(layer))(x.reshape(m, k), q, high, scale, minv).reshape(*lead, q.shape[1])
 
 
 def _check_caches(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_layout: str) -> tuple[int, ...]:

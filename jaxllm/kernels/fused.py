@@ -271,7 +271,7 @@ def fused_decode_reason(config, weights, cache, batch: int) -> str | None:
   if reason is not None:
     return reason
   lins = (weights.wqkv, weights.wo, weights.w_gate_up, weights.w_down, weights.head)
-  if not all(lin.quantized for lin in lins):
+  if not all(isinstance(lin, Linear) and lin.quantized for lin in lins):
     return "the fused kernels take W8A16 weights"
   if cache.k.dtype != cache.compute_dtype:
     return "the fused QKV epilogue writes the cache in the activation dtype"

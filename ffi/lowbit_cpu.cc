@@ -1,0 +1,249 @@
+// CPU handler of the GGUF file's own 4- and 5-bit weights (jaxllm_lowbit; jaxllm.quant.LowBit):
+//   y[m, n] = sum_g scale[n, g] * sum_j x[m, 32g + j] q[n, 32g + j] + min[n, g] * sum_j x[m, 32g + j]
+// q: 4 bits a value, two a byte, a group's 16 bytes as the file keeps them (byte j: value j in the low
+// nibble, value j + 16 in the high one); high (5-bit weights only): a uint32 a group, bit j the fifth bit of
+// value j; scale and min: f16 a group of 32. Q4_0 and Q5_0 are scale d, min -8d / -16d; Q4_1 and Q5_1 are
+// their own d and m. Half the bytes of W8A16 or less: what bounds the 2-core CPU's decode.
+//
+// One row of x (decode, AVX-512 VNNI): each 32-wide group of x as int16, q = round(x / s) with
+// s = max |x| / 32767 (2^-15 of the group's largest value: finer than bf16's 2^-8 relative rounding for
+// every value within 128x of that largest one), and the group's f32 sum for the min term. Two groups a
+// step: their 32 bytes widened to int16 once, the low nibbles (values 0..15 of both groups) and the high
+// ones (values 16..31) meet x arranged the same way in vpdpwssd, so the 16 int32 lanes hold both groups'
+// exact integer inner products (8 lanes each), converted and scaled by one FMA. Several rows of x, or no
+// VNNI: each weight row is dequantized to f32 once and reused for every row of x.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512VL__)
+#define JAXLLM_LOWBIT_VNNI 1
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "cpu_util.h"
+
+namespace jaxllm {
+namespace {
+
+constexpr int64_t kLowGroup = 32;   // values a scale and min (jaxllm.quant.LOWBIT_GROUP)
+
+inline float HalfToF32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {   // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while (!(m & 0x400));
+    bits = sign | uint32_t(112 - e) << 23 | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct LowBitShape {
+  int64_t m, n, k, groups, layer;
+  bool high;
+};
+
+ffi::Error CheckLowBit(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& high,
+                       const ffi::AnyBuffer& scale, const ffi::AnyBuffer& minv, const ffi::AnyBuffer& y,
+                       int64_t layer, LowBitShape* out) {
+  const std::string name = "jaxllm_lowbit: ";
+  auto xd = x.dimensions(), qd = q.dimensions(), hd = high.dimensions(), sd = scale.dimensions(),
+       md = minv.dimensions(), yd = y.dimensions();
+  if ((x.element_type() != ffi::F32 && x.element_type() != ffi::BF16) || y.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(name + "x must be f32 or bf16 and y of x's dtype");
+  if (q.element_type() != ffi::U8 || high.element_type() != ffi::U32 || scale.element_type() != ffi::F16 ||
+      minv.element_type() != ffi::F16)
+    return ffi::Error::InvalidArgument(name + "q must be uint8, high uint32, scale and min float16");
+  if (xd.size() != 2 || qd.size() != 3 || hd.size() != 3 || sd.size() != 3 || md.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(name + "expected x [M, K], q [L, N, K/2], high [L, N, K/32 or 0], scale and "
+                                       "min [L, N, K/32], y [M, N]; got x " + DimsString(xd) + ", q " +
+                                       DimsString(qd) + ", high " + DimsString(hd) + ", scale " + DimsString(sd) +
+                                       ", y " + DimsString(yd));
+  LowBitShape s{xd[0], qd[1], xd[1], xd[1] / kLowGroup, layer, hd[2] != 0};
+  const bool same = sd[0] == qd[0] && md[0] == qd[0] && hd[0] == qd[0] && sd[1] == s.n && md[1] == s.n &&
+                    hd[1] == s.n && sd[2] == s.groups && md[2] == s.groups && (hd[2] == 0 || hd[2] == s.groups);
+  if (s.k < kLowGroup || s.k % kLowGroup || qd[2] * 2 != s.k || !same || yd[0] != s.m || yd[1] != s.n)
+    return ffi::Error::InvalidArgument(name + "inconsistent shapes (K a multiple of 32) x " + DimsString(xd) +
+                                       ", q " + DimsString(qd) + ", high " + DimsString(hd) + ", scale " +
+                                       DimsString(sd) + ", min " + DimsString(md) + ", y " + DimsString(yd));
+  if (layer < 0 || layer >= qd[0])
+    return ffi::Error::InvalidArgument(name + "layer " + std::to_string(layer) + " out of range [0, " +
+                                       std::to_string(qd[0]) + ")");
+  *out = s;
+  return ffi::Error::Success();
+}
+
+// One weight row [K] as f32 (scale * q + min).
+void DequantRow(const uint8_t* q, const uint32_t* high, const uint16_t* scale, const uint16_t* minv, int64_t groups,
+                float* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float d = HalfToF32(scale[g]), m = HalfToF32(minv[g]);
+    const uint32_t h = high ? high[g] : 0;
+    const uint8_t* b = q + g * 16;
+    float* o = out + g * kLowGroup;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * float((b[j] & 15) | ((h >> j) & 1) << 4) + m;
+      o[j + 16] = d * float((b[j] >> 4) | ((h >> (j + 16)) & 1) << 4) + m;
+    }
+  }
+}
+
+#ifdef JAXLLM_LOWBIT_VNNI
+// One row of x for the VNNI path: per pair of groups p (2p, 2p + 1), lo [32] int16 = values 0..15 of group 2p
+// then of 2p + 1, hi [32] = their values 16..31; s [G] the int16 scales, sum [G] the groups' f32 sums.
+struct LowX {
+  std::vector<int16_t> q;   // [G / 2][2][32]
+  std::vector<float> s, sum;
+};
+
+LowX SplitLow(const float* x, int64_t groups) {
+  LowX lx{std::vector<int16_t>(size_t(groups) * kLowGroup), std::vector<float>(size_t(groups)),
+          std::vector<float>(size_t(groups))};
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* v = x + g * kLowGroup;
+    float mx = 0.f, sum = 0.f;
+    for (int j = 0; j < kLowGroup; ++j) {
+      mx = std::max(mx, std::fabs(v[j]));
+      sum += v[j];
+    }
+    const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+    lx.s[size_t(g)] = mx / 32767.f;
+    lx.sum[size_t(g)] = sum;
+    int16_t* pair = &lx.q[size_t(g / 2) * 64];
+    const int half = int(g & 1) * 16;
+    for (int j = 0; j < 16; ++j) {
+      pair[half + j] = int16_t(std::nearbyint(v[j] * inv));
+      pair[32 + half + j] = int16_t(std::nearbyint(v[j + 16] * inv));
+    }
+  }
+  return lx;
+}
+
+// One weight row against the split x (groups even).
+float RowDotLow(const LowX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
+                const uint16_t* __restrict scale, const uint16_t* __restrict minv, int64_t groups, float* ds) {
+  // The groups' combined scales (weight scale x x scale) and the min terms, 16 groups at a time.
+  __m512 mins = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 live = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
+    const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scale + g));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, minv + g));
+    _mm512_mask_storeu_ps(ds + g, live, _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(live, &x.s[size_t(g)])));
+    mins = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(live, &x.sum[size_t(g)]), mins);
+  }
+  const __m512i nibble = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 2) {
+    // Bytes of groups g and g + 1 as int16: lanes 0..15 group g's, 16..31 group g + 1's.
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 16)));
+    __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_srli_epi16(b, 4);
+    if (high) {
+      const uint32_t h0 = high[g], h1 = high[g + 1];
+      lo = _mm512_mask_add_epi16(lo, __mmask32((h0 & 0xffff) | (h1 << 16)), lo, sixteen);
+      hi = _mm512_mask_add_epi16(hi, __mmask32((h0 >> 16) | (h1 & 0xffff0000u)), hi, sixteen);
+    }
+    const __m512i* xv = reinterpret_cast<const __m512i*>(&x.q[size_t(g / 2) * 64]);
+    __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xv));
+    d = _mm512_dpwssd_epi32(d, hi, _mm512_loadu_si512(xv + 1));
+    // Lanes 0..7 hold group g's products, 8..15 group g + 1's.
+    double pair;
+    std::memcpy(&pair, ds + g, 8);
+    const __m512 s = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc);
+  }
+  return _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(mins);
+}
+
+inline bool Finite(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
+}
+#endif
+
+ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer high,
+                     ffi::AnyBuffer scale, ffi::AnyBuffer minv, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
+  LowBitShape s;
+  if (auto err = CheckLowBit(x, q, high, scale, minv, *y, layer, &s); err.failure()) return err;
+  const ffi::DataType t = x.element_type();
+  std::vector<float> xf(size_t(s.m * s.k));
+  for (int64_t m = 0; m < s.m; ++m) LoadF32(x.untyped_data(), t, m * s.k, s.k, &xf[size_t(m * s.k)]);
+  const int64_t g = s.groups;
+  const uint8_t* ql = static_cast<const uint8_t*>(q.untyped_data()) + layer * s.n * (s.k / 2);
+  const uint32_t* hl = s.high ? static_cast<const uint32_t*>(high.untyped_data()) + layer * s.n * g : nullptr;
+  const uint16_t* sl = static_cast<const uint16_t*>(scale.untyped_data()) + layer * s.n * g;
+  const uint16_t* ml = static_cast<const uint16_t*>(minv.untyped_data()) + layer * s.n * g;
+  void* out = y->untyped_data();
+#ifdef JAXLLM_LOWBIT_VNNI
+  if (s.m == 1 && g % 2 == 0 && Finite(xf.data(), s.k)) {
+    const LowX lx = SplitLow(xf.data(), g);
+    ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
+      std::vector<float> ds(static_cast<size_t>(g));
+      for (int64_t n = n0; n < n1; ++n)
+        StoreF32(out, t, n, RowDotLow(lx, ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml + n * g, g,
+                                      ds.data()));
+    });
+    return ffi::Error::Success();
+  }
+#endif
+  ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
+    std::vector<float> w(static_cast<size_t>(s.k));
+    for (int64_t n = n0; n < n1; ++n) {
+      DequantRow(ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml + n * g, g, w.data());
+      const float* wp = w.data();
+      for (int64_t m = 0; m < s.m; ++m) {
+        const float* xr = &xf[size_t(m * s.k)];
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < s.k; ++i) dot += xr[i] * wp[i];
+        StoreF32(out, t, m * s.n + n, dot);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// Test variant: y aliases a poisoned input buffer, so unwritten elements show.
+ffi::Error LowBitCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer high,
+                         ffi::AnyBuffer scale, ffi::AnyBuffer minv, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t layer) {
+  return LowBitCpu(pool, x, q, high, scale, minv, y, layer);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowBitMatmulCpu, LowBitCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()    // x [M, K] f32 / bf16
+                                  .Arg<ffi::AnyBuffer>()    // q [L, N, K / 2] uint8
+                                  .Arg<ffi::AnyBuffer>()    // high [L, N, K / 32] uint32 ([L, N, 0]: 4-bit)
+                                  .Arg<ffi::AnyBuffer>()    // scale [L, N, K / 32] f16
+                                  .Arg<ffi::AnyBuffer>()    // min [L, N, K / 32] f16
+                                  .Ret<ffi::AnyBuffer>()    // y [M, N], x's dtype
+                                  .Attr<int64_t>("layer"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowBitMatmulCpuInto, LowBitCpuInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()    // the poisoned y, aliased to the result
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("layer"));
+
+}  // namespace jaxllm
