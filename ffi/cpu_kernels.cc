@@ -142,11 +142,6 @@ float RowDotVnni(const SplitX& x, int64_t groups, const int8_t* __restrict row, 
   return _mm512_reduce_add_ps(acc);
 }
 
-inline bool AllFinite(const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) return false;
-  return true;
-}
 #endif
 
 // y[m, n] = x[m] . dequant(w[n]) for f32 rows xf [M, K]; emit(m, n, value) stores each (from pool threads,

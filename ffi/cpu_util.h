@@ -1,5 +1,5 @@
-// Helpers the CPU handlers share: bf16 conversions, loading and storing activations as f32, and running
-// work on XLA's intra-op thread pool.
+// Helpers the CPU handlers share: bf16 conversions, loading and storing activations as f32, the finiteness
+// check of the integer paths, and running work on jaxllm's own threads (Workers) or XLA's intra-op pool.
 #pragma once
 
 #include <algorithm>
@@ -51,6 +51,13 @@ inline void LoadF32(const void* src, ffi::DataType t, int64_t offset, int64_t n,
 inline void StoreF32(void* dst, ffi::DataType t, int64_t offset, float v) {
   if (t == ffi::F32) static_cast<float*>(dst)[offset] = v;
   else static_cast<uint16_t*>(dst)[offset] = F32ToBf16(v);
+}
+
+// Whether every one of x[0, n) is finite (the integer paths need it; NaN and inf take the f32 paths).
+inline bool AllFinite(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
 }
 
 // Threads of jaxllm's own that spin between calls: the handlers of one decode step come every 10-100 us, and

@@ -165,12 +165,6 @@ float RowDotLow(const LowX& x, const uint8_t* __restrict q, const uint32_t* __re
   }
   return _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(mins);
 }
-
-inline bool Finite(const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) return false;
-  return true;
-}
 #endif
 
 ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer high,
@@ -187,7 +181,7 @@ ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, f
   const uint16_t* ml = static_cast<const uint16_t*>(minv.untyped_data()) + layer * s.n * g;
   void* out = y->untyped_data();
 #ifdef JAXLLM_LOWBIT_VNNI
-  if (s.m == 1 && g % 2 == 0 && Finite(xf.data(), s.k)) {
+  if (s.m == 1 && g % 2 == 0 && AllFinite(xf.data(), s.k)) {
     const LowX lx = SplitLow(xf.data(), g);
     ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
       std::vector<float> ds(static_cast<size_t>(g));

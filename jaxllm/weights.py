@@ -92,7 +92,8 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
     return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
   def lowbit_stack(name: str, bits: int) -> bool:
-    """Converts matrix `name` to LowBit arrays (False, nothing done, where a block's min overflows f16)."""
+    """Converts matrix `name` to LowBit arrays (False, nothing kept, where a block's min overflows f16: the
+    pages released so far are read again from the file by the W8A16 conversion)."""
     stack = None
     for i in range(c.n_layers):
       pieces = []
@@ -107,8 +108,7 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
         stack = [np.empty((c.n_layers, *a.shape), a.dtype) for a in (q, high, scale, minv)]
       for dst, a in zip(stack, (q, high, scale, minv)):
         dst[i] = a
-    for t in parts[name]:
-      for i in range(c.n_layers):
+      for t in parts[name]:
         gf.release(f"blk.{i}.{t}")
     for field, a in zip(("q", "high", "scale", "min"), stack):
       done(f"{name}.{field}", a)

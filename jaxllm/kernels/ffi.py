@@ -85,26 +85,42 @@ def _target(name: str, poison: jax.Array | None, n_args: int) -> tuple[str, dict
 
 
 @functools.lru_cache(maxsize=None)
-def _matmul_call(layer: int):
-  """The FFI matmul for one layer index, batched under vmap by folding into M."""
+def _matmul_call(target: str, layer: int):
+  """An FFI matmul (x [M, K] and stacked weight arrays, each [L, N, ...] -> [M, N]) for one layer index,
+  batched under vmap by folding into M; batched weights map sequentially."""
 
   @jax.custom_batching.custom_vmap
-  def call(x, w, scale):                       # x [M, K], w [L, N, K], scale [L, N, G] -> [M, N]
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
-    return jax.ffi.ffi_call("jaxllm_w8a16", out)(x, w, scale, layer=np.int64(layer))
+  def call(x, *w):
+    out = jax.ShapeDtypeStruct((x.shape[0], w[0].shape[1]), x.dtype)
+    return jax.ffi.ffi_call(target, out)(x, *w, layer=np.int64(layer))
 
   @call.def_vmap
-  def _batched(axis_size, in_batched, x, w, scale):
-    x_b, w_b, s_b = in_batched
-    if w_b or s_b:
-      xs = x if x_b else jnp.broadcast_to(x, (axis_size, *x.shape))
-      ws = w if w_b else jnp.broadcast_to(w, (axis_size, *w.shape))
-      ss = scale if s_b else jnp.broadcast_to(scale, (axis_size, *scale.shape))
-      return jax.lax.map(lambda a: call(*a), (xs, ws, ss)), True
+  def _batched(axis_size, in_batched, x, *w):
+    if any(in_batched[1:]):
+      xs = x if in_batched[0] else jnp.broadcast_to(x, (axis_size, *x.shape))
+      ws = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(w, in_batched[1:])]
+      return jax.lax.map(lambda a: call(*a), (xs, *ws)), True
     m, k = x.shape[-2:]
-    return call(x.reshape(axis_size * m, k), w, scale).reshape(axis_size, m, w.shape[1]), True
+    return call(x.reshape(axis_size * m, k), *w).reshape(axis_size, m, w[0].shape[1]), True
 
   return call
+
+
+def _matmul(target: str, x: jax.Array, weights: tuple, layer: int, poison, reference) -> jax.Array:
+  """x [..., K] through the FFI matmul `target` on the stacked weight arrays (each [L, N, ...]) -> [..., N];
+  reference() where M exceeds max_m(); into `poison` (the test variant) when given."""
+  k, n = x.shape[-1], weights[0].shape[1]
+  lead = x.shape[:-1]
+  m = int(np.prod(lead)) if lead else 1
+  if m > max_m() and poison is None:
+    return reference()
+  if poison is not None:
+    name, kw = _target(target, poison, 1 + len(weights))
+    y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((m, n), x.dtype), **kw)(x.reshape(m, k), *weights, poison,
+                                                                             layer=np.int64(layer))
+  else:
+    y = _matmul_call(target, int(layer))(x.reshape(m, k), *weights)
+  return y.reshape(*lead, n)
 
 
 def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
@@ -133,44 +149,14 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
   if k < 1 or w.shape[1] < 1 or k % scale.shape[-1] or (k // scale.shape[-1]) % 16:
     raise ValueError(f"expected K >= 1 and N >= 1 with K a multiple of the scale groups (each a multiple of "
                      f"16 inputs); got w {w.shape}, scale {scale.shape}")
-  lead = x.shape[:-1]
-  m = int(np.prod(lead)) if lead else 1
-  if m > max_m() and poison is None:
-    return linear_reference(x, Linear(w=w, scale=scale), layer)
-  if poison is not None:
-    name, kw = _target("jaxllm_w8a16", poison, 3)
-    out = jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype)
-    y = jax.ffi.ffi_call(name, out, **kw)(x.reshape(m, k), w, scale, poison, layer=np.int64(layer))
-    return y.reshape(*lead, w.shape[1])
-  y = _matmul_call(int(layer))(x.reshape(m, k), w.astype(jnp.int8), scale.astype(jnp.float32))
-  return y.reshape(*lead, w.shape[1])
+  return _matmul("jaxllm_w8a16", x, (w, scale.astype(jnp.float32)), layer, poison,
+                 lambda: linear_reference(x, Linear(w=w, scale=scale), layer))
 
 
 def lowbit_supported() -> bool:
   """Whether the FFI takes LowBit weights on the default backend (the CPU handler; the GPU runs them
   through the reference: its fused kernels take W8A16)."""
   return jax.default_backend() == "cpu" and unavailable_reason() is None
-
-
-@functools.lru_cache(maxsize=None)
-def _lowbit_call(layer: int):
-  """The FFI low-bit matmul for one layer index, batched under vmap by folding into M."""
-
-  @jax.custom_batching.custom_vmap
-  def call(x, q, high, scale, minv):   # x [M, K]; q [L, N, K/2], high [L, N, G or 0], scale/min [L, N, G]
-    out = jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), x.dtype)
-    return jax.ffi.ffi_call("jaxllm_lowbit", out)(x, q, high, scale, minv, layer=np.int64(layer))
-
-  @call.def_vmap
-  def _batched(axis_size, in_batched, x, *w):
-    if any(in_batched[1:]):
-      ws = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(w, in_batched[1:])]
-      xs = x if in_batched[0] else jnp.broadcast_to(x, (axis_size, *x.shape))
-      return jax.lax.map(lambda a: call(*a), (xs, *ws)), True
-    m, k = x.shape[-2:]
-    return call(x.reshape(axis_size * m, k), *w).reshape(axis_size, m, w[0].shape[1]), True
-
-  return call
 
 
 def lowbit_matmul(x: jax.Array, lin: LowBit, layer: int | None = None, *,
@@ -192,16 +178,8 @@ def lowbit_matmul(x: jax.Array, lin: LowBit, layer: int | None = None, *,
   k = x.shape[-1]
   if k != 2 * q.shape[2]:
     raise ValueError(f"x has K={k} but the weight has K={2 * q.shape[2]}")
-  lead = x.shape[:-1]
-  m = int(np.prod(lead)) if lead else 1
-  if m > max_m() and poison is None:
-    return linear_reference(x, LowBit(q=q, high=high, scale=scale, min=minv), layer)
-  if poison is not None:
-    name, kw = _target("jaxllm_lowbit", poison, 5)
-    out = jax.ShapeDtypeStruct((m, q.shape[1]), x.dtype)
-    y = jax.ffi.ffi_call(name, out, **kw)(x.reshape(m, k), q, high, scale, minv, poison, layer=np.int64(layer))
-    return y.reshape(*lead, q.shape[1])
-  return _lowbit_call(int(layer))(x.reshape(m, k), q, high, scale, minv).reshape(*lead, q.shape[1])
+  return _matmul("jaxllm_lowbit", x, arrays, layer, poison,
+                 lambda: linear_reference(x, LowBit(q=q, high=high, scale=scale, min=minv), layer))
 
 
 def _check_caches(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_layout: str) -> tuple[int, ...]:
