@@ -370,3 +370,43 @@ def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name):
   for key, got in outs.items():
     for a, b in zip(got, ref):
       np.testing.assert_array_equal(a, b, err_msg=str(key))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_layers_call_mlp_kernel(monkeypatch, name):
+  """Batch 1, the GPU's fused step: the layers call runs each layer's MLP as one kernel (ffi/mlp_cuda.cuh:
+  gate/up, SwiGLU and down split over F, down's sum exact in fixed point). Teacher-forced over 24 steps its
+  logits and caches agree with the unfused FFI step's to bf16's rounding, as closely as with gate/up and
+  down as two kernels (JAXLLM_MLP_FUSED=0), whose bits they are not (the one-kernel MLP ran). A second
+  layer that found the first one's sums or ticket left non-zero would be off by a whole layer's MLP."""
+  from jaxllm.model import forward, forward_decode_fused, logits
+  config, weights = _synthetic(name)
+  dtype = _cache(config, 1).compute_dtype
+  head = jax.jit(lambda x: fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head, dtype=dtype))
+  steps = {}
+  for mlp in ("1", "0"):
+    monkeypatch.setenv("JAXLLM_MLP_FUSED", mlp)
+    fn = jax.jit(lambda c, t, p, a: forward_decode_fused(config, weights, c, t, p, a))
+    assert f"mlp = {mlp} : i64" in fn.lower(_cache(config, 1), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                            jnp.ones((1,), bool)).as_text()
+    steps[mlp] = fn
+  unfused = jax.jit(lambda c, t, p, a: forward(config, weights, c, t[:, None], p, a[:, None], kernels="ffi-unfused"))
+  caches = {"1": _cache(config, 1), "0": _cache(config, 1), "u": _cache(config, 1)}
+  rng = np.random.default_rng(11)
+  worst = {"1": 0.0, "0": 0.0}
+  for t in range(24):
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, 1), jnp.int32)
+    pos, active = jnp.asarray([t], jnp.int32), jnp.asarray([True])
+    hidden, caches["u"] = unfused(caches["u"], tokens, pos, active)
+    ref = np.asarray(logits(weights, hidden[:, 0], dtype, kernels="ffi-unfused"), np.float64)
+    out = {}
+    for mlp in ("1", "0"):
+      x, caches[mlp] = steps[mlp](caches[mlp], tokens, pos, active)
+      out[mlp] = np.asarray(head(x), np.float64)
+      worst[mlp] = max(worst[mlp], _rel(out[mlp], ref))
+      assert _rel(out[mlp], ref) < TOL[jnp.bfloat16], (mlp, t, _rel(out[mlp], ref))
+      assert _rel(caches[mlp].k, caches["u"].k) < TOL[jnp.bfloat16], (mlp, t)
+    assert not np.array_equal(out["1"], out["0"]), t
+  print(f"{name}: worst logits error against the unfused step, one-kernel MLP {worst['1']:.2e}, "
+        f"two kernels {worst['0']:.2e}")
