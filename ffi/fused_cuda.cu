@@ -12,7 +12,6 @@
 
 #include "common.h"
 #include "attention_cuda.cuh"
-#include "mlp_cuda.cuh"
 #include "qkv_cuda.cuh"
 #include "w8a16_cuda.cuh"
 
@@ -115,11 +114,10 @@ ffi::Error FusedCudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 // once per call (each merging block resets its own after that).
 
 struct LayersWorkspace {
-  size_t qkv, attn, act, ws, counters, mlp, total;
+  size_t qkv, attn, act, ws, counters, total;
 };
 inline size_t Align256(size_t n) { return (n + 255) / 256 * 256; }
-inline LayersWorkspace LayersLayout(int64_t b, int64_t n, int64_t h, int64_t dh, int64_t f, int64_t p, int64_t g,
-                                    int64_t d) {
+inline LayersWorkspace LayersLayout(int64_t b, int64_t n, int64_t h, int64_t dh, int64_t f, int64_t p, int64_t g) {
   LayersWorkspace w;
   size_t at = 0;
   w.qkv = at; at += Align256(size_t(b * n) * 2);
@@ -127,7 +125,6 @@ inline LayersWorkspace LayersLayout(int64_t b, int64_t n, int64_t h, int64_t dh,
   w.act = at; at += Align256(size_t(b * f) * 2);
   w.ws = at; at += Align256(size_t(b * h * p * (dh + 2)) * 4);
   w.counters = at; at += Align256(size_t(b * g) * 4);
-  w.mlp = at; at += Align256(size_t(b * d) * 8 + 16);   // the fused MLP's fixed-point sums [B, D], its ticket
   w.total = at;
   return w;
 }
@@ -139,7 +136,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
                       ffi::AnyBuffer wd, ffi::AnyBuffer sd, ffi::AnyBuffer, ffi::AnyBuffer,
                       ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
                       ffi::Result<ffi::AnyBuffer> workspace, int64_t heads, int64_t kv_heads, int64_t neox,
-                      float pos_scale, float eps, int64_t splits, int64_t pdl, int64_t mlp_attr) {
+                      float pos_scale, float eps, int64_t splits, int64_t pdl) {
   const std::string name = "jaxllm_decode_layers: ";
   auto xd = x.dimensions(), kd = kc->dimensions();
   if (x.element_type() != ffi::F32 || xd.size() != 2 || kd.size() != 5 || kc->element_type() != ffi::BF16 ||
@@ -181,7 +178,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
       return ffi::Error::InvalidArgument(name + "pos, writes and lengths must be int32 [B]");
   if (inv_freq.element_type() != ffi::F32 || inv_freq.dimensions().size() != 1 || inv_freq.dimensions()[0] != dh / 2)
     return ffi::Error::InvalidArgument(name + "inv_freq must be f32 [Dh / 2]");
-  const LayersWorkspace lw = LayersLayout(b, n, h, dh, f, splits, g, d);
+  const LayersWorkspace lw = LayersLayout(b, n, h, dh, f, splits, g);
   auto wsd = workspace->dimensions();
   if (workspace->element_type() != ffi::U8 || wsd.size() != 1 || size_t(wsd[0]) < lw.total ||
       x_out->element_type() != ffi::F32 || x_out->dimensions().size() != 2 || x_out->dimensions()[0] != b ||
@@ -225,19 +222,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   // Layer i's slice of a stacked [L, rows, cols] weight (int8) or scale (f32).
   auto w8 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return i8(a) + i * m.n * m.k; };
   auto s32 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return f32(a) + i * m.n * m.groups; };
-  // mlp: gate/up and down in one kernel (mlp_cuda.cuh) where it fits.
-  const bool fused_mlp = mlp_attr != 0 && mlp::Fits(b, d, f, mg.group, md.group);
-  mlp::Args ma;
-  ma.x = xo;
-  ma.acc = reinterpret_cast<unsigned long long*>(base + lw.mlp);
-  ma.ticket = reinterpret_cast<unsigned int*>(base + lw.mlp + size_t(b * d) * 8);
-  ma.eps = eps;
-  ma.d = int(d);
-  ma.f = int(f);
-  ma.ggu = int(mg.groups);
-  ma.early = early;
-  // The attention counters and the MLP's sums and ticket start at zero (each call leaves them zero too).
-  cudaError_t e = cudaMemsetAsync(cnt, 0, lw.total - lw.counters, stream);
+  cudaError_t e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
   for (int64_t i = 0; i < layers && e == cudaSuccess; ++i) {
     const float* xcur = i == 0 ? xin : xo;
     Fuse fq{f32(attn_norm) + i * d, eps, nullptr, use_pdl && i > 0, early};
@@ -255,15 +240,6 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
     Fuse fo{nullptr, 0.f, xcur, use_pdl, early};
     e = Dispatch<bf16, kResidual>(stream, mo, attn, w8(wo, i, mo), s32(so, i, mo), xo, fo);
     if (e != cudaSuccess) break;
-    if (fused_mlp) {
-      ma.norm_w = f32(ffn_norm) + i * d;
-      ma.wgu = w8(wgu, i, mg);
-      ma.sgu = s32(sgu, i, mg);
-      ma.wd = w8(wd, i, md);
-      ma.sd = s32(sd, i, md);
-      e = mlp::Launch<bf16>(stream, use_pdl, ma);
-      continue;
-    }
     Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, use_pdl, early};
     e = Dispatch<bf16, kNorm | kSwiGLU>(stream, mg, xo, w8(wgu, i, mg), s32(sgu, i, mg), act, fg);
     if (e != cudaSuccess) break;
@@ -309,8 +285,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeLayersCuda, LayersCuda,
                                   .Attr<float>("pos_scale")
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("pdl")
-                                  .Attr<int64_t>("mlp"),
+                                  .Attr<int64_t>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16FusedCudaInto, FusedCudaInto, BindFusedInto<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});

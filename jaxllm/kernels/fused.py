@@ -209,20 +209,18 @@ def _align(n: int) -> int:
   return -(-n // 256) * 256
 
 
-def layers_workspace_bytes(b: int, n: int, h: int, dh: int, f: int, splits: int, g: int, d: int) -> int:
+def layers_workspace_bytes(b: int, n: int, h: int, dh: int, f: int, splits: int, g: int) -> int:
   """Bytes of decode_layers' workspace (LayersLayout in ffi/fused_cuda.cu): qkv, attention out and SwiGLU
-  out in bf16, the attention partials in f32, the counters, the fused MLP's fixed-point sums and ticket."""
+  out in bf16, the attention partials in f32, the counters."""
   return (_align(b * n * 2) + _align(b * h * dh * 2) + _align(b * f * 2) + _align(b * h * splits * (dh + 2) * 4)
-          + _align(b * g * 4) + _align(b * d * 8 + 16))
+          + _align(b * g * 4))
 
 
 def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale: float, k_cache, v_cache, *,
-                  pdl: bool = True, mlp: bool = True):
+                  pdl: bool = True):
   """Every layer of the fused decode step in one FFI call (CUDA): the per-op path's kernels
   (forward_decode_fused) with the QKV epilogue folded into the attention kernel, five per layer, launched
-  from one handler, each (pdl) a programmatic dependent of the one before. mlp: the layer's gate/up and
-  down as one kernel (ffi/mlp_cuda.cuh: int16 activations, down's sum over F exact in fixed point) where
-  the geometry fits it, so four kernels a layer.
+  from one handler, each (pdl) a programmatic dependent of the one before.
   x [B, D] f32 -> (x [B, D] f32, caches updated in place)."""
   from jaxllm.kernels import ffi
   ffi._ensure_registered()
@@ -230,7 +228,7 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale:
   b = x.shape[0]
   splits = merged_splits(b, k_cache)
   n = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-  nbytes = layers_workspace_bytes(b, n, c.n_heads, c.head_dim, c.d_ff, splits, c.n_kv_heads, c.d_model)
+  nbytes = layers_workspace_bytes(b, n, c.n_heads, c.head_dim, c.d_ff, splits, c.n_kv_heads)
   opt = _optional_f32
   outs = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((nbytes,), jnp.uint8))
@@ -240,23 +238,21 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale:
       w.ffn_norm, w.w_gate_up.w, w.w_gate_up.scale, w.w_down.w, w.w_down.scale, k_cache, v_cache,
       heads=np.int64(c.n_heads), kv_heads=np.int64(c.n_kv_heads), neox=np.int64(c.rope_style == "neox"),
       pos_scale=np.float32(pos_scale), eps=np.float32(c.rms_eps),
-      splits=np.int64(splits), pdl=np.int64(pdl), mlp=np.int64(mlp))
+      splits=np.int64(splits), pdl=np.int64(pdl))
   return x, k_cache, v_cache
 
 
 class LayersCall(NamedTuple):
   one: bool        # every layer from one FFI call (decode_layers)
   pdl: bool        # programmatic dependent launch
-  mlp: bool        # the MLP as one kernel in that call
 
 
 def layers_call() -> LayersCall:
-  """How the GPU runs the fused step's layers: one FFI call, PDL and the one-kernel MLP by default;
-  JAXLLM_LAYERS_CALL=0 runs one FFI call per op, JAXLLM_PDL=0 launches plainly, JAXLLM_MLP_FUSED=0 runs
-  gate/up and down as two kernels (for comparison)."""
+  """How the GPU runs the fused step's layers: one FFI call and PDL by default; JAXLLM_LAYERS_CALL=0 runs
+  one FFI call per op, JAXLLM_PDL=0 launches plainly (for comparison)."""
   import os
   one = jax.default_backend() == "gpu" and os.environ.get("JAXLLM_LAYERS_CALL", "1") != "0"
-  return LayersCall(one, os.environ.get("JAXLLM_PDL", "1") != "0", os.environ.get("JAXLLM_MLP_FUSED", "1") != "0")
+  return LayersCall(one, os.environ.get("JAXLLM_PDL", "1") != "0")
 
 
 # ---- when the fused decode step runs ---------------------------------------------------------------------
