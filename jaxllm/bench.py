@@ -176,7 +176,7 @@ def run(args) -> list[dict]:
   for kernels in kernel_list(args.kernels):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
                     prefill_chunk=args.prefill_chunk, tokens_per_call=args.tokens_per_call,
-                    device_loop=args.device_loop)
+                    device_loop=None if args.device_loop == "auto" else args.device_loop)
     t0 = time.perf_counter()
     engine.warmup(args.prompt_len, params, batch=args.batch)
     compile_s = time.perf_counter() - t0
@@ -386,8 +386,9 @@ def build_parser():
   p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk")
   p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
                  help="decode steps per executable call (Engine(tokens_per_call=K); default: the engine's)")
-  p.add_argument("--device-loop", choices=("unrolled", "while"), default="unrolled",
-                 help="how a call of K steps runs them: K unrolled copies, or a while loop (Engine(device_loop=))")
+  p.add_argument("--device-loop", choices=("auto", "unrolled", "while"), default="auto",
+                 help="how a call of K steps runs them: K unrolled copies, or a while loop (Engine(device_loop=); "
+                      "auto: while on the CPU, unrolled on the GPU)")
   p.add_argument("--temperature", type=float, default=0.0, help="sampling (default greedy)")
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)

@@ -121,10 +121,12 @@ class _StopText:
     return self._show(len(self.pending))
 
 
-# Decode steps per executable call by default where the GPU runs the fused step (Engine.tokens_per_call_for;
-# measured on the H200, docs/results/2026-12-01-h200-step.md: 4 and 8 both leave the step device-bound), and
-# the most an Engine takes.
+# Decode steps per executable call by default (Engine.tokens_per_call_for) where the GPU runs the fused step
+# (measured on the H200, docs/results/2026-12-01-h200-step.md: 4 and 8 both leave the step device-bound) and
+# on the CPU, there in a while loop (docs/results/2026-12-02-cpu-calls.md: 0.74-0.86x the TPOT of one step a
+# call, compiled as fast); and the most an Engine takes.
 GPU_TOKENS_PER_CALL = 8
+CPU_TOKENS_PER_CALL = 8
 MAX_TOKENS_PER_CALL = 64
 
 
@@ -181,24 +183,26 @@ class Engine:
     tokens_per_call: decode steps per executable call (decode_steps): the host dispatches and reads once
       per that many tokens, which then arrive together; a stream may compute up to that many - 1 steps past
       the point where its caller stops reading. None (the default): GPU_TOKENS_PER_CALL where the GPU runs
-      the fused step, else 1 (tokens_per_call_for says which).
-    device_loop: how a call of several steps runs them (decode.decode_steps' loop): "unrolled" (the default:
-      K copies of the step in the program) or "while" (one copy in a while loop).
+      the fused step, CPU_TOKENS_PER_CALL on the CPU with the while loop, else 1 (tokens_per_call_for says
+      which).
+    device_loop: how a call of several steps runs them (decode.decode_steps' loop): "unrolled" (K copies of
+      the step in the program) or "while" (one copy in a while loop). None (the default): "while" on the CPU
+      (K unrolled CPU steps compile for ~20 s instead of ~3), "unrolled" on the GPU.
   """
 
   def __init__(self, config: Config, weights: Weights, tokenizer: Tokenizer | None, max_context: int,
                kernels: str = "auto", graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
                cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None,
-               device_loop: str = "unrolled"):
+               device_loop: str | None = None):
     if not isinstance(max_context, int) or max_context < 2:
       raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
     if tokens_per_call is not None and (not isinstance(tokens_per_call, int) or isinstance(tokens_per_call, bool)
                                         or not 1 <= tokens_per_call <= MAX_TOKENS_PER_CALL):
       raise ValueError(f"tokens_per_call must be an integer in [1, {MAX_TOKENS_PER_CALL}], got {tokens_per_call!r}")
-    if device_loop not in DEVICE_LOOPS:
-      raise ValueError(f"device_loop must be one of {DEVICE_LOOPS}, got {device_loop!r}")
+    if device_loop is not None and device_loop not in DEVICE_LOOPS:
+      raise ValueError(f"device_loop must be one of {DEVICE_LOOPS} or None, got {device_loop!r}")
     self.tokens_per_call = tokens_per_call
-    self.device_loop = device_loop
+    self.device_loop = device_loop or ("unrolled" if jax.default_backend() == "gpu" else "while")
     self.config = config
     self.weights = weights
     self.tokenizer = tokenizer
@@ -344,13 +348,16 @@ class Engine:
   def tokens_per_call_for(self, batch: int) -> int:
     """Decode steps per executable call at this batch size: the engine's tokens_per_call, or by default
     GPU_TOKENS_PER_CALL where the GPU runs the fused step (there the host's ~0.3 ms dispatch and ~0.4 ms
-    read would otherwise set the pace, docs/results/2026-12-01-h200-step.md), else 1 (on the CPU a step
-    takes milliseconds; on the GPU's unfused step more steps per call compile for tens of seconds)."""
+    read would otherwise set the pace, docs/results/2026-12-01-h200-step.md), CPU_TOKENS_PER_CALL on the CPU
+    with the while loop (a call's launch, the token's copy and read, and the host thread waking beside the
+    two compute threads cost 15-25% of a step of one token a call), else 1 (the GPU's unfused step and
+    unrolled CPU steps compile for tens of seconds at K > 1)."""
     if self.tokens_per_call is not None:
       return self.tokens_per_call
+    if jax.default_backend() != "gpu":
+      return CPU_TOKENS_PER_CALL if self.device_loop == "while" else 1
     from jaxllm.model import use_fused
-    if jax.default_backend() == "gpu" and use_fused(self.config, self.weights, self._cache_spec(batch), batch,
-                                                    self.kernels):
+    if use_fused(self.config, self.weights, self._cache_spec(batch), batch, self.kernels):
       return GPU_TOKENS_PER_CALL
     return 1
 

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="pipelined dispatches step i+1 before reading token i; streaming waits for each")
   p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
                  help="decode steps per executable call: the host dispatches and reads once per K tokens, "
-                      "which arrive together (default: 8 where the GPU runs the fused step, else 1)")
+                      "which arrive together (default: 8 where the GPU runs the fused step and on the CPU, else 1)")
   p.add_argument("--show-tokens", action="store_true", help="print token ids as well as text")
   p.add_argument("--json", action="store_true", help="print one JSON object at the end (-i: one per turn) instead of text")
   p.add_argument("--quiet", "-q", action="store_true", help="no start-up lines or summary on stderr")

@@ -1,6 +1,8 @@
 """Streaming text: UTF-8 split across tokens, stop strings, and the CLI's output."""
 import json
 
+import jax
+
 import pytest
 
 from jaxllm import Engine, GGUFFile, SamplingParams, StreamDecoder, Tokenizer
@@ -91,9 +93,10 @@ def test_tokens_per_call_gives_the_same_tokens(model, k, device_loop):
   """K decode steps per executable call, unrolled or in a while loop: the same tokens as one per call
   (greedy and sampled, both loops, lengths that are not multiples of K, a stop string, EOS and a full
   context), and reuse_cache still reuses what the cache holds."""
-  path, one, tok = model
+  path, default, tok = model
   gf = GGUFFile(path)
-  many = Engine(gf.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=k,
+  one = Engine(gf.config, default.weights, tok, max_context=64, kernels="xla", tokens_per_call=1)
+  many = Engine(gf.config, default.weights, tok, max_context=64, kernels="xla", tokens_per_call=k,
                 device_loop=device_loop)
   prompt = tok.encode("hello")
   sampled = SamplingParams(temperature=0.8, top_p=0.9)
@@ -115,7 +118,10 @@ def test_tokens_per_call_gives_the_same_tokens(model, k, device_loop):
 
 def test_tokens_per_call_must_be_a_small_positive_integer(model):
   path, one, tok = model
-  assert one.tokens_per_call_for(1) == 1            # the default off the GPU's fused step
+  if jax.default_backend() == "cpu":   # the defaults: 8 a call in a while loop, 1 where the loop is unrolled
+    assert one.device_loop == "while" and one.tokens_per_call_for(1) == 8
+    unrolled = Engine(one.config, one.weights, tok, max_context=64, kernels="xla", device_loop="unrolled")
+    assert unrolled.tokens_per_call_for(1) == 1
   assert Engine(one.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=5).tokens_per_call_for(3) == 5
   for bad in (0, -1, 65, 2.0, True):
     with pytest.raises(ValueError, match="tokens_per_call"):
