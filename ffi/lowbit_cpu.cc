@@ -3,7 +3,8 @@
 // q: 4 bits a value, two a byte, a group's 16 bytes as the file keeps them (byte j: value j in the low
 // nibble, value j + 16 in the high one); high (5-bit weights only): a uint32 a group, bit j the fifth bit of
 // value j; scale and min: f16 a group of 32. Q4_0 and Q5_0 are scale d, min -8d / -16d; Q4_1 and Q5_1 are
-// their own d and m. Half the bytes of W8A16 or less: what bounds the 2-core CPU's decode.
+// their own d and m. A stack of Q4_0 or of Q5_0 blocks only stores no min ([L, N, 0]): it is -8 or -16
+// times the scale. Half the bytes of W8A16 or less: what bounds the 2-core CPU's decode.
 //
 // One row of x (decode, AVX-512 VNNI): each 32-wide group of x as int16, q = round(x / s) with
 // s = max |x| / 32767 (2^-15 of the group's largest value: finer than bf16's 2^-8 relative rounding for
@@ -52,6 +53,7 @@ inline float HalfToF32(uint16_t h) {
 struct LowBitShape {
   int64_t m, n, k, groups, layer;
   bool high;
+  float implicit_min;   // min = implicit_min * scale where no min is stored (-8 or -16), else 0
 };
 
 ffi::Error CheckLowBit(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& high,
@@ -66,13 +68,14 @@ ffi::Error CheckLowBit(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const f
       minv.element_type() != ffi::F16)
     return ffi::Error::InvalidArgument(name + "q must be uint8, high uint32, scale and min float16");
   if (xd.size() != 2 || qd.size() != 3 || hd.size() != 3 || sd.size() != 3 || md.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument(name + "expected x [M, K], q [L, N, K/2], high [L, N, K/32 or 0], scale and "
-                                       "min [L, N, K/32], y [M, N]; got x " + DimsString(xd) + ", q " +
+    return ffi::Error::InvalidArgument(name + "expected x [M, K], q [L, N, K/2], high [L, N, K/32 or 0], scale "
+                                       "[L, N, K/32], min [L, N, K/32 or 0], y [M, N]; got x " + DimsString(xd) + ", q " +
                                        DimsString(qd) + ", high " + DimsString(hd) + ", scale " + DimsString(sd) +
                                        ", y " + DimsString(yd));
-  LowBitShape s{xd[0], qd[1], xd[1], xd[1] / kLowGroup, layer, hd[2] != 0};
+  LowBitShape s{xd[0], qd[1], xd[1], xd[1] / kLowGroup, layer, hd[2] != 0, md[2] == 0 ? (hd[2] ? -16.f : -8.f) : 0.f};
   const bool same = sd[0] == qd[0] && md[0] == qd[0] && hd[0] == qd[0] && sd[1] == s.n && md[1] == s.n &&
-                    hd[1] == s.n && sd[2] == s.groups && md[2] == s.groups && (hd[2] == 0 || hd[2] == s.groups);
+                    hd[1] == s.n && sd[2] == s.groups && (md[2] == 0 || md[2] == s.groups) &&
+                    (hd[2] == 0 || hd[2] == s.groups);
   if (s.k < kLowGroup || s.k % kLowGroup || qd[2] * 2 != s.k || !same || yd[0] != s.m || yd[1] != s.n)
     return ffi::Error::InvalidArgument(name + "inconsistent shapes (K a multiple of 32) x " + DimsString(xd) +
                                        ", q " + DimsString(qd) + ", high " + DimsString(hd) + ", scale " +
@@ -84,11 +87,11 @@ ffi::Error CheckLowBit(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const f
   return ffi::Error::Success();
 }
 
-// One weight row [K] as f32 (scale * q + min).
-void DequantRow(const uint8_t* q, const uint32_t* high, const uint16_t* scale, const uint16_t* minv, int64_t groups,
-                float* out) {
+// One weight row [K] as f32 (scale * q + min; minv null: min = implicit_min * scale).
+void DequantRow(const uint8_t* q, const uint32_t* high, const uint16_t* scale, const uint16_t* minv,
+                float implicit_min, int64_t groups, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
-    const float d = HalfToF32(scale[g]), m = HalfToF32(minv[g]);
+    const float d = HalfToF32(scale[g]), m = minv ? HalfToF32(minv[g]) : d * implicit_min;
     const uint32_t h = high ? high[g] : 0;
     const uint8_t* b = q + g * 16;
     float* o = out + g * kLowGroup;
@@ -130,15 +133,17 @@ LowX SplitLow(const float* x, int64_t groups) {
   return lx;
 }
 
-// One weight row against the split x (groups even).
+// One weight row against the split x (groups even; minv null: min = implicit_min * scale).
 float RowDotLow(const LowX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
-                const uint16_t* __restrict scale, const uint16_t* __restrict minv, int64_t groups, float* ds) {
+                const uint16_t* __restrict scale, const uint16_t* __restrict minv, float implicit_min,
+                int64_t groups, float* ds) {
   // The groups' combined scales (weight scale x x scale) and the min terms, 16 groups at a time.
   __m512 mins = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 live = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
     const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scale + g));
-    const __m512 mn = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, minv + g));
+    const __m512 mn = minv ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, minv + g))
+                           : _mm512_mul_ps(sc, _mm512_set1_ps(implicit_min));
     _mm512_mask_storeu_ps(ds + g, live, _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(live, &x.s[size_t(g)])));
     mins = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(live, &x.sum[size_t(g)]), mins);
   }
@@ -178,7 +183,8 @@ ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, f
   const uint8_t* ql = static_cast<const uint8_t*>(q.untyped_data()) + layer * s.n * (s.k / 2);
   const uint32_t* hl = s.high ? static_cast<const uint32_t*>(high.untyped_data()) + layer * s.n * g : nullptr;
   const uint16_t* sl = static_cast<const uint16_t*>(scale.untyped_data()) + layer * s.n * g;
-  const uint16_t* ml = static_cast<const uint16_t*>(minv.untyped_data()) + layer * s.n * g;
+  const uint16_t* ml =
+      s.implicit_min != 0.f ? nullptr : static_cast<const uint16_t*>(minv.untyped_data()) + layer * s.n * g;
   void* out = y->untyped_data();
 #ifdef JAXLLM_LOWBIT_VNNI
   if (s.m == 1 && g % 2 == 0 && AllFinite(xf.data(), s.k)) {
@@ -186,8 +192,8 @@ ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, f
     ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
       std::vector<float> ds(static_cast<size_t>(g));
       for (int64_t n = n0; n < n1; ++n)
-        StoreF32(out, t, n, RowDotLow(lx, ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml + n * g, g,
-                                      ds.data()));
+        StoreF32(out, t, n, RowDotLow(lx, ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g,
+                                      ml ? ml + n * g : nullptr, s.implicit_min, g, ds.data()));
     });
     return ffi::Error::Success();
   }
@@ -195,7 +201,8 @@ ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, f
   ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
     std::vector<float> w(static_cast<size_t>(s.k));
     for (int64_t n = n0; n < n1; ++n) {
-      DequantRow(ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml + n * g, g, w.data());
+      DequantRow(ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml ? ml + n * g : nullptr, s.implicit_min,
+                 g, w.data());
       const float* wp = w.data();
       for (int64_t m = 0; m < s.m; ++m) {
         const float* xr = &xf[size_t(m * s.k)];
@@ -225,7 +232,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowBitMatmulCpu, LowBitCpu,
                                   .Arg<ffi::AnyBuffer>()    // q [L, N, K / 2] uint8
                                   .Arg<ffi::AnyBuffer>()    // high [L, N, K / 32] uint32 ([L, N, 0]: 4-bit)
                                   .Arg<ffi::AnyBuffer>()    // scale [L, N, K / 32] f16
-                                  .Arg<ffi::AnyBuffer>()    // min [L, N, K / 32] f16
+                                  .Arg<ffi::AnyBuffer>()    // min [L, N, K / 32] f16 ([L, N, 0]: -8 / -16 scale)
                                   .Ret<ffi::AnyBuffer>()    // y [M, N], x's dtype
                                   .Attr<int64_t>("layer"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowBitMatmulCpuInto, LowBitCpuInto,

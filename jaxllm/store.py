@@ -32,7 +32,7 @@ import numpy as np
 from jaxllm.config import Config
 from jaxllm.models import cache_dir
 
-FORMAT = 2          # bump when what convert() writes changes
+FORMAT = 3          # bump when what convert() writes changes (3: no min stored for Q4_0 / Q5_0 stacks)
 _EDGE = 1 << 20     # bytes hashed at each end of the GGUF
 
 

@@ -24,7 +24,8 @@ import numpy as np
 from jaxllm.config import Config
 from jaxllm.gguf import GGUFFile
 from jaxllm.model import Weights
-from jaxllm.quant import GROUP, LOWBIT_GROUP, Linear, LowBit, lowbit_bits, lowbit_from_blocks, quantize_int8
+from jaxllm.quant import (GROUP, LOWBIT_GROUP, Linear, LowBit, implicit_min_stack, lowbit_bits, lowbit_from_blocks,
+                          quantize_int8)
 
 QUANT_CHOICES = ("auto", "w8a16", "gguf", "none")
 ROW_BLOCK = 8192   # rows of the embedding / head converted at a time
@@ -95,11 +96,13 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
     """Converts matrix `name` to LowBit arrays (False, nothing kept, where a block's min overflows f16: the
     pages released so far are read again from the file by the W8A16 conversion)."""
     stack = None
+    store_min = not implicit_min_stack((gf.tensor_type(f"blk.{i}.{t}") for i in range(c.n_layers)
+                                        for t in parts[name]), bits)
     for i in range(c.n_layers):
       pieces = []
       for t in parts[name]:
         full = f"blk.{i}.{t}"
-        piece = lowbit_from_blocks(gf.tensor_blocks(full), gf.tensor_type(full), bits)
+        piece = lowbit_from_blocks(gf.tensor_blocks(full), gf.tensor_type(full), bits, store_min)
         if piece is None:
           return False
         pieces.append(piece)

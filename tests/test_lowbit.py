@@ -9,7 +9,7 @@ import pytest
 from jaxllm import GGUFFile, create_cache, sequence_logits
 from jaxllm.kernels import ffi
 from jaxllm.kernels.linear import linear_reference
-from jaxllm.quant import Linear, LowBit, lowbit_bits, lowbit_from_blocks
+from jaxllm.quant import Linear, LowBit, implicit_min_stack, lowbit_bits, lowbit_from_blocks
 from jaxllm.weights import load_weights
 from tiny import numpy_forward, write_tiny_model
 
@@ -18,15 +18,18 @@ T = gguf.GGMLQuantizationType
 needs_ffi = pytest.mark.skipif(ffi.unavailable_reason() is not None, reason="FFI extension not built")
 
 
-@pytest.mark.parametrize("ggml_type, bits", [("Q4_0", 4), ("Q4_1", 4), ("Q4_0", 5), ("Q4_1", 5), ("Q5_0", 5),
-                                             ("Q5_1", 5)])
-def test_blocks_convert_exactly(ggml_type, bits):
-  """LowBit of a tensor's blocks dequantizes to exactly what gguf-py's dequantizer gives."""
+@pytest.mark.parametrize("ggml_type, bits, store_min", [("Q4_0", 4, True), ("Q4_1", 4, True), ("Q4_0", 5, True),
+                                                        ("Q4_1", 5, True), ("Q5_0", 5, True), ("Q5_1", 5, True),
+                                                        ("Q4_0", 4, False), ("Q5_0", 5, False)])
+def test_blocks_convert_exactly(ggml_type, bits, store_min):
+  """LowBit of a tensor's blocks dequantizes to exactly what gguf-py's dequantizer gives, also with the min
+  left out (a Q4_0 or Q5_0 stack: -8 or -16 times the scale)."""
   rng = np.random.default_rng(1)
   w = (rng.standard_normal((9, 160)) * rng.uniform(0.01, 3, (9, 1))).astype(np.float32)
   raw = gguf.quants.quantize(w, T[ggml_type])
-  lin = LowBit(*map(jnp.asarray, lowbit_from_blocks(raw, ggml_type, bits)))
+  lin = LowBit(*map(jnp.asarray, lowbit_from_blocks(raw, ggml_type, bits, store_min)))
   assert lin.bits == bits and lin.q.shape == (9, 80) and lin.scale.shape == (9, 5)
+  assert lin.min.shape == ((9, 5) if store_min else (9, 0))
   np.testing.assert_array_equal(np.asarray(lin.dequantize()), gguf.quants.dequantize(raw, T[ggml_type]))
 
 
@@ -37,14 +40,17 @@ def test_which_stacks_stay_low_bit():
   assert lowbit_bits(["Q4_0", "Q8_0"]) is None
   assert lowbit_bits(["Q4_K"]) is None
   assert lowbit_bits([]) is None
+  assert implicit_min_stack(["Q4_0", "Q4_0"], 4) and implicit_min_stack(["Q5_0"], 5)
+  assert not implicit_min_stack(["Q4_0", "Q4_1"], 4) and not implicit_min_stack(["Q4_0", "Q5_0"], 5)
+  assert not implicit_min_stack(["Q4_0"], 5)            # a 4-bit block in a 5-bit stack keeps its -8 scale
 
 
-def _random_lowbit(rng, layers, n, k, bits):
+def _random_lowbit(rng, layers, n, k, bits, store_min=True):
   g = k // 32
   high = rng.integers(0, 2 ** 32, (layers, n, g if bits == 5 else 0), dtype=np.uint32)
   return LowBit(q=jnp.asarray(rng.integers(0, 256, (layers, n, k // 2), dtype=np.uint8)), high=jnp.asarray(high),
                 scale=jnp.asarray(rng.uniform(0.002, 0.02, (layers, n, g)).astype(np.float16)),
-                min=jnp.asarray(rng.uniform(-0.2, 0.05, (layers, n, g)).astype(np.float16)))
+                min=jnp.asarray(rng.uniform(-0.2, 0.05, (layers, n, g if store_min else 0)).astype(np.float16)))
 
 
 def _dequant64(lin: LowBit, layer: int) -> np.ndarray:
@@ -57,7 +63,10 @@ def _dequant64(lin: LowBit, layer: int) -> np.ndarray:
   if lin.bits == 5:
     h = np.asarray(lin.high[layer]).astype(np.int64)
     vals = vals + 16 * ((h[..., None] >> np.arange(32)) & 1)
-  w = vals * np.asarray(lin.scale[layer], np.float64)[..., None] + np.asarray(lin.min[layer], np.float64)[..., None]
+  scale = np.asarray(lin.scale[layer], np.float64)
+  # No min stored: the Q4_0 / Q5_0 blocks' -8 / -16 times the scale (GGUF's definition of those types).
+  minv = np.asarray(lin.min[layer], np.float64) if lin.min.shape[-1] else -(8 if lin.bits == 4 else 16) * scale
+  w = vals * scale[..., None] + minv[..., None]
   return w.reshape(n, 2 * half)
 
 
@@ -87,6 +96,27 @@ def test_cpu_kernel_matches_float64(bits, m, k, n, dtype):
 
 
 @needs_ffi
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_kernel_without_stored_min(bits, m, dtype):
+  """A stack of Q4_0 or Q5_0 blocks stores no min: both of the kernel's paths (one row, several) take
+  -8 or -16 times the scale, against numpy float64 of GGUF's definition."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the low-bit kernel is the CPU's")
+  rng = np.random.default_rng(40 + bits + m)
+  lin = _random_lowbit(rng, 2, 130, 192, bits, store_min=False)
+  x = jnp.asarray(rng.standard_normal((m, 192)) * 3, dtype)
+  poison = jnp.full((m, 130), jnp.nan, dtype)
+  y = np.asarray(jax.jit(lambda x, p: ffi.lowbit_matmul(x, lin, 1, poison=p))(x, poison), np.float64)
+  w = _dequant64(lin, 1)
+  xf = np.asarray(x.astype(jnp.float32), np.float64)
+  bound = np.abs(xf) @ np.abs(w).T
+  tol = 2e-4 if dtype == jnp.float32 else 8e-3
+  assert np.all(np.abs(y - xf @ w.T) <= tol * bound + 1e-6), np.max(np.abs(y - xf @ w.T) / bound)
+
+
+@needs_ffi
 def test_cpu_kernel_propagates_nonfinite_x():
   if jax.default_backend() != "cpu":
     pytest.skip("the low-bit kernel is the CPU's")
@@ -107,6 +137,7 @@ def test_gguf_quant_model_matches_numpy(tmp_path, tensor_type):
   for name in ("wqkv", "wo", "w_gate_up", "w_down"):
     lin = getattr(weights, name)
     assert isinstance(lin, LowBit) and lin.bits == (5 if tensor_type.startswith("Q5") else 4), name
+    assert lin.min.shape[-1] == (0 if tensor_type.endswith("_0") else lin.scale.shape[-1]), name   # -8 / -16 scale
   ref = numpy_forward(path, TOKENS)
   cache = create_cache(config, 1, 32, jnp.float32)
   full, _ = sequence_logits(config, weights, cache, jnp.asarray([TOKENS], jnp.int32), jnp.zeros((1,), jnp.int32))
