@@ -92,12 +92,10 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
       gf.release(f"blk.{i}.{t}")
     return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
-  def lowbit_stack(name: str, bits: int) -> bool:
+  def lowbit_stack(name: str, bits: int, store_min: bool) -> bool:
     """Converts matrix `name` to LowBit arrays (False, nothing kept, where a block's min overflows f16: the
     pages released so far are read again from the file by the W8A16 conversion)."""
     stack = None
-    store_min = not implicit_min_stack((gf.tensor_type(f"blk.{i}.{t}") for i in range(c.n_layers)
-                                        for t in parts[name]), bits)
     for i in range(c.n_layers):
       pieces = []
       for t in parts[name]:
@@ -121,8 +119,9 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
 
   for name in parts:
     if name in MATRICES and quant == "gguf":
-      bits = lowbit_bits(gf.tensor_type(f"blk.{i}.{t}") for i in range(c.n_layers) for t in parts[name])
-      if bits is not None and lowbit_stack(name, bits):
+      types = [gf.tensor_type(f"blk.{i}.{t}") for i in range(c.n_layers) for t in parts[name]]
+      bits = lowbit_bits(types)
+      if bits is not None and lowbit_stack(name, bits, not implicit_min_stack(types, bits)):
         continue
     first = layer_rows(name, 0)
     if name in MATRICES:
