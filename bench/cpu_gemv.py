@@ -3,6 +3,7 @@
   python bench/cpu_gemv.py [--m 1 4]
   python bench/cpu_gemv.py --chain 30      # a layer stack: each shape 30 times, chained, in one program
   python bench/cpu_gemv.py --chain 30 --weights w8a16 q4 q5   # the low-bit handler's 4- and 5-bit weights too
+  python bench/cpu_gemv.py --chain 24 --weights q4 q5 --shapes qwen   # Qwen2.5-0.5B's layer shapes
 
 Each shape's weights are one random [N, K] int8 matrix (64-wide groups), x random f32; one jitted call
 timed back to back, best of three batches. Shapes: SmolLM2-135M's gate/up (4096 rows), part of and its
@@ -19,13 +20,15 @@ import argparse
 import sys
 
 SHAPES = [(576, 4096), (576, 16384), (576, 49152), (896, 151936), (4864, 896)]
-CHAIN_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]   # SmolLM2-135M: qkv, o, gate/up, down
+CHAIN_SHAPES = {"smollm2": [(576, 960), (576, 576), (576, 3072), (1536, 576)],   # SmolLM2-135M: qkv, o, gate/up, down
+                "qwen": [(896, 1152), (896, 896), (896, 9728), (4864, 896)]}      # Qwen2.5-0.5B
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", type=int, nargs="+", default=[1, 4], help="rows of x")
   p.add_argument("--chain", type=int, default=0, metavar="L", help="time L chained layers of each shape instead")
+  p.add_argument("--shapes", default="smollm2", choices=tuple(CHAIN_SHAPES), help="with --chain: whose layer shapes")
   p.add_argument("--weights", nargs="+", default=["w8a16"], choices=("w8a16", "q4", "q5"),
                  help="with --chain: W8A16 (int8, an f32 scale per 64) and/or LowBit 4- or 5-bit (f16 scale, min per 32)")
   args = p.parse_args(argv)
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
   from jaxllm.quant import Linear, quantize_int8
   rng = np.random.default_rng(0)
   if args.chain:
-    return chain(args.chain, args.weights)
+    return chain(args.chain, args.weights, args.shapes)
   print("| K | N | weights (MB) | M | us per call | G weights/s |\n|---|---|---|---|---|---|")
   for k, n in SHAPES:
     q, s = quantize_int8(rng.standard_normal((1, n, k)).astype(np.float32))
@@ -67,14 +70,14 @@ def _weights(kind: str, layers: int, n: int, k: int, rng):
   return lin, ffi.lowbit_matmul
 
 
-def chain(layers: int, kinds=("w8a16",)) -> int:
+def chain(layers: int, kinds=("w8a16",), shapes: str = "smollm2") -> int:
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jaxllm.bench import best_seconds
   rng = np.random.default_rng(0)
   print("| weights | K | N | layers | MB | us per call | G weights/s | GB/s |\n|---|---|---|---|---|---|---|---|")
-  for kind, (k, n) in ((kind, shape) for shape in CHAIN_SHAPES for kind in kinds):
+  for kind, (k, n) in ((kind, shape) for shape in CHAIN_SHAPES[shapes] for kind in kinds):
     lin, matmul = _weights(kind, layers, n, k, rng)
     mb = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(lin)) / 1e6
     x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -133,42 +134,86 @@ LowX SplitLow(const float* x, int64_t groups) {
   return lx;
 }
 
-// One weight row against the split x (groups even; minv null: min = implicit_min * scale).
-float RowDotLow(const LowX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
+// The 32-bit masks of the fifth bits of groups g and g + 1 (h = their two words, g's low) in the split
+// order: lanes 0..15 values 0..15 of g then of g + 1 (lo), lanes 16..31 their values 16..31 (hi).
+inline void FifthBitMasks(const uint32_t* high, __mmask32* lo, __mmask32* hi) {
+  uint64_t h;
+  std::memcpy(&h, high, 8);
+#ifdef __BMI2__
+  *lo = __mmask32(_pext_u64(h, 0x0000ffff0000ffffull));
+  *hi = __mmask32(_pext_u64(h, 0xffff0000ffff0000ull));
+#else
+  *lo = __mmask32((h & 0xffff) | ((h >> 16) & 0xffff0000u));
+  *hi = __mmask32(((h >> 16) & 0xffff) | ((h >> 32) & 0xffff0000u));
+#endif
+}
+
+// Weight rows the one-row paths ask the caches for ahead of the row they compute (JAXLLM_LOWBIT_PREFETCH, 0:
+// none): with the hardware's prefetch alone, qwen2.5-0.5b's gate/up read 13 GB/s of the VM's 41 (8 ahead:
+// 30; docs/kernels.md).
+inline int64_t PrefetchRows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("JAXLLM_LOWBIT_PREFETCH");
+    return e ? std::atoll(e) : int64_t(8);
+  }();
+  return rows;
+}
+
+inline void Prefetch(const void* base, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(base) + off, _MM_HINT_T0);
+}
+
+// R consecutive weight rows against the split x (groups even; minv null: min = implicit_min * scale): the
+// rows share each load of x and their accumulators run side by side. Row r's arrays start r rows on; ds
+// [R * groups] scratch; out[r] its result.
+template <int R>
+void RowsDotLow(const LowX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
                 const uint16_t* __restrict scale, const uint16_t* __restrict minv, float implicit_min,
-                int64_t groups, float* ds) {
+                int64_t groups, float* ds, float* out) {
   // The groups' combined scales (weight scale x x scale) and the min terms, 16 groups at a time.
-  __m512 mins = _mm512_setzero_ps();
+  __m512 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 live = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
-    const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scale + g));
-    const __m512 mn = minv ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, minv + g))
-                           : _mm512_mul_ps(sc, _mm512_set1_ps(implicit_min));
-    _mm512_mask_storeu_ps(ds + g, live, _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(live, &x.s[size_t(g)])));
-    mins = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(live, &x.sum[size_t(g)]), mins);
+    const __m512 xs = _mm512_maskz_loadu_ps(live, &x.s[size_t(g)]), xsum = _mm512_maskz_loadu_ps(live, &x.sum[size_t(g)]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scale + r * groups + g));
+      const __m512 mn = minv ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, minv + r * groups + g))
+                             : _mm512_mul_ps(sc, _mm512_set1_ps(implicit_min));
+      _mm512_mask_storeu_ps(ds + r * groups + g, live, _mm512_mul_ps(sc, xs));
+      acc[r] = _mm512_fmadd_ps(mn, xsum, acc[r]);   // the min terms (lanes past the groups are zero)
+    }
   }
   const __m512i nibble = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 2) {
-    // Bytes of groups g and g + 1 as int16: lanes 0..15 group g's, 16..31 group g + 1's.
-    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 16)));
-    __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_srli_epi16(b, 4);
-    if (high) {
-      const uint32_t h0 = high[g], h1 = high[g + 1];
-      lo = _mm512_mask_add_epi16(lo, __mmask32((h0 & 0xffff) | (h1 << 16)), lo, sixteen);
-      hi = _mm512_mask_add_epi16(hi, __mmask32((h0 >> 16) | (h1 & 0xffff0000u)), hi, sixteen);
-    }
     const __m512i* xv = reinterpret_cast<const __m512i*>(&x.q[size_t(g / 2) * 64]);
-    __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xv));
-    d = _mm512_dpwssd_epi32(d, hi, _mm512_loadu_si512(xv + 1));
-    // Lanes 0..7 hold group g's products, 8..15 group g + 1's.
-    double pair;
-    std::memcpy(&pair, ds + g, 8);
-    const __m512 s = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc);
+    const __m512i x0 = _mm512_loadu_si512(xv), x1 = _mm512_loadu_si512(xv + 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      // Bytes of groups g and g + 1 as int16: lanes 0..15 group g's, 16..31 group g + 1's.
+      const __m512i b = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (r * groups + g) * 16)));
+      __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_srli_epi16(b, 4);
+      if (high) {
+        __mmask32 mlo, mhi;
+        FifthBitMasks(high + r * groups + g, &mlo, &mhi);
+        lo = _mm512_mask_add_epi16(lo, mlo, lo, sixteen);
+        hi = _mm512_mask_add_epi16(hi, mhi, hi, sixteen);
+      }
+      __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, x0);
+      d = _mm512_dpwssd_epi32(d, hi, x1);
+      // Lanes 0..7 hold group g's products, 8..15 group g + 1's.
+      double pair;
+      std::memcpy(&pair, ds + r * groups + g, 8);
+      const __m512 s = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r]);
+    }
   }
-  return _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(mins);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 #endif
 
@@ -190,10 +235,27 @@ ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, f
   if (s.m == 1 && g % 2 == 0 && AllFinite(xf.data(), s.k)) {
     const LowX lx = SplitLow(xf.data(), g);
     ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
-      std::vector<float> ds(static_cast<size_t>(g));
-      for (int64_t n = n0; n < n1; ++n)
-        StoreF32(out, t, n, RowDotLow(lx, ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g,
-                                      ml ? ml + n * g : nullptr, s.implicit_min, g, ds.data()));
+      constexpr int R = 4;   // rows a pass
+      std::vector<float> ds(static_cast<size_t>(R * g));
+      float y[R];
+      int64_t n = n0;
+      const int64_t ahead = PrefetchRows();
+      for (; n + R <= n1; n += R) {
+        if (ahead > 0 && n + ahead + R <= s.n) {   // the rows `ahead` on: the hardware's prefetch alone lags
+          Prefetch(ql + (n + ahead) * (s.k / 2), R * (s.k / 2));
+          Prefetch(sl + (n + ahead) * g, R * g * 2);
+          if (hl) Prefetch(hl + (n + ahead) * g, R * g * 4);
+          if (ml) Prefetch(ml + (n + ahead) * g, R * g * 2);
+        }
+        RowsDotLow<R>(lx, ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml ? ml + n * g : nullptr,
+                      s.implicit_min, g, ds.data(), y);
+        for (int r = 0; r < R; ++r) StoreF32(out, t, n + r, y[r]);
+      }
+      for (; n < n1; ++n) {
+        RowsDotLow<1>(lx, ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml ? ml + n * g : nullptr,
+                      s.implicit_min, g, ds.data(), y);
+        StoreF32(out, t, n, y[0]);
+      }
     });
     return ffi::Error::Success();
   }
@@ -223,8 +285,193 @@ ffi::Error LowBitCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   return LowBitCpu(pool, x, q, high, scale, minv, y, layer);
 }
 
+// ---- Q6_K (jaxllm_q6k; jaxllm.quant.Q6K) -------------------------------------------------------------
+// The file's Q6_K super-blocks of 256 values, w = d * sc[i / 16] * (q - 32) with q 6 bits: ql [N, K / 2] the
+// low 4 bits, qh [N, K / 4] the high 2, sc [N, K / 16] int8, d [N, K / 256] f16, in ggml's order: in each
+// half of 128 values, byte l < 32 of ql holds value l (low nibble) and l + 64 (high); byte l + 32 values
+// l + 32 and l + 96; qh byte l their high bits at 0, 2, 4 and 6 (values l, l + 32, l + 64, l + 96).
+constexpr int64_t kSuper = 256;
+
+ffi::Error CheckQ6K(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ql, const ffi::AnyBuffer& qh,
+                    const ffi::AnyBuffer& sc, const ffi::AnyBuffer& d, const ffi::AnyBuffer& y, int64_t layer,
+                    int64_t* m, int64_t* n, int64_t* k) {
+  const std::string name = "jaxllm_q6k: ";
+  auto xd = x.dimensions(), ld = ql.dimensions(), hd = qh.dimensions(), sd = sc.dimensions(), dd = d.dimensions(),
+       yd = y.dimensions();
+  if ((x.element_type() != ffi::F32 && x.element_type() != ffi::BF16) || y.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(name + "x must be f32 or bf16 and y of x's dtype");
+  if (ql.element_type() != ffi::U8 || qh.element_type() != ffi::U8 || sc.element_type() != ffi::S8 ||
+      d.element_type() != ffi::F16)
+    return ffi::Error::InvalidArgument(name + "ql and qh must be uint8, sc int8, d float16");
+  if (xd.size() != 2 || ld.size() != 3 || hd.size() != 3 || sd.size() != 3 || dd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(name + "expected x [M, K], ql [L, N, K/2], qh [L, N, K/4], sc [L, N, K/16], "
+                                       "d [L, N, K/256], y [M, N]; got x " + DimsString(xd) + ", ql " +
+                                       DimsString(ld) + ", y " + DimsString(yd));
+  *m = xd[0], *k = xd[1], *n = ld[1];
+  const bool same = hd[0] == ld[0] && sd[0] == ld[0] && dd[0] == ld[0] && hd[1] == *n && sd[1] == *n && dd[1] == *n &&
+                    ld[2] * 2 == *k && hd[2] * 4 == *k && sd[2] * 16 == *k && dd[2] * kSuper == *k;
+  if (*k < kSuper || *k % kSuper || !same || yd[0] != *m || yd[1] != *n)
+    return ffi::Error::InvalidArgument(name + "inconsistent shapes (K a multiple of 256) x " + DimsString(xd) +
+                                       ", ql " + DimsString(ld) + ", qh " + DimsString(hd) + ", sc " + DimsString(sd) +
+                                       ", d " + DimsString(dd) + ", y " + DimsString(yd));
+  if (layer < 0 || layer >= ld[0])
+    return ffi::Error::InvalidArgument(name + "layer " + std::to_string(layer) + " out of range [0, " +
+                                       std::to_string(ld[0]) + ")");
+  return ffi::Error::Success();
+}
+
+// One Q6_K weight row [K] as f32.
+void DequantRowQ6K(const uint8_t* ql, const uint8_t* qh, const int8_t* sc, const uint16_t* d, int64_t supers,
+                   float* out) {
+  for (int64_t s = 0; s < supers; ++s) {
+    const float dd = HalfToF32(d[s]);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* lo = ql + s * 128 + h * 64;
+      const uint8_t* hi = qh + s * 64 + h * 32;
+      const int8_t* scale = sc + s * 16 + h * 8;
+      float* o = out + s * kSuper + h * 128;
+      for (int l = 0; l < 32; ++l) {
+        const int q[4] = {(lo[l] & 15) | (hi[l] & 3) << 4, (lo[l + 32] & 15) | ((hi[l] >> 2) & 3) << 4,
+                          (lo[l] >> 4) | ((hi[l] >> 4) & 3) << 4, (lo[l + 32] >> 4) | ((hi[l] >> 6) & 3) << 4};
+        for (int i = 0; i < 4; ++i) o[l + 32 * i] = dd * float(scale[(l + 32 * i) / 16]) * float(q[i] - 32);
+      }
+    }
+  }
+}
+
+#ifdef JAXLLM_LOWBIT_VNNI
+// One row of x as int16 in its own order, q = round(x / s) with s [K / 32] = max |x| / 32767 of each 32.
+struct NaturalX {
+  std::vector<int16_t> q;
+  std::vector<float> s;
+};
+
+NaturalX SplitNatural(const float* x, int64_t k) {
+  NaturalX nx{std::vector<int16_t>(size_t(k)), std::vector<float>(size_t(k / kLowGroup))};
+  for (int64_t g = 0; g < k / kLowGroup; ++g) {
+    const float* v = x + g * kLowGroup;
+    float mx = 0.f;
+    for (int j = 0; j < kLowGroup; ++j) mx = std::max(mx, std::fabs(v[j]));
+    const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+    nx.s[size_t(g)] = mx / 32767.f;
+    for (int j = 0; j < kLowGroup; ++j) nx.q[size_t(g * kLowGroup + j)] = int16_t(std::nearbyint(v[j] * inv));
+  }
+  return nx;
+}
+
+// One Q6_K row against x: per 32 values, q - 32 as int16 against x's int16 in vpdpwssd (lanes 0..7 the first
+// 16 values, one scale; 8..15 the next 16), scaled by d * sc * s with one FMA.
+float RowDotQ6K(const NaturalX& x, const uint8_t* __restrict ql, const uint8_t* __restrict qh,
+                const int8_t* __restrict sc, const uint16_t* __restrict d, int64_t supers) {
+  const __m512i mask = _mm512_set1_epi16(0x30), nibble = _mm512_set1_epi16(15), off = _mm512_set1_epi16(32);
+  // pick[i]: lanes 0..7 take scale 2i, lanes 8..15 scale 2i + 1 (of a super-block's 16).
+  __m512i pick[8];
+  for (int i = 0; i < 8; ++i)
+    pick[i] = _mm512_set_epi32(2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                               2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i);
+  const __m512i pair = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);   // scale j: x's 32 j / 2
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const __m512 xs = _mm512_permutexvar_ps(pair, _mm512_castps256_ps512(_mm256_loadu_ps(&x.s[size_t(s * 8)])));
+    const __m512 scf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + s * 16))));
+    const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(scf, xs), _mm512_set1_ps(HalfToF32(d[s])));
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* lo = ql + s * 128 + h * 64;
+      const __m512i a = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + 32)));
+      const __m512i hb = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + s * 64 + h * 32)));
+      // Values 0..31, 32..63, 64..95, 96..127 of the half, each minus 32.
+      const __m512i v[4] = {
+          _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(a, nibble), _mm512_and_si512(_mm512_slli_epi16(hb, 4), mask)), off),
+          _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(b, nibble), _mm512_and_si512(_mm512_slli_epi16(hb, 2), mask)), off),
+          _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(a, 4), _mm512_and_si512(hb, mask)), off),
+          _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(hb, 2), mask)), off)};
+      const int16_t* xq = &x.q[size_t(s * kSuper + h * 128)];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), v[i], _mm512_loadu_si512(xq + 32 * i));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick[h * 4 + i], ds), acc);
+      }
+    }
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
+
+ffi::Error Q6KCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ql, ffi::AnyBuffer qh, ffi::AnyBuffer sc,
+                  ffi::AnyBuffer d, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
+  int64_t m, n, k;
+  if (auto err = CheckQ6K(x, ql, qh, sc, d, *y, layer, &m, &n, &k); err.failure()) return err;
+  const ffi::DataType t = x.element_type();
+  std::vector<float> xf(size_t(m * k));
+  for (int64_t r = 0; r < m; ++r) LoadF32(x.untyped_data(), t, r * k, k, &xf[size_t(r * k)]);
+  const int64_t supers = k / kSuper;
+  const uint8_t* lq = static_cast<const uint8_t*>(ql.untyped_data()) + layer * n * (k / 2);
+  const uint8_t* hq = static_cast<const uint8_t*>(qh.untyped_data()) + layer * n * (k / 4);
+  const int8_t* sl = static_cast<const int8_t*>(sc.untyped_data()) + layer * n * (k / 16);
+  const uint16_t* dl = static_cast<const uint16_t*>(d.untyped_data()) + layer * n * supers;
+  void* out = y->untyped_data();
+#ifdef JAXLLM_LOWBIT_VNNI
+  if (m == 1 && AllFinite(xf.data(), k)) {
+    const NaturalX nx = SplitNatural(xf.data(), k);
+    const int64_t ahead = PrefetchRows();
+    ForRowChunks(pool, n, [&](int64_t n0, int64_t n1) {
+      for (int64_t r = n0; r < n1; ++r) {
+        if (ahead > 0 && r + ahead < n) {
+          Prefetch(lq + (r + ahead) * (k / 2), k / 2);
+          Prefetch(hq + (r + ahead) * (k / 4), k / 4);
+          Prefetch(sl + (r + ahead) * (k / 16), k / 16);
+        }
+        StoreF32(out, t, r, RowDotQ6K(nx, lq + r * (k / 2), hq + r * (k / 4), sl + r * (k / 16), dl + r * supers, supers));
+      }
+    });
+    return ffi::Error::Success();
+  }
+#endif
+  ForRowChunks(pool, n, [&](int64_t n0, int64_t n1) {
+    std::vector<float> w(static_cast<size_t>(k));
+    for (int64_t r = n0; r < n1; ++r) {
+      DequantRowQ6K(lq + r * (k / 2), hq + r * (k / 4), sl + r * (k / 16), dl + r * supers, supers, w.data());
+      const float* wp = w.data();
+      for (int64_t row = 0; row < m; ++row) {
+        const float* xr = &xf[size_t(row * k)];
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < k; ++i) dot += xr[i] * wp[i];
+        StoreF32(out, t, row * n + r, dot);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Q6KCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ql, ffi::AnyBuffer qh, ffi::AnyBuffer sc,
+                      ffi::AnyBuffer d, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
+  return Q6KCpu(pool, x, ql, qh, sc, d, y, layer);
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q6KMatmulCpu, Q6KCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()    // x [M, K] f32 / bf16
+                                  .Arg<ffi::AnyBuffer>()    // ql [L, N, K / 2] uint8
+                                  .Arg<ffi::AnyBuffer>()    // qh [L, N, K / 4] uint8
+                                  .Arg<ffi::AnyBuffer>()    // sc [L, N, K / 16] int8
+                                  .Arg<ffi::AnyBuffer>()    // d [L, N, K / 256] f16
+                                  .Ret<ffi::AnyBuffer>()    // y [M, N], x's dtype
+                                  .Attr<int64_t>("layer"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Q6KMatmulCpuInto, Q6KCpuInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()    // the poisoned y, aliased to the result
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("layer"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowBitMatmulCpu, LowBitCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -14,6 +14,8 @@ extern "C" XLA_FFI_Error* W8A16FusedCpuInto(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* QkvEpilogueCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* LowBitMatmulCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* LowBitMatmulCpuInto(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* Q6KMatmulCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* Q6KMatmulCpuInto(XLA_FFI_CallFrame*);
 #ifdef JAXLLM_WITH_CUDA
 extern "C" XLA_FFI_Error* W8A16MatmulCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeAttentionCudaHandler(XLA_FFI_CallFrame*);
@@ -52,6 +54,8 @@ PYBIND11_MODULE(_ffi, m) {
     d["jaxllm_qkv_epilogue"] = Capsule(jaxllm::QkvEpilogueCpu);
     d["jaxllm_lowbit"] = Capsule(jaxllm::LowBitMatmulCpu);
     d["jaxllm_lowbit_into"] = Capsule(jaxllm::LowBitMatmulCpuInto);
+    d["jaxllm_q6k"] = Capsule(jaxllm::Q6KMatmulCpu);
+    d["jaxllm_q6k_into"] = Capsule(jaxllm::Q6KMatmulCpuInto);
     return d;
   });
   m.def("cuda_targets", [] {

@@ -1,7 +1,7 @@
 """jaxllm: a JAX/XLA compiled LLM decode engine for GGUF models (W8A16, CUDA Graphs, XLA FFI kernels).
 
 Public API:
-  load(model, quant, dtype) -> (Config, Weights, Tokenizer); quant "auto" keeps a file's 4/5-bit blocks on the CPU
+  load(model, quant, dtype) -> (Config, Weights, Tokenizer); quant "auto" keeps a file's 4/5/6-bit blocks on the CPU
   Engine: compiled prefill/decode with a generate loop
   create_cache, prefill, extend, decode_step, sequence_logits, continuation_logprobs: pure functions for
     your own jit/vmap/scan; Engine.generate_batch for several prompts; score() for batched log-likelihoods

@@ -371,7 +371,7 @@ def build_parser():
                  help="auto, ffi (fused decode step), ffi-unfused, xla, both (ffi and xla), or a comma list")
   p.add_argument("--loop", choices=("pipelined", "streaming", "both"), default="both")
   p.add_argument("--quant", choices=("auto", "w8a16", "gguf", "none"), default="auto",
-                 help="auto: gguf on the CPU (the file's 4/5-bit blocks), w8a16 on the GPU")
+                 help="auto: gguf on the CPU (the file's 4/5/6-bit blocks), w8a16 on the GPU")
   p.add_argument("--graphs", choices=("on", "off", "env"), default="env",
                  help="env = JAXLLM_CUDA_GRAPHS / XLA_FLAGS decide")
   p.add_argument("--no-graphs", dest="graphs", action="store_const", const="off")

@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   p.add_argument("--quant", choices=QUANT_CHOICES, default="auto",
-                 help="auto = gguf on the CPU, w8a16 on the GPU; gguf = the file's own 4/5-bit blocks where every "
-                      "layer has them (exact), W8A16 for the rest; w8a16 = int8 re-quantized; none = float (reference)")
+                 help="auto = gguf on the CPU, w8a16 on the GPU; gguf = the file's own Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K "
+                      "blocks, layer by layer, W8A16 for other types; w8a16 = int8 re-quantized; none = float (reference)")
   p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                  help="ffi = jaxllm's kernels with the fused decode step, ffi-unfused = without it, "
                       "xla = pure jnp, auto = ffi where built")

@@ -46,8 +46,8 @@ def load(model: str, quant: str = "auto", dtype=None, progress: bool | Stages = 
   Args:
     model: a .gguf path or a demo-model name (jaxllm.DEMO_MODELS).
     quant: "auto" (the default: "gguf" on the CPU, "w8a16" on the GPU), "w8a16" (int8 weights re-quantized
-      from the file), "gguf" (the file's own 4/5-bit blocks kept where every layer of a matrix has them,
-      W8A16 for the rest) or "none" (float weights, for reference runs); jaxllm.weights says more.
+      from the file), "gguf" (the file's own Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K blocks kept, layer by layer,
+      W8A16 for other types) or "none" (float weights, for reference runs); jaxllm.weights says more.
     dtype: activation dtype (default_dtype() if None); float weights are stored in it.
     progress: True prints a line per stage (and a bar on a terminal), False nothing; or a Stages.
     cache: use and fill the cache of converted models (jaxllm.store).

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxllm.cache import KVCache
 from jaxllm.config import Config
 from jaxllm.kernels import decode_attention, fused, linear, prefill_attention
-from jaxllm.quant import Linear
+from jaxllm.quant import Linear, Mixed
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +28,8 @@ class Weights:
   """All weights, stacked over layers so the step takes few arrays (DESIGN.md)."""
   embed: Linear                  # [V, D]
   attn_norm: jax.Array           # [L, D] f32
+  # The stacked matrices: Linear (W8A16 or float), LowBit (the file's 4/5-bit blocks) or Mixed (layers
+  # held in different ways).
   wqkv: Linear                   # [L, H*Dh + 2*G*Dh, D]  (q, k, v fused)
   wo: Linear                     # [L, D, H*Dh]
   ffn_norm: jax.Array            # [L, D] f32
@@ -148,8 +150,10 @@ LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down", "b
 
 
 def _layer_slices(weights: Weights) -> dict:
-  """The per-layer weights, stacked [L, ...]: a scan's xs."""
-  return {f: getattr(weights, f) for f in LAYER_FIELDS if getattr(weights, f) is not None}
+  """The per-layer weights, stacked [L, ...]: a scan's xs (a Mixed stack is not one array a layer: the scan's
+  body picks its layer by index instead)."""
+  return {f: getattr(weights, f) for f in LAYER_FIELDS
+          if getattr(weights, f) is not None and not isinstance(getattr(weights, f), Mixed)}
 
 
 def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
@@ -178,7 +182,9 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
       x, k, v, li = carry
       # This layer's weights as a one-layer stack [1, ...] (a reshape inside the loop: no copy of the
       # stacked arrays), which layer(..., i=0) indexes as usual.
-      view = dataclasses.replace(weights, **jax.tree.map(lambda a: a[None], xs))
+      view = dataclasses.replace(weights, **jax.tree.map(lambda a: a[None], xs),
+                                 **{f: getattr(weights, f).at(li) for f in LAYER_FIELDS
+                                    if isinstance(getattr(weights, f), Mixed)})
       x, kv = layer(config, view, 0, x, dataclasses.replace(cache, k=k, v=v), start, writes, angles,
                     kernels=kernels, cache_layer=li)
       return (x, kv.k, kv.v, li + 1), None

@@ -68,6 +68,10 @@ LOWBIT_GROUP = 32   # values a scale and min in LowBit (the GGUF blocks' size)
 # GGUF block types LowBit holds without loss: (bytes a block, whether it has a min, whether a fifth bit).
 LOWBIT_TYPES = {"Q4_0": (18, False, False), "Q4_1": (20, True, False), "Q5_0": (22, False, True),
                 "Q5_1": (24, True, True)}
+# Q4_K: super-blocks of 256 values, 144 bytes (f16 d and dmin, 6-bit scales and mins of its eight groups of
+# 32, 4-bit values); LowBit holds it as 4-bit groups with scale d * sc and min -dmin * m rounded to f16.
+Q4_K_BYTES = 144
+LOWBIT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5}   # the width each type needs
 
 
 @jax.tree_util.register_dataclass
@@ -76,7 +80,9 @@ class LowBit:
   """A linear layer's weight at the GGUF file's own 4 or 5 bits: w = scale * q + min in groups of 32 inputs.
 
   Holds Q4_0, Q4_1, Q5_0 and Q5_1 blocks exactly (Q4_0 and Q5_0 as min = -8 scale and -16 scale; a 4-bit
-  weight in a 5-bit stack has its fifth bits zero), in about half the bytes of W8A16.
+  weight in a 5-bit stack has its fifth bits zero), in about half the bytes of W8A16; Q4_K with its groups'
+  scale and min products rounded to f16 (a relative 2^-11 of each; W8A16's own rounding is 1/254 of a
+  group's largest weight).
   q: [..., N, K // 2] uint8, a group's 16 bytes as the file keeps them: byte j holds value j in its low
     nibble and value j + 16 in its high one.
   high: [..., N, K // 32] uint32, bit j the fifth bit of value j of the group; [..., N, 0] for 4-bit weights.
@@ -114,11 +120,11 @@ class LowBit:
 
 
 def lowbit_bits(types) -> int | None:
-  """The LowBit width that holds tensors of these GGUF types exactly (4 or 5), or None (some other type)."""
+  """The LowBit width that holds tensors of these GGUF types (4 or 5), or None (some other type)."""
   types = set(types)
-  if not types or not types <= set(LOWBIT_TYPES):
+  if not types or not types <= set(LOWBIT_BITS):
     return None
-  return 5 if any(LOWBIT_TYPES[t][2] for t in types) else 4
+  return max(LOWBIT_BITS[t] for t in types)
 
 
 def implicit_min_stack(types, bits: int) -> bool:
@@ -133,12 +139,14 @@ def lowbit_from_blocks(raw: np.ndarray, ggml_type: str, bits: int,
 
   Args:
     raw: [N, row_bytes] uint8, the tensor's rows as the file stores them.
-    ggml_type: one of LOWBIT_TYPES.
+    ggml_type: one of LOWBIT_BITS.
     bits: the stack's width (lowbit_bits): 5 gives high bits (zero for 4-bit types), 4 none.
     store_min: False for a stack whose min is implicit (implicit_min_stack): min then [N, 0].
   Returns:
     q [N, K // 2] uint8, high [N, G or 0] uint32, scale [N, G] float16, min [N, G or 0] float16.
   """
+  if ggml_type == "Q4_K":
+    return _lowbit_from_q4_k(raw, bits)
   size, has_min, has_high = LOWBIT_TYPES[ggml_type]
   n = raw.shape[0]
   blocks = np.ascontiguousarray(raw).reshape(n, -1, size)                      # [N, G, block]
@@ -164,3 +172,109 @@ def lowbit_from_blocks(raw: np.ndarray, ggml_type: str, bits: int,
   if bits == 4:
     high = np.zeros((n, 0), np.uint32)
   return np.ascontiguousarray(q), high, d, m
+
+
+def _lowbit_from_q4_k(raw: np.ndarray, bits: int) -> tuple[np.ndarray, ...] | None:
+  """Q4_K rows as LowBit arrays (see lowbit_from_blocks), or None where a scale or min overflows f16.
+
+  A super-block (ggml's block_q4_K) holds eight groups of 32: group 2c's values are the low nibbles of
+  bytes 32c..32c+31 of its values, group 2c + 1's their high nibbles; value = d * sc[g] * q - dmin * m[g]
+  with 6-bit sc and m packed in 12 bytes (ggml's get_scale_min_k4).
+  """
+  n = raw.shape[0]
+  blocks = np.ascontiguousarray(raw).reshape(n, -1, Q4_K_BYTES)                   # [N, S, 144]
+  s = blocks.shape[1]
+  d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)        # [N, S]
+  dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+  p = blocks[..., 4:16].astype(np.uint32)                                          # [N, S, 12]
+  sc = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 15) | ((p[..., 0:4] >> 6) << 4)], axis=-1)  # [N, S, 8]
+  mn = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], axis=-1)
+  with np.errstate(over="ignore", invalid="ignore"):
+    scale = (d[..., None] * sc).astype(np.float16).reshape(n, s * 8)
+    minv = (-(dmin[..., None] * mn)).astype(np.float16).reshape(n, s * 8)
+  if not (np.all(np.isfinite(scale)) and np.all(np.isfinite(minv))):
+    return None
+  b = blocks[..., 16:].reshape(n, s, 4, 32)                                        # [N, S, chunk, byte]
+  lo, hi = b & 15, b >> 4                                                          # groups 2c and 2c + 1
+  # LowBit's group layout: byte j holds value j (low nibble) and value j + 16 (high nibble).
+  groups = np.stack([lo, hi], axis=3)                                              # [N, S, 4, 2, 32]
+  q = (groups[..., :16] | (groups[..., 16:] << 4)).astype(np.uint8).reshape(n, s * 8 * 16)
+  high = np.zeros((n, s * 8 if bits == 5 else 0), np.uint32)
+  return np.ascontiguousarray(q), high, scale, minv
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+  """A stacked matrix whose layers are not all held alike (a GGUF file that quantizes some layers, or some
+  rows of a layer, to other types: llama.cpp's Q4_K_M gives half the layers' ffn_down Q6_K, the rest Q4_K).
+
+  Layer i's weight is the rows of its pieces, layout[i] = ((part, index), ...), concatenated: part p's
+  stacked weight at that index. parts: Linear or LowBit, each stacked [L_p, N_p, K] over the layers that
+  have that piece.
+  """
+  parts: tuple
+  layout: tuple = dataclasses.field(metadata=dict(static=True))
+
+  def pieces(self, layer: int) -> list[tuple["Linear | LowBit", int]]:
+    return [(self.parts[p], j) for p, j in self.layout[layer]]
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """Float weight [L, N, K]."""
+    return jnp.stack([jnp.concatenate([part.dequantize(dtype)[j] for part, j in self.pieces(i)])
+                      for i in range(len(self.layout))])
+
+  def at(self, layer: jax.Array) -> "MixedAt":
+    return MixedAt(self, jnp.asarray(layer, jnp.int32))
+
+
+jax.tree_util.register_dataclass(Mixed, data_fields=["parts"], meta_fields=["layout"])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MixedAt:
+  """One layer of a Mixed stack picked by a traced index (a scan over the layers): the kernels then take the
+  layer's kind of pieces by lax.switch (jaxllm.kernels.linear)."""
+  mixed: Mixed
+  layer: jax.Array   # [] int32
+
+
+Q6_K_BYTES = 210   # a Q6_K super-block: ql [128], qh [64], scales [16] int8, d f16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q6K:
+  """A linear layer's weight as the file's Q6_K super-blocks (exactly, 0.82 bytes a weight):
+  w = d * sc[i // 16] * (q - 32) with q 6 bits, in ggml's order (see ffi/lowbit_cpu.cc): in each half of
+  128 values, ql byte l < 32 holds value l (low nibble) and l + 64 (high), byte l + 32 values l + 32 and
+  l + 96; qh byte l the high 2 bits of values l, l + 32, l + 64, l + 96 at bits 0, 2, 4, 6.
+  ql: [..., N, K // 2] uint8; qh: [..., N, K // 4] uint8; sc: [..., N, K // 16] int8; d: [..., N, K // 256] f16.
+  """
+  ql: jax.Array
+  qh: jax.Array
+  sc: jax.Array
+  d: jax.Array
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """Float weight [..., N, K]."""
+    *lead, n, half = self.ql.shape
+    s = half // 128
+    ql = self.ql.reshape(*lead, n, s, 2, 2, 32).astype(jnp.int32)          # [..., S, half, (l, l + 32), 32]
+    qh = self.qh.reshape(*lead, n, s, 2, 1, 32).astype(jnp.int32)
+    low = jnp.concatenate([ql & 15, ql >> 4], axis=-2)                      # values l, l + 32, l + 64, l + 96
+    high = jnp.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-2)
+    q = (low | (high << 4)) - 32                                            # [..., N, S, 2, 4, 32]
+    sc = self.sc.reshape(*lead, n, s, 16).astype(jnp.float32) * self.d.astype(jnp.float32)[..., None]
+    w = q.reshape(*lead, n, s, 16, 16).astype(jnp.float32) * sc[..., None]
+    return w.reshape(*lead, n, 2 * half).astype(dtype)
+
+
+def q6k_from_blocks(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+  """A Q6_K tensor's rows [N, row_bytes] uint8 as Q6K arrays (ql, qh, sc, d): the blocks' fields apart."""
+  n = raw.shape[0]
+  b = np.ascontiguousarray(raw).reshape(n, -1, Q6_K_BYTES)
+  s = b.shape[1]
+  return (np.ascontiguousarray(b[..., :128]).reshape(n, s * 128), np.ascontiguousarray(b[..., 128:192]).reshape(n, s * 64),
+          np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, s * 16),
+          np.ascontiguousarray(b[..., 208:210]).view(np.float16).reshape(n, s))

@@ -32,7 +32,7 @@ import numpy as np
 from jaxllm.config import Config
 from jaxllm.models import cache_dir
 
-FORMAT = 3          # bump when what convert() writes changes (3: no min stored for Q4_0 / Q5_0 stacks)
+FORMAT = 4          # bump when what convert() writes changes (4: Q4_K as LowBit, Mixed stacks)
 _EDGE = 1 << 20     # bytes hashed at each end of the GGUF
 
 

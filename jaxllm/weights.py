@@ -1,9 +1,11 @@
 """Building the Weights pytree: from a GGUF file (dequantize, fuse, re-quantize) or at random.
 
 Matrices are fused where the model multiplies the same input by several of them (q/k/v, gate/up) and
-stacked over layers, then quantized in groups of 64 inputs (jaxllm.quant). `quant="gguf"` keeps a matrix
-at the file's own 4 or 5 bits instead (jaxllm.quant.LowBit, exact) wherever every layer's parts are Q4_0,
-Q4_1, Q5_0 or Q5_1 blocks, W8A16 elsewhere; `quant="auto"` is "gguf" on the CPU (whose decode is bound by
+stacked over layers, then quantized in groups of 64 inputs (jaxllm.quant). `quant="gguf"` keeps the file's
+own blocks instead wherever a tensor is Q4_0, Q4_1, Q5_0, Q5_1 (jaxllm.quant.LowBit, exact), Q4_K (LowBit,
+its scale products rounded to f16) or Q6_K (jaxllm.quant.Q6K, exact), W8A16 elsewhere; a matrix whose
+layers differ (llama.cpp's Q4_K_M makes half the ffn_down layers Q6_K, the others Q4_K, some attn_v Q8_0)
+becomes a jaxllm.quant.Mixed stack of such pieces (plan_pieces); `quant="auto"` is "gguf" on the CPU (whose decode is bound by
 the bytes it reads) and "w8a16" on the GPU (whose fused kernels take W8A16). `quant="none"` keeps them
 float for reference runs.
 
@@ -24,8 +26,8 @@ import numpy as np
 from jaxllm.config import Config
 from jaxllm.gguf import GGUFFile
 from jaxllm.model import Weights
-from jaxllm.quant import (GROUP, LOWBIT_GROUP, Linear, LowBit, implicit_min_stack, lowbit_bits, lowbit_from_blocks,
-                          quantize_int8)
+from jaxllm.quant import (GROUP, LOWBIT_BITS, LOWBIT_GROUP, Q6K, Linear, LowBit, Mixed, implicit_min_stack,
+                          lowbit_bits, lowbit_from_blocks, q6k_from_blocks, quantize_int8)
 
 QUANT_CHOICES = ("auto", "w8a16", "gguf", "none")
 ROW_BLOCK = 8192   # rows of the embedding / head converted at a time
@@ -60,6 +62,33 @@ def _layer_parts(c: Config) -> dict[str, tuple[str, ...]]:
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
+def plan_pieces(types: dict[int, list[tuple[str, str]]]) -> list[list[tuple[tuple, list[str]]]]:
+  """How quant "gguf" holds a stacked matrix, layer by layer: types[i] is layer i's tensors (name, GGUF type)
+  in row order. Consecutive tensors that LowBit holds (jaxllm.quant.LOWBIT_BITS) form one LowBit piece,
+  consecutive Q6_K ones a Q6K piece, the others one W8A16 piece. Returns, per layer, its pieces as (kind,
+  tensor names); kind = (position in the layer, ("lowbit", bits, store_min), ("q6k", 6, False) or ("w8a16",
+  0, False), tensor names): the layers of one kind share a stack."""
+  def held(ggml_type: str) -> str:
+    return "lowbit" if ggml_type in LOWBIT_BITS else "q6k" if ggml_type == "Q6_K" else "w8a16"
+  plan = []
+  for i in sorted(types):
+    runs: list[list[tuple[str, str]]] = []
+    for t, ggml_type in types[i]:
+      if runs and held(runs[-1][0][1]) == held(ggml_type):
+        runs[-1].append((t, ggml_type))
+      else:
+        runs.append([(t, ggml_type)])
+    pieces = []
+    for at, run in enumerate(runs):
+      names, kinds = [t for t, _ in run], [k for _, k in run]
+      bits = lowbit_bits(kinds)
+      how = (("lowbit", bits, not implicit_min_stack(kinds, bits)) if bits is not None else
+             ("q6k", 6, False) if held(kinds[0]) == "q6k" else ("w8a16", 0, False))
+      pieces.append(((at, how, tuple(names)), names))
+    plan.append(pieces)
+  return plan
+
+
 def progress_total(c: Config) -> int:
   """The units convert() reports progress in: layers of each stacked array, rows of the embedding/head."""
   return len(_layer_parts(c)) * c.n_layers + c.vocab_size * (1 if c.tied_embeddings else 2)
@@ -92,37 +121,56 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
       gf.release(f"blk.{i}.{t}")
     return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
-  def lowbit_stack(name: str, bits: int, store_min: bool) -> bool:
-    """Converts matrix `name` to LowBit arrays (False, nothing kept, where a block's min overflows f16: the
-    pages released so far are read again from the file by the W8A16 conversion)."""
-    stack = None
-    for i in range(c.n_layers):
-      pieces = []
-      for t in parts[name]:
-        full = f"blk.{i}.{t}"
-        piece = lowbit_from_blocks(gf.tensor_blocks(full), gf.tensor_type(full), bits, store_min)
-        if piece is None:
-          return False
-        pieces.append(piece)
-      q, high, scale, minv = (np.concatenate(a) for a in zip(*pieces))
-      if stack is None:
-        stack = [np.empty((c.n_layers, *a.shape), a.dtype) for a in (q, high, scale, minv)]
-      for dst, a in zip(stack, (q, high, scale, minv)):
-        dst[i] = a
+  def lowbit_matrix(name: str) -> bool:
+    """Converts matrix `name` layer by layer as plan_pieces says: one LowBit or W8A16 stack where every layer
+    is alike, else a Mixed stack ("name.p<k>.*" parts, "name.layout"). False, nothing kept, where it has no
+    LowBit piece or a scale or min overflows f16 (the whole matrix is then W8A16, as with quant "w8a16";
+    the pages released so far are read again from the file)."""
+    plan = plan_pieces({i: [(t, gf.tensor_type(f"blk.{i}.{t}")) for t in parts[name]] for i in range(c.n_layers)})
+    if all(kind[1][0] == "w8a16" for pieces in plan for kind, _ in pieces):
+      return False
+    keys = sorted({kind for pieces in plan for kind, _ in pieces}, key=str)
+    count = {k: sum(kind == k for pieces in plan for kind, _ in pieces) for k in keys}
+    stacks: dict[tuple, list[np.ndarray]] = {}
+    layout = np.full((c.n_layers, max(len(p) for p in plan), 2), -1, np.int32)   # [L, pieces, (part, index)]
+    for i, pieces in enumerate(plan):
+      for at, (kind, tensors) in enumerate(pieces):
+        how, bits, store_min = kind[1]
+        if how == "lowbit":
+          arrays = []
+          for t in tensors:
+            a = lowbit_from_blocks(gf.tensor_blocks(f"blk.{i}.{t}"), gf.tensor_type(f"blk.{i}.{t}"), bits, store_min)
+            if a is None:
+              return False
+            arrays.append(a)
+          arrays = [np.concatenate(a) for a in zip(*arrays)]
+        elif how == "q6k":
+          arrays = [np.concatenate(a) for a in zip(*(q6k_from_blocks(gf.tensor_blocks(f"blk.{i}.{t}")) for t in tensors))]
+        else:
+          arrays = list(quantize_int8(np.concatenate([gf.tensor(f"blk.{i}.{t}") for t in tensors])))
+        p = keys.index(kind)
+        if kind not in stacks:
+          stacks[kind] = [np.empty((count[kind], *a.shape), a.dtype) for a in arrays]
+        j = int(np.sum(layout[:i, :, 0] == p))
+        for dst, a in zip(stacks[kind], arrays):
+          dst[j] = a
+        layout[i, at] = (p, j)
       for t in parts[name]:
         gf.release(f"blk.{i}.{t}")
-    for field, a in zip(("q", "high", "scale", "min"), stack):
-      done(f"{name}.{field}", a)
     if on_progress:
       on_progress(c.n_layers)
+    for p, kind in enumerate(keys):
+      fields = {"lowbit": ("q", "high", "scale", "min"), "q6k": ("ql", "qh", "sc", "d")}.get(kind[1][0], ("w", "scale"))
+      prefix = name if len(keys) == 1 else f"{name}.p{p}"
+      for field, a in zip(fields, stacks[kind]):
+        done(f"{prefix}.{field}", a)
+    if len(keys) > 1:
+      done(f"{name}.layout", layout)
     return True
 
   for name in parts:
-    if name in MATRICES and quant == "gguf":
-      types = [gf.tensor_type(f"blk.{i}.{t}") for i in range(c.n_layers) for t in parts[name]]
-      bits = lowbit_bits(types)
-      if bits is not None and lowbit_stack(name, bits, not implicit_min_stack(types, bits)):
-        continue
+    if name in MATRICES and quant == "gguf" and lowbit_matrix(name):
+      continue
     first = layer_rows(name, 0)
     if name in MATRICES:
       n, k = first.shape
@@ -180,6 +228,13 @@ def assemble(arrays: dict[str, object]) -> Weights:
     return jnp.asarray(arrays.pop(name)) if name in arrays else None
 
   def linear(name):
+    if name + ".layout" in arrays:
+      layout = np.asarray(arrays.pop(name + ".layout"))
+      n_parts = int(layout[..., 0].max()) + 1
+      return Mixed(parts=tuple(linear(f"{name}.p{p}") for p in range(n_parts)),
+                   layout=tuple(tuple((int(p), int(j)) for p, j in row if p >= 0) for row in layout))
+    if name + ".ql" in arrays:
+      return Q6K(ql=take(name + ".ql"), qh=take(name + ".qh"), sc=take(name + ".sc"), d=take(name + ".d"))
     if name + ".q" in arrays:
       return LowBit(q=take(name + ".q"), high=take(name + ".high"), scale=take(name + ".scale"),
                     min=take(name + ".min"))
@@ -199,8 +254,8 @@ def load_weights(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32, progress
 
   Args:
     gf: an open GGUF file.
-    quant: "auto", "w8a16" (int8 weights, group scales), "gguf" (the file's 4/5-bit blocks where they allow,
-      else W8A16) or "none" (float weights in `dtype`).
+    quant: "auto", "w8a16" (int8 weights, group scales), "gguf" (the file's own blocks where jaxllm holds
+      their type, else W8A16) or "none" (float weights in `dtype`).
     dtype: activation dtype; float weights are stored in it.
     progress: show a progress bar over the conversion.
   """

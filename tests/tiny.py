@@ -29,14 +29,33 @@ def vocab() -> tuple[list[str], list[int]]:
   return tokens, types
 
 
+def random_k_blocks(rng, n: int, k: int, kind: str, std: float) -> np.ndarray:
+  """[n, k] weights of about this std as random Q4_K or Q6_K super-blocks (gguf-py cannot quantize to
+  them): random values, scales and mins, laid out as ggml's block_q4_K / block_q6_K. k a multiple of 256."""
+  s = n * (k // 256)
+  if kind == "Q4_K":     # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+    d = np.full((s, 1), std / (4.6 * 40), np.float16)            # a value's std: d * sc * std(U{0..15})
+    dmin = np.full((s, 1), std * 7.5 / (4.6 * 32), np.float16)   # centres q * sc against the min
+    body = [d.view(np.uint8), dmin.view(np.uint8), rng.integers(0, 256, (s, 12 + 128))]
+  else:                  # 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (f16)
+    scales = rng.integers(16, 64, (s, 16)) * rng.choice([-1, 1], (s, 16))
+    d = np.full((s, 1), std / (18.5 * 40), np.float16)           # std(U{0..63}) ~ 18.5
+    body = [rng.integers(0, 256, (s, 192)), scales.astype(np.int8).view(np.uint8), d.view(np.uint8)]
+  return np.concatenate([b.astype(np.uint8) for b in body], axis=1).reshape(n, -1)
+
+
 def write_tiny_model(path, arch: str = "qwen2", seed: int = 0, tensor_type: str = "F32",
                      context: int = 512, rope_scale: float | None = None,
-                     tensor_types: dict[str, str] | None = None) -> str:
+                     tensor_types: dict[str, str] | None = None, d_ff: int | None = None,
+                     n_layers: int | None = None) -> str:
   """Writes a random tiny model of `arch`; tensor_type F32 | F16 | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 for the
-  2-D weights, `tensor_types` naming another type for some of them ({"blk.1.attn_v.weight": "Q8_0"}).
+  2-D weights, `tensor_types` naming another type for some of them ({"blk.1.attn_v.weight": "Q8_0"}; also
+  Q4_K and Q6_K, random blocks, for tensors whose K is a multiple of 256: ffn_down with d_ff 256); d_ff and
+  n_layers replace the arch's.
   "F32-int8" is F32 on jaxllm's W8A16 grid (each 64 values q * 2^e with integer |q| <= 127, 127 among
   them), which W8A16 holds exactly: a head that adds no error of its own."""
-  d, h, g, dh, f, n_layers = SHAPES[arch]
+  d, h, g, dh, f, n_layers_default = SHAPES[arch]
+  f, n_layers = d_ff or f, n_layers or n_layers_default
   tokens, types = vocab()
   v = len(tokens)
   rng = np.random.default_rng(seed)
@@ -73,7 +92,9 @@ def write_tiny_model(path, arch: str = "qwen2", seed: int = 0, tensor_type: str 
       q = np.clip(np.round(g / step), -127, 127)
       np.put_along_axis(q, np.abs(q).argmax(-1)[..., None], 127, axis=-1)
       a, kind = (q * step).astype(np.float32).reshape(n, k), "F32"
-    if kind == "F16":
+    if kind in ("Q4_K", "Q6_K"):
+      w.add_tensor(name, random_k_blocks(rng, n, k, kind, float(a.std())), raw_dtype=gguf.GGMLQuantizationType[kind])
+    elif kind == "F16":
       w.add_tensor(name, a.astype(np.float16))
     elif kind == "F32":
       w.add_tensor(name, a)

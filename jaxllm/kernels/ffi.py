@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.quant import Linear, LowBit
+from jaxllm.quant import Q6K, Linear, LowBit
 
 # Rows of x the matmul kernel takes per backend; larger M (prefill, big batches) uses XLA's dot on
 # dequantized weights. GPU: measured on the H200 (Qwen2.5-0.5B shape, docs/embedding.md), batch 4 ran
@@ -180,6 +180,23 @@ def lowbit_matmul(x: jax.Array, lin: LowBit, layer: int | None = None, *,
     raise ValueError(f"x has K={k} but the weight has K={2 * q.shape[2]}")
   return _matmul("jaxllm_lowbit", x, arrays, layer, poison,
                  lambda: linear_reference(x, LowBit(q=q, high=high, scale=scale, min=minv), layer))
+
+
+def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.Array | None = None) -> jax.Array:
+  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's Q6_K kernel (M <= max_m() rows;
+  larger M runs the reference). `poison` (tests only): an [M, N] buffer the kernel writes into."""
+  from jaxllm.kernels.linear import linear_reference
+  _ensure_registered()
+  _check_dtype("x", x)
+  arrays = (lin.ql, lin.qh, lin.sc, lin.d)
+  if lin.ql.ndim == 2:
+    arrays, layer = tuple(a[None] for a in arrays), 0
+  if layer is None or not 0 <= layer < arrays[0].shape[0]:
+    raise ValueError(f"layer must index the {arrays[0].shape[0]} stacked weights, got {layer!r}")
+  k = x.shape[-1]
+  if k != 2 * arrays[0].shape[2]:
+    raise ValueError(f"x has K={k} but the weight has K={2 * arrays[0].shape[2]}")
+  return _matmul("jaxllm_q6k", x, arrays, layer, poison, lambda: linear_reference(x, Q6K(*arrays), layer))
 
 
 def _check_caches(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_layout: str) -> tuple[int, ...]:
