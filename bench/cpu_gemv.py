@@ -29,8 +29,9 @@ def main(argv=None) -> int:
   p.add_argument("--m", type=int, nargs="+", default=[1, 4], help="rows of x")
   p.add_argument("--chain", type=int, default=0, metavar="L", help="time L chained layers of each shape instead")
   p.add_argument("--shapes", default="smollm2", choices=tuple(CHAIN_SHAPES), help="with --chain: whose layer shapes")
-  p.add_argument("--weights", nargs="+", default=["w8a16"], choices=("w8a16", "q4", "q5"),
-                 help="with --chain: W8A16 (int8, an f32 scale per 64) and/or LowBit 4- or 5-bit (f16 scale, min per 32)")
+  p.add_argument("--weights", nargs="+", default=["w8a16"], choices=("w8a16", "q4", "q5", "q6"),
+                 help="with --chain: W8A16 (int8, an f32 scale per 64), LowBit 4- or 5-bit (f16 scale, min per 32), "
+                      "Q6K (Q6_K's fields; shapes whose K is a multiple of 256)")
   args = p.parse_args(argv)
   import jax
   import jax.numpy as jnp
@@ -62,6 +63,12 @@ def _weights(kind: str, layers: int, n: int, k: int, rng):
   if kind == "w8a16":
     q, s = quantize_int8(rng.standard_normal((layers, n, k)).astype(np.float32))
     return Linear(jnp.asarray(q), jnp.asarray(s)), ffi.w8a16_matmul
+  if kind == "q6":
+    from jaxllm.quant import Q6K
+    return Q6K(ql=jnp.asarray(rng.integers(0, 256, (layers, n, k // 2), dtype=np.uint8)),
+               qh=jnp.asarray(rng.integers(0, 256, (layers, n, k // 4), dtype=np.uint8)),
+               sc=jnp.asarray(rng.integers(-64, 64, (layers, n, k // 16), dtype=np.int8)),
+               d=jnp.asarray(rng.uniform(1e-4, 1e-3, (layers, n, k // 256)).astype(np.float16))), ffi.q6k_matmul
   g = k // 32
   high = rng.integers(0, 2 ** 32, (layers, n, g if kind == "q5" else 0), dtype=np.uint32)
   lin = LowBit(q=jnp.asarray(rng.integers(0, 256, (layers, n, k // 2), dtype=np.uint8)), high=jnp.asarray(high),
@@ -77,7 +84,8 @@ def chain(layers: int, kinds=("w8a16",), shapes: str = "smollm2") -> int:
   from jaxllm.bench import best_seconds
   rng = np.random.default_rng(0)
   print("| weights | K | N | layers | MB | us per call | G weights/s | GB/s |\n|---|---|---|---|---|---|---|---|")
-  for kind, (k, n) in ((kind, shape) for shape in CHAIN_SHAPES[shapes] for kind in kinds):
+  for kind, (k, n) in ((kind, shape) for shape in CHAIN_SHAPES[shapes] for kind in kinds
+                       if kind != "q6" or shape[0] % 256 == 0):
     lin, matmul = _weights(kind, layers, n, k, rng)
     mb = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(lin)) / 1e6
     x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)

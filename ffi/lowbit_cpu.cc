@@ -169,7 +169,7 @@ inline void Prefetch(const void* base, int64_t bytes) {
 template <int R>
 void RowsDotLow(const LowX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
                 const uint16_t* __restrict scale, const uint16_t* __restrict minv, float implicit_min,
-                int64_t groups, float* ds, float* out) {
+                int64_t groups, float* ds, float* out, const uint8_t* q_ahead) {
   // The groups' combined scales (weight scale x x scale) and the min terms, 16 groups at a time.
   __m512 acc[R];
 #pragma GCC unroll 4
@@ -189,6 +189,10 @@ void RowsDotLow(const LowX& x, const uint8_t* __restrict q, const uint32_t* __re
   const __m512i nibble = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t g = 0; g < groups; g += 2) {
+    if (q_ahead && (g & 3) == 0) {   // the same line of the rows ahead, spread over the pass
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q_ahead + (r * groups + g) * 16), _MM_HINT_T0);
+    }
     const __m512i* xv = reinterpret_cast<const __m512i*>(&x.q[size_t(g / 2) * 64]);
     const __m512i x0 = _mm512_loadu_si512(xv), x1 = _mm512_loadu_si512(xv + 1);
 #pragma GCC unroll 4
@@ -241,19 +245,19 @@ ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, f
       int64_t n = n0;
       const int64_t ahead = PrefetchRows();
       for (; n + R <= n1; n += R) {
-        if (ahead > 0 && n + ahead + R <= s.n) {   // the rows `ahead` on: the hardware's prefetch alone lags
-          Prefetch(ql + (n + ahead) * (s.k / 2), R * (s.k / 2));
+        const bool pf = ahead > 0 && n + ahead + R <= s.n;   // the rows `ahead` on: the hardware's prefetch lags
+        if (pf) {
           Prefetch(sl + (n + ahead) * g, R * g * 2);
           if (hl) Prefetch(hl + (n + ahead) * g, R * g * 4);
           if (ml) Prefetch(ml + (n + ahead) * g, R * g * 2);
         }
         RowsDotLow<R>(lx, ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml ? ml + n * g : nullptr,
-                      s.implicit_min, g, ds.data(), y);
+                      s.implicit_min, g, ds.data(), y, pf ? ql + (n + ahead) * (s.k / 2) : nullptr);
         for (int r = 0; r < R; ++r) StoreF32(out, t, n + r, y[r]);
       }
       for (; n < n1; ++n) {
         RowsDotLow<1>(lx, ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml ? ml + n * g : nullptr,
-                      s.implicit_min, g, ds.data(), y);
+                      s.implicit_min, g, ds.data(), y, nullptr);
         StoreF32(out, t, n, y[0]);
       }
     });
@@ -362,7 +366,8 @@ NaturalX SplitNatural(const float* x, int64_t k) {
 // One Q6_K row against x: per 32 values, q - 32 as int16 against x's int16 in vpdpwssd (lanes 0..7 the first
 // 16 values, one scale; 8..15 the next 16), scaled by d * sc * s with one FMA.
 float RowDotQ6K(const NaturalX& x, const uint8_t* __restrict ql, const uint8_t* __restrict qh,
-                const int8_t* __restrict sc, const uint16_t* __restrict d, int64_t supers) {
+                const int8_t* __restrict sc, const uint16_t* __restrict d, int64_t supers,
+                const uint8_t* ql_ahead, const uint8_t* qh_ahead) {
   const __m512i mask = _mm512_set1_epi16(0x30), nibble = _mm512_set1_epi16(15), off = _mm512_set1_epi16(32);
   // pick[i]: lanes 0..7 take scale 2i, lanes 8..15 scale 2i + 1 (of a super-block's 16).
   __m512i pick[8];
@@ -372,6 +377,11 @@ float RowDotQ6K(const NaturalX& x, const uint8_t* __restrict ql, const uint8_t* 
   const __m512i pair = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);   // scale j: x's 32 j / 2
   __m512 acc = _mm512_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
+    if (ql_ahead) {   // the same super-block of the row ahead, spread over the row
+      _mm_prefetch(reinterpret_cast<const char*>(ql_ahead + s * 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ql_ahead + s * 128 + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qh_ahead + s * 64), _MM_HINT_T0);
+    }
     const __m512 xs = _mm512_permutexvar_ps(pair, _mm512_castps256_ps512(_mm256_loadu_ps(&x.s[size_t(s * 8)])));
     const __m512 scf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + s * 16))));
     const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(scf, xs), _mm512_set1_ps(HalfToF32(d[s])));
@@ -416,12 +426,10 @@ ffi::Error Q6KCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ql, ffi
     const int64_t ahead = PrefetchRows();
     ForRowChunks(pool, n, [&](int64_t n0, int64_t n1) {
       for (int64_t r = n0; r < n1; ++r) {
-        if (ahead > 0 && r + ahead < n) {
-          Prefetch(lq + (r + ahead) * (k / 2), k / 2);
-          Prefetch(hq + (r + ahead) * (k / 4), k / 4);
-          Prefetch(sl + (r + ahead) * (k / 16), k / 16);
-        }
-        StoreF32(out, t, r, RowDotQ6K(nx, lq + r * (k / 2), hq + r * (k / 4), sl + r * (k / 16), dl + r * supers, supers));
+        const bool pf = ahead > 0 && r + ahead < n;
+        if (pf) Prefetch(sl + (r + ahead) * (k / 16), k / 16);
+        StoreF32(out, t, r, RowDotQ6K(nx, lq + r * (k / 2), hq + r * (k / 4), sl + r * (k / 16), dl + r * supers, supers,
+                                      pf ? lq + (r + ahead) * (k / 2) : nullptr, pf ? hq + (r + ahead) * (k / 4) : nullptr));
       }
     });
     return ffi::Error::Success();
