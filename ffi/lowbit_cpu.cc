@@ -103,6 +103,27 @@ void DequantRow(const uint8_t* q, const uint32_t* high, const uint16_t* scale, c
   }
 }
 
+// The path of several rows of x (or no VNNI): y [M, N] = x [M, K] . w^T, each weight row n dequantized once
+// by dequant(n, w [K] f32) and dotted with every row of x.
+template <typename Dequant>
+void DotDequantizedRows(ffi::ThreadPool& pool, const float* xf, int64_t m, int64_t n, int64_t k, void* out,
+                        ffi::DataType t, Dequant dequant) {
+  ForRowChunks(pool, n, [&](int64_t n0, int64_t n1) {
+    std::vector<float> w(static_cast<size_t>(k));
+    for (int64_t r = n0; r < n1; ++r) {
+      dequant(r, w.data());
+      const float* wp = w.data();
+      for (int64_t row = 0; row < m; ++row) {
+        const float* xr = xf + row * k;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < k; ++i) dot += xr[i] * wp[i];
+        StoreF32(out, t, row * n + r, dot);
+      }
+    }
+  });
+}
+
 #ifdef JAXLLM_LOWBIT_VNNI
 // One row of x for the VNNI path: per pair of groups p (2p, 2p + 1), lo [32] int16 = values 0..15 of group 2p
 // then of 2p + 1, hi [32] = their values 16..31; s [G] the int16 scales, sum [G] the groups' f32 sums.
@@ -264,20 +285,8 @@ ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, f
     return ffi::Error::Success();
   }
 #endif
-  ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
-    std::vector<float> w(static_cast<size_t>(s.k));
-    for (int64_t n = n0; n < n1; ++n) {
-      DequantRow(ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml ? ml + n * g : nullptr, s.implicit_min,
-                 g, w.data());
-      const float* wp = w.data();
-      for (int64_t m = 0; m < s.m; ++m) {
-        const float* xr = &xf[size_t(m * s.k)];
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < s.k; ++i) dot += xr[i] * wp[i];
-        StoreF32(out, t, m * s.n + n, dot);
-      }
-    }
+  DotDequantizedRows(pool, xf.data(), s.m, s.n, s.k, out, t, [&](int64_t n, float* w) {
+    DequantRow(ql + n * (s.k / 2), hl ? hl + n * g : nullptr, sl + n * g, ml ? ml + n * g : nullptr, s.implicit_min, g, w);
   });
   return ffi::Error::Success();
 }
@@ -435,19 +444,8 @@ ffi::Error Q6KCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ql, ffi
     return ffi::Error::Success();
   }
 #endif
-  ForRowChunks(pool, n, [&](int64_t n0, int64_t n1) {
-    std::vector<float> w(static_cast<size_t>(k));
-    for (int64_t r = n0; r < n1; ++r) {
-      DequantRowQ6K(lq + r * (k / 2), hq + r * (k / 4), sl + r * (k / 16), dl + r * supers, supers, w.data());
-      const float* wp = w.data();
-      for (int64_t row = 0; row < m; ++row) {
-        const float* xr = &xf[size_t(row * k)];
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < k; ++i) dot += xr[i] * wp[i];
-        StoreF32(out, t, row * n + r, dot);
-      }
-    }
+  DotDequantizedRows(pool, xf.data(), m, n, k, out, t, [&](int64_t r, float* w) {
+    DequantRowQ6K(lq + r * (k / 2), hq + r * (k / 4), sl + r * (k / 16), dl + r * supers, supers, w);
   });
   return ffi::Error::Success();
 }

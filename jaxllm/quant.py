@@ -71,7 +71,7 @@ LOWBIT_TYPES = {"Q4_0": (18, False, False), "Q4_1": (20, True, False), "Q5_0": (
 # Q4_K: super-blocks of 256 values, 144 bytes (f16 d and dmin, 6-bit scales and mins of its eight groups of
 # 32, 4-bit values); LowBit holds it as 4-bit groups with scale d * sc and min -dmin * m rounded to f16.
 Q4_K_BYTES = 144
-LOWBIT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5}   # the width each type needs
+LOWBIT_BITS = {**{t: 5 if high else 4 for t, (_, _, high) in LOWBIT_TYPES.items()}, "Q4_K": 4}   # the width each needs
 
 
 @jax.tree_util.register_dataclass

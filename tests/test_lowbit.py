@@ -222,6 +222,16 @@ def test_cpu_kernel_propagates_nonfinite_x():
   assert np.all(np.isnan(np.asarray(ffi.lowbit_matmul(x, lin, 0))))
 
 
+def _ffi_decode_steps(config, weights, cache) -> np.ndarray:
+  """Logits [len(TOKENS), V] of TOKENS fed one decode step at a time through the FFI kernels."""
+  step = jax.jit(lambda c, t, p: sequence_logits(config, weights, c, t, p, kernels="ffi"))
+  rows = []
+  for i, t in enumerate(TOKENS):
+    out, cache = step(cache, jnp.asarray([[t]], jnp.int32), jnp.asarray([i], jnp.int32))
+    rows.append(np.asarray(out[0, 0]))
+  return np.stack(rows)
+
+
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_gguf_quant_model_matches_numpy(tmp_path, tensor_type):
   """A model of the file's own blocks: every matrix LowBit; the jnp path equals the numpy float64 forward
@@ -241,12 +251,7 @@ def test_gguf_quant_model_matches_numpy(tmp_path, tensor_type):
   full = np.asarray(full[0])
   assert np.linalg.norm(full - ref) / np.linalg.norm(ref) < 1e-5
   if ffi.unavailable_reason() is None:
-    step = jax.jit(lambda c, t, p: sequence_logits(config, weights, c, t, p, kernels="ffi"))
-    rows = []
-    for i, t in enumerate(TOKENS):
-      out, cache = step(cache, jnp.asarray([[t]], jnp.int32), jnp.asarray([i], jnp.int32))
-      rows.append(np.asarray(out[0, 0]))
-    steps = np.stack(rows)
+    steps = _ffi_decode_steps(config, weights, cache)
     assert np.linalg.norm(steps - ref) / np.linalg.norm(ref) < 1e-3
     assert (steps.argmax(-1) == ref.argmax(-1)).all()
 
@@ -306,9 +311,4 @@ def test_gguf_quant_q4_k_m_mix(tmp_path):
     scanned = np.asarray(logits(weights, hidden, jnp.float32, kernels=kernels)[0])
     assert np.linalg.norm(scanned - ref) / np.linalg.norm(ref) < tol, kernels
   if ffi.unavailable_reason() is None:
-    step = jax.jit(lambda c, t, p: sequence_logits(config, weights, c, t, p, kernels="ffi"))
-    rows = []
-    for i, t in enumerate(TOKENS):
-      out, cache = step(cache, jnp.asarray([[t]], jnp.int32), jnp.asarray([i], jnp.int32))
-      rows.append(np.asarray(out[0, 0]))
-    assert np.linalg.norm(np.stack(rows) - ref) / np.linalg.norm(ref) < tol
+    assert np.linalg.norm(_ffi_decode_steps(config, weights, cache) - ref) / np.linalg.norm(ref) < tol
