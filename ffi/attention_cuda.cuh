@@ -122,19 +122,15 @@ struct Tile {
 // (block 0 when no visible tile does) appends the new key and value to the caches first, then reads that tile
 // through L2 (the others read-only). The same bits as the epilogue kernel then this one.
 // C: blocks per cluster along x (1: no cluster; gridDim.x is then a multiple of C, and blocks p >= P idle).
-// Block (p, g, b)'s work (Kernel below, and the attention stage of the layers kernel, whose blocks have more
-// warps than R: those past R only keep the block's barriers). dep: the layers kernel's wait for the QKV
-// stage, taken only by blocks with tiles.
 template <typename T, int D, bool PRO = false>
-__device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ q, const T* k, const T* v,
-                                     const int32_t* __restrict__ lengths, float* ws, T* out, int32_t* counters,
-                                     int layer, int B, int H, int G, int S, int P, int C, const qkv::Args& pa,
-                                     const w8a16::Dep& dep = {}) {
+__global__ void __launch_bounds__(32 * kMaxGroup)
+    Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
+           float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
+           int S, int P, int C, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
-  const int lane = threadIdx.x & 31, r = threadIdx.x >> 5;
+  const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
   const int R = H / G, h = g * R + r;
-  const bool on = r < R;   // this warp has a head
   if constexpr (PRO) {   // the layers call's early trigger: the next kernel may launch before this one waits
     if (pa.early) w8a16::GridDepLaunch();
   }
@@ -149,7 +145,6 @@ __device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ 
   } else if (p >= used) {
     return;
   }
-  w8a16::WaitFor(dep);
   const bool work = p < used;   // (false only for idle blocks of a clustered merge)
   __shared__ float q_s[kMaxGroup][D];
   const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;
@@ -160,7 +155,7 @@ __device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ 
   if (work) {
     int tile_at = -1;   // PRO: the tile that holds the new key (in this block's range or not)
     if constexpr (PRO) {
-      if (on) qkv::WarpHead<T, D>(pa, b, h, H, G, lane, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
+      qkv::WarpHead<T, D>(pa, b, h, H, G, lane, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
       const int at = pa.writes[b];
       tile_at = at >= 0 && at < S ? at / TP : -1;
       const int owner = tile_at < tiles ? tile_at % P : 0;
@@ -172,14 +167,14 @@ __device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ 
         for (int e = lane; e < D; e += 32) vd[e] = FromF32<T>(qkv::Biased(row, pa.bias, (H + G + g) * D + e));
       }
       __syncthreads();   // the new key and value are in the cache before any warp loads its tiles
-    } else if (on) {
+    } else {
       for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
     }
     const T* kh = k + head;
     const T* vh = v + head;
     const float* qr = q_s[r] + (lane % LPP) * EK;
     __syncwarp();
-    for (int c = p; on && c < tiles; c += P) {
+    for (int c = p; c < tiles; c += P) {
       const int base = c * TP;
       Tile<T, D> cur;   // (no prefetch of the next tile: the other warps and blocks on the SM hide the latency)
       if (PRO && c == tile_at) cur.template Load<true>(kh, vh, base, len, lane);
@@ -214,9 +209,8 @@ __device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ 
   if (!(PRO && pa.early)) w8a16::GridDepLaunch();
   T* o_out = out + (size_t(b) * H + h) * D + lane * DV;
   if (used == 1) {
-    if (on)
 #pragma unroll
-      for (int e = 0; e < DV; ++e) o_out[e] = FromF32<T>(acc[e] / l);
+    for (int e = 0; e < DV; ++e) o_out[e] = FromF32<T>(acc[e] / l);
     return;
   }
   int parts = used, part = p;   // the partials merged through global memory, and this block's index among them
@@ -225,7 +219,7 @@ __device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ 
     extern __shared__ float slots[];
     const int rank = p % C, cl = p / C;
     ClusterWait();   // every block of the cluster has started: block 0's shared memory is there
-    if (work && on) {
+    if (work) {
       float* dst = ClusterShared(slots, 0) + (size_t(rank) * R + r) * (D + 2);
 #pragma unroll
       for (int e = 0; e < DV; ++e) dst[lane * DV + e] = acc[e];
@@ -261,11 +255,9 @@ __device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ 
   }
   // Level 2: partials in global memory, merged by the block that draws the last ticket.
   float* o = ws + ((size_t(b) * H + h) * P + part) * (D + 2);
-  if (on) {
 #pragma unroll
-    for (int e = 0; e < DV; ++e) o[lane * DV + e] = acc[e];
-    if (lane == 0) { o[D] = m; o[D + 1] = l; }
-  }
+  for (int e = 0; e < DV; ++e) o[lane * DV + e] = acc[e];
+  if (lane == 0) { o[D] = m; o[D + 1] = l; }
   __shared__ int is_last;
   __threadfence();   // the partials are visible device-wide before the ticket
   __syncthreads();
@@ -274,7 +266,6 @@ __device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ 
   if (!is_last) return;
   if (threadIdx.x == 0) counters[size_t(b) * G + g] = 0;   // every ticket drawn: the counter resets itself
   __threadfence();
-  if (!on) return;
   // Merge this warp's head over the partials; other blocks wrote them: loads through L2 (ld.cg).
   const float* wr = ws + (size_t(b) * H + h) * P * (D + 2);
   float mm = -INFINITY;
@@ -294,14 +285,6 @@ __device__ __forceinline__ void Body(int p, int g, int b, const T* __restrict__ 
   }
 #pragma unroll
   for (int e = 0; e < DV; ++e) o_out[e] = FromF32<T>(a[e] / ll);
-}
-
-template <typename T, int D, bool PRO = false>
-__global__ void __launch_bounds__(32 * kMaxGroup)
-    Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
-           float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
-           int S, int P, int C, qkv::Args pa) {
-  Body<T, D, PRO>(blockIdx.x, blockIdx.y, blockIdx.z, q, k, v, lengths, ws, out, counters, layer, B, H, G, S, P, C, pa);
 }
 
 // Blocks per cluster for P splits of R heads: the largest of 8, 4, 2 that P reaches (a cluster of blocks

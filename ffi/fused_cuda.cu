@@ -12,7 +12,6 @@
 
 #include "common.h"
 #include "attention_cuda.cuh"
-#include "layers_cuda.cuh"
 #include "qkv_cuda.cuh"
 #include "w8a16_cuda.cuh"
 
@@ -105,25 +104,20 @@ ffi::Error FusedCudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 
 // ---- every decode layer in one call ----------------------------------------------------------------------
 //
-// Five kernels per layer (launch 0 or 1), launched back to back on XLA's stream from one handler: norm + QKV;
-// attention with the QKV epilogue as its prologue (attn1::Kernel<..., true>: the per-op path's epilogue
-// kernel and attention kernel in one, the same bits); O + residual; norm + gate/up + SwiGLU; down +
-// residual. One node of XLA's command buffer for all layers, and (launch 1: pdl) each kernel a programmatic
-// dependent of the one before, so that it is launched while that one finishes and issues its weight loads
-// before waiting for it. Launch 2: the same work items in one persistent kernel, the stages ordered by
-// counters instead of kernel boundaries (layers_cuda.cuh), where it takes the geometry (one sequence), else
-// launch 1. The residual stream is updated in place in x_out (the first O projection reads x);
-// intermediates live in the workspace (LayersWorkspace, the same sizes as fused.layers_workspace_bytes),
-// whose counters are zeroed once per call (each attention merging block resets its own ticket after that).
-
-enum : int64_t { kLaunchPlain = 0, kLaunchPdl = 1, kLaunchOneKernel = 2 };
+// Five kernels per layer, launched back to back on XLA's stream from one handler: norm + QKV; attention with
+// the QKV epilogue as its prologue (attn1::Kernel<..., true>: the per-op path's epilogue kernel and attention
+// kernel in one, the same bits); O + residual; norm + gate/up + SwiGLU; down + residual. One node of XLA's
+// command buffer for all layers, and (pdl) each kernel a programmatic dependent of the one before, so that it
+// is launched while that one finishes and issues its weight loads before waiting for it. The residual
+// stream is updated in place in x_out (the first O projection reads x); intermediates live in the workspace
+// (LayersWorkspace, the same sizes as fused.layers_workspace_bytes), whose attention counters are zeroed
+// once per call (each merging block resets its own after that).
 
 struct LayersWorkspace {
-  size_t qkv, attn, act, ws, counters, done, total;
+  size_t qkv, attn, act, ws, counters, total;
 };
 inline size_t Align256(size_t n) { return (n + 255) / 256 * 256; }
-inline LayersWorkspace LayersLayout(int64_t b, int64_t n, int64_t h, int64_t dh, int64_t f, int64_t p, int64_t g,
-                                    int64_t layers) {
+inline LayersWorkspace LayersLayout(int64_t b, int64_t n, int64_t h, int64_t dh, int64_t f, int64_t p, int64_t g) {
   LayersWorkspace w;
   size_t at = 0;
   w.qkv = at; at += Align256(size_t(b * n) * 2);
@@ -131,7 +125,6 @@ inline LayersWorkspace LayersLayout(int64_t b, int64_t n, int64_t h, int64_t dh,
   w.act = at; at += Align256(size_t(b * f) * 2);
   w.ws = at; at += Align256(size_t(b * h * p * (dh + 2)) * 4);
   w.counters = at; at += Align256(size_t(b * g) * 4);
-  w.done = at; at += Align256(size_t(layers) * layers1::kStages * layers1::kCounterStride * 4);
   w.total = at;
   return w;
 }
@@ -143,7 +136,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
                       ffi::AnyBuffer wd, ffi::AnyBuffer sd, ffi::AnyBuffer, ffi::AnyBuffer,
                       ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
                       ffi::Result<ffi::AnyBuffer> workspace, int64_t heads, int64_t kv_heads, int64_t neox,
-                      float pos_scale, float eps, int64_t splits, int64_t launch) {
+                      float pos_scale, float eps, int64_t splits, int64_t pdl) {
   const std::string name = "jaxllm_decode_layers: ";
   auto xd = x.dimensions(), kd = kc->dimensions();
   if (x.element_type() != ffi::F32 || xd.size() != 2 || kd.size() != 5 || kc->element_type() != ffi::BF16 ||
@@ -185,10 +178,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
       return ffi::Error::InvalidArgument(name + "pos, writes and lengths must be int32 [B]");
   if (inv_freq.element_type() != ffi::F32 || inv_freq.dimensions().size() != 1 || inv_freq.dimensions()[0] != dh / 2)
     return ffi::Error::InvalidArgument(name + "inv_freq must be f32 [Dh / 2]");
-  if (launch < kLaunchPlain || launch > kLaunchOneKernel)
-    return ffi::Error::InvalidArgument(name + "launch must be 0 (plain), 1 (pdl) or 2 (one kernel), got " +
-                                       std::to_string(launch));
-  const LayersWorkspace lw = LayersLayout(b, n, h, dh, f, splits, g, layers);
+  const LayersWorkspace lw = LayersLayout(b, n, h, dh, f, splits, g);
   auto wsd = workspace->dimensions();
   if (workspace->element_type() != ffi::U8 || wsd.size() != 1 || size_t(wsd[0]) < lw.total ||
       x_out->element_type() != ffi::F32 || x_out->dimensions().size() != 2 || x_out->dimensions()[0] != b ||
@@ -211,7 +201,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   bf16* vcp = static_cast<bf16*>(vc->untyped_data());
   auto f32 = [](const ffi::AnyBuffer& a) { return static_cast<const float*>(a.untyped_data()); };
   auto i8 = [](const ffi::AnyBuffer& a) { return static_cast<const int8_t*>(a.untyped_data()); };
-  const bool use_pdl = launch != kLaunchPlain;
+  const bool use_pdl = pdl != 0;
   // Each kernel lets the next one launch as soon as it has issued its weight loads, before its own wait, so
   // that the next one's loads overlap its whole run (JAXLLM_PDL_EARLY=0: once its weights are read, for
   // comparison; docs/kernels.md).
@@ -232,50 +222,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   // Layer i's slice of a stacked [L, rows, cols] weight (int8) or scale (f32).
   auto w8 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return i8(a) + i * m.n * m.k; };
   auto s32 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return f32(a) + i * m.n * m.groups; };
-  cudaError_t e = cudaMemsetAsync(cnt, 0, lw.total - lw.counters, stream);   // tickets and stage counters
-  if (e == cudaSuccess && launch == kLaunchOneKernel && layers1::Supported(int(b), int(h), int(g), int(dh))) {
-    layers1::Params lp;
-    lp.x_in = xin;
-    lp.x = xo;
-    lp.qkv = qkv;
-    lp.attn = attn;
-    lp.act = act;
-    lp.ws = ws;
-    lp.tickets = cnt;
-    lp.done = reinterpret_cast<int32_t*>(base + lw.done);
-    lp.attn_norm = f32(attn_norm);
-    lp.ffn_norm = f32(ffn_norm);
-    lp.bqkv = LayerRow(bqkv, 0, n);
-    lp.qn = LayerRow(qn, 0, dh);
-    lp.kn = LayerRow(kn, 0, dh);
-    auto mat = [&](const ffi::AnyBuffer& w, const ffi::AnyBuffer& sc, const MatmulShape& m) {
-      layers1::Mat o;
-      o.w = i8(w);
-      o.s = f32(sc);
-      o.n = int(m.n);
-      o.k = int(m.k);
-      o.groups = int(m.groups);
-      o.chunk_div = DivMagic(uint32_t(m.k / m.groups / 16));
-      return o;
-    };
-    lp.qkv_w = mat(wqkv, sqkv, mq);
-    lp.o_w = mat(wo, so, mo);
-    lp.gu_w = mat(wgu, sgu, mg);
-    lp.down_w = mat(wd, sd, md);
-    lp.pa = pa;
-    lp.pa.early = false;
-    lp.lengths = len;
-    lp.layers = int(layers);
-    lp.d = int(d);
-    lp.h = int(h);
-    lp.g = int(g);
-    lp.s = int(smax);
-    lp.splits = int(splits);
-    lp.eps = eps;
-    e = dh == 64 ? layers1::Launch<64>(stream, lp) : layers1::Launch<128>(stream, lp);
-    if (e != cudaSuccess) return ffi::Error::Internal(name + "launch: " + cudaGetErrorString(e));
-    return ffi::Error::Success();
-  }
+  cudaError_t e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
   for (int64_t i = 0; i < layers && e == cudaSuccess; ++i) {
     const float* xcur = i == 0 ? xin : xo;
     Fuse fq{f32(attn_norm) + i * d, eps, nullptr, use_pdl && i > 0, early};
@@ -338,7 +285,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeLayersCuda, LayersCuda,
                                   .Attr<float>("pos_scale")
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("launch"),   // 0 plain, 1 pdl, 2 one kernel
+                                  .Attr<int64_t>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16FusedCudaInto, FusedCudaInto, BindFusedInto<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});

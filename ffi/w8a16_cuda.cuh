@@ -48,18 +48,9 @@ namespace w8a16 {
 
 constexpr int kThreads = 256;
 
-// An activation load: read-only (ld.global.nc) where nothing in the kernel writes x, or (COH) through L2
-// (ld.global.cg), for the layers kernel, where an earlier stage of the same kernel wrote it on another SM.
-template <bool COH, typename V>
-__device__ __forceinline__ V LdAct(const V* p) {
-  if constexpr (COH) return __ldcg(p);
-  else return __ldg(p);
-}
-
 // Loads 16 consecutive activations x[0..15] as f32 (16-byte loads: 2 for bf16, 4 for f32).
-template <bool COH = false>
 __device__ __forceinline__ void Load16(const __nv_bfloat16* x, float* out) {
-  const uint4 a = LdAct<COH>(reinterpret_cast<const uint4*>(x)), b = LdAct<COH>(reinterpret_cast<const uint4*>(x) + 1);
+  const uint4 a = __ldg(reinterpret_cast<const uint4*>(x)), b = __ldg(reinterpret_cast<const uint4*>(x) + 1);
   const uint32_t words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {   // bf16 -> f32 is a 16-bit shift
@@ -67,11 +58,10 @@ __device__ __forceinline__ void Load16(const __nv_bfloat16* x, float* out) {
     out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
   }
 }
-template <bool COH = false>
 __device__ __forceinline__ void Load16(const float* x, float* out) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float4 f = LdAct<COH>(reinterpret_cast<const float4*>(x) + i);
+    const float4 f = __ldg(reinterpret_cast<const float4*>(x) + i);
     out[4 * i] = f.x; out[4 * i + 1] = f.y; out[4 * i + 2] = f.z; out[4 * i + 3] = f.w;
   }
 }
@@ -141,14 +131,14 @@ __device__ __forceinline__ void QuantizeInt16(const float* v, XChunk<Conv::kInt1
   }
 }
 
-template <Conv C, typename T, bool SHARED = false, bool COH = false>
+template <Conv C, typename T, bool SHARED = false>
 __device__ __forceinline__ void LoadX(const T* x, XChunk<C>& out) {
   if constexpr (C == Conv::kInt16) {
     float v[16];
-    if constexpr (SHARED) Load16Shared(x, v); else Load16<COH>(x, v);
+    if constexpr (SHARED) Load16Shared(x, v); else Load16(x, v);
     QuantizeInt16(v, out);
   } else {
-    if constexpr (SHARED) Load16Shared(x, out.v); else Load16<COH>(x, out.v);
+    if constexpr (SHARED) Load16Shared(x, out.v); else Load16(x, out.v);
   }
 }
 
@@ -223,7 +213,7 @@ __device__ __forceinline__ int GroupSumEach(float (&a)[V], int lane) {
 }
 
 // Shared memory of a kInt16 block that stages x (kStageX): MT rows of K / 16 chunks, 16 int16 and a scale each.
-__host__ __device__ constexpr size_t XStageBytes(int mt, int k) { return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)); }
+constexpr size_t XStageBytes(int mt, int k) { return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)); }
 constexpr size_t kMaxXStageBytes = 48 << 10;   // without the opt-in to more dynamic shared memory
 // Shared memory of a kNorm block without kStageX: MT normalized rows of x in T.
 template <typename T>
@@ -248,16 +238,6 @@ enum : unsigned {
   kArgmax = 128u,  // no y: the greedy token. y is uint32 [M, 4], zeroed by the caller: words 0-1 the
                    // largest (orderable T(x . w) << 32 | ~row) by a 64-bit atomic max (ties: the lowest row,
                    // as argmax), word 2 set where a value is not finite
-  kCoherent = 256u,  // x, the residual and the norm's input are read through L2 (ld.global.cg): the layers
-                     // kernel (layers_cuda.cuh), where another SM wrote them earlier in the same kernel
-};
-
-// A dependency inside one kernel (the layers kernel): wait until *on >= count, the number of work items of
-// the stage this one reads, each of which adds 1 once its outputs are written (Signal). on = nullptr: none.
-struct Dep {
-  const int* on = nullptr;
-  int count = 0;
-  unsigned sleep_ns = 128;   // between polls
 };
 
 // The fused operands: the norm weight [K] and eps (kNorm), the residual [M, N] (kResidual, may be y itself:
@@ -272,7 +252,6 @@ struct Fuse {
   const float* res = nullptr;
   bool pdl = false;
   bool early = false;
-  Dep dep;   // the layers kernel: the stage to wait for, in place of the kernel boundary
 };
 
 // Programmatic dependent launch (sm_90): wait for the grid this one depends on (a no-op without one), and
@@ -286,32 +265,6 @@ __device__ __forceinline__ void GridDepLaunch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-
-// Waits for an earlier stage of the same kernel (every thread of the block calls it): thread 0 polls the
-// counter with gpu-scope acquire loads, then the block barrier orders every thread's later loads after it.
-// Stores before Signal and loads after Wait meet in L2: the activations travel by ld.cg (kCoherent) or
-// plain loads, never the read-only path.
-__device__ __forceinline__ void WaitFor(const Dep& d) {
-  GridDepWait();
-  if (d.on == nullptr) return;
-  if (threadIdx.x == 0) {
-    while (true) {
-      int v;
-      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(d.on) : "memory");
-      if (v >= d.count) break;
-      if (d.sleep_ns) __nanosleep(d.sleep_ns);
-    }
-  }
-  __syncthreads();
-}
-// This block's work item is done: its outputs are visible device-wide before the count (every thread).
-__device__ __forceinline__ void Signal(int* done) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(done, 1);
-  }
 }
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...); pdl: as a programmatic dependent of the previous
@@ -353,15 +306,15 @@ __device__ __forceinline__ uint32_t OrderedBits(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// One block's work (Kernel below, and a stage of the layers kernel): block bx of nbx along the rows, by along
-// the tiles of MT rows of x. Rows without kBalance: team i of the grid takes rows i * ROWS ... i * ROWS +
-// ROWS - 1 (with kSwiGLU: outputs i * ROWS / 2 ..., each from its gate row and its up row F further).
+// Rows without kBalance: team i of the grid takes rows i * ROWS ... i * ROWS + ROWS - 1 (with kSwiGLU: outputs
+// i * ROWS / 2 ..., each from its gate row and its up row F further).
 template <typename T, int MT, int TPR, int ROWS, int U, Conv C, unsigned F = 0>
-__device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, const int8_t* __restrict__ w,
-                                     const float* __restrict__ scale, void* y_out, int m_total, int n_total,
-                                     int k_total, int groups, uint32_t chunk_div, const Fuse& fu) {
+__global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in, const int8_t* __restrict__ w,
+                                                   const float* __restrict__ scale, void* __restrict__ y_out,
+                                                   int m_total, int n_total, int k_total, int groups,
+                                                   uint32_t chunk_div, Fuse fu) {
   constexpr bool HINT = F & kHint, XS = F & kStageX, XA = F & kXFirst, BAL = F & kBalance;
-  constexpr bool NORM = F & kNorm, RES = F & kResidual, SW = F & kSwiGLU, ARG = F & kArgmax, COH = F & kCoherent;
+  constexpr bool NORM = F & kNorm, RES = F & kResidual, SW = F & kSwiGLU, ARG = F & kArgmax;
   static_assert((TPR % 32 == 0 || 32 % TPR == 0) && kThreads % TPR == 0, "a team is whole warps or part of one");
   static_assert(!XS || C == Conv::kInt16, "x is staged as int16 chunks");
   static_assert(XS || !XA, "kXFirst orders the staging of x");
@@ -377,13 +330,13 @@ __device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, 
   int row_base, row_end;
   constexpr int row_step = BAL ? kTeams : 1;
   if constexpr (BAL) {
-    row_base = int(int64_t(bx) * n_out / nbx) + team;
-    row_end = int(int64_t(bx + 1) * n_out / nbx);
+    row_base = int(int64_t(blockIdx.x) * n_out / gridDim.x) + team;
+    row_end = int(int64_t(blockIdx.x + 1) * n_out / gridDim.x);
   } else {
-    row_base = (bx * kTeams + team) * RO;
+    row_base = (blockIdx.x * kTeams + team) * RO;
     row_end = n_out;
   }
-  const int m0 = by * MT;
+  const int m0 = blockIdx.y * MT;
   const int chunks = k_total >> 4;
   const uint4* wrow[ROWS];
   const float* srow[ROWS];
@@ -432,10 +385,7 @@ __device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, 
       for (int m = 0; m < MT; ++m) {
         ss[m] = 0.f;
         if (m < m_here)
-          for (int i = threadIdx.x; i < k_total; i += kThreads) {
-            const float v = COH ? __ldcg(xf + m * k_total + i) : xf[m * k_total + i];
-            ss[m] = fmaf(v, v, ss[m]);
-          }
+          for (int i = threadIdx.x; i < k_total; i += kThreads) ss[m] = fmaf(xf[m * k_total + i], xf[m * k_total + i], ss[m]);
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], off);
       }
@@ -458,7 +408,7 @@ __device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, 
     const float inv = inv_rms[m];
 #pragma unroll
     for (int i = 0; i < 16; i += 4) {
-      const float4 a = COH ? __ldcg(reinterpret_cast<const float4*>(xf + i)) : *reinterpret_cast<const float4*>(xf + i);
+      const float4 a = *reinterpret_cast<const float4*>(xf + i);
       const float4 g = __ldg(reinterpret_cast<const float4*>(fu.norm_w + e + i));
       v[i] = ToF32(FromF32<T>(a.x * inv * g.x));
       v[i + 1] = ToF32(FromF32<T>(a.y * inv * g.y));
@@ -475,7 +425,7 @@ __device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, 
           norm16(i / chunks, (i % chunks) * 16, v);
           QuantizeInt16(v, xc);
         } else {
-          LoadX<C, T, false, COH>(x + size_t(m0) * k_total + i * 16, xc);
+          LoadX<C>(x + size_t(m0) * k_total + i * 16, xc);
         }
         x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
         x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
@@ -495,20 +445,20 @@ __device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, 
   if constexpr (NORM) {   // the weights' first loads are in flight while the block normalizes x
     load_round(c0);
     if (fu.early) GridDepLaunch();
-    WaitFor(fu.dep);
+    GridDepWait();
     norm_rows();
     stage_x();
     __syncthreads();
   } else {
     if constexpr (XS && XA) {
       if (fu.early) GridDepLaunch();
-      WaitFor(fu.dep);
+      GridDepWait();
       stage_x();
     }
     load_round(c0);
     if constexpr (!(XS && XA)) {
       if (fu.early) GridDepLaunch();
-      WaitFor(fu.dep);
+      GridDepWait();
     }
     if constexpr (XS && !XA) stage_x();
     if constexpr (XS) __syncthreads();
@@ -530,7 +480,7 @@ __device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, 
         } else if constexpr (NORM) {
           LoadX<C, T, true>(xn_stage + size_t(m) * k_total + c * 16, xc);
         } else {
-          LoadX<C, T, false, COH>(x + size_t(m0 + m) * k_total + c * 16, xc);
+          LoadX<C>(x + size_t(m0 + m) * k_total + c * 16, xc);
         }
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[m][r] = Accumulate<C>(acc[m][r], xc, wv[u][r], sc[u][r]);
@@ -562,7 +512,7 @@ __device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, 
   auto emit = [&](int m, int o, float v, float u) {
     const size_t at = size_t(m0 + m) * n_out + o;
     if constexpr (RES) {
-      static_cast<float*>(y_out)[at] = (COH ? __ldcg(fu.res + at) : fu.res[at]) + ToF32(FromF32<T>(v));
+      static_cast<float*>(y_out)[at] = fu.res[at] + ToF32(FromF32<T>(v));
     } else if constexpr (SW) {
       const float g = ToF32(FromF32<T>(v));
       static_cast<T*>(y_out)[at] = FromF32<T>(g / (1.f + __expf(-g)) * ToF32(FromF32<T>(u)));
@@ -604,15 +554,6 @@ __device__ __forceinline__ void Body(int bx, int nbx, int by, const void* x_in, 
     for (int m = 0; m < m_here; ++m)
       if (nonfinite >> m & 1u) atomicOr(out + size_t(m0 + m) * 4 + 2, 1u);
   }
-}
-
-template <typename T, int MT, int TPR, int ROWS, int U, Conv C, unsigned F = 0>
-__global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in, const int8_t* __restrict__ w,
-                                                   const float* __restrict__ scale, void* __restrict__ y_out,
-                                                   int m_total, int n_total, int k_total, int groups,
-                                                   uint32_t chunk_div, Fuse fu) {
-  Body<T, MT, TPR, ROWS, U, C, F>(blockIdx.x, gridDim.x, blockIdx.y, x_in, w, scale, y_out, m_total, n_total, k_total,
-                                  groups, chunk_div, fu);
 }
 
 // Streaming variant for short K (K / 16 <= 32 * U chunks: one round per row) and many rows: a grid of
@@ -757,31 +698,7 @@ cudaError_t Launch(cudaStream_t stream, const void* x, const int8_t* w, const fl
 // EX: the fusion flags (kNorm, kResidual, kSwiGLU, kArgmax) added to every configuration; with kSwiGLU the
 // configurations of one row per team take two. x and y are what the flags say (see Kernel).
 template <unsigned EX>
-__host__ __device__ constexpr int Rows(int rows) { return (EX & kSwiGLU) && rows < 2 ? 2 : rows; }
-
-// A configuration of Kernel / Body as a type, for the choosers below.
-template <int MT_, int TPR_, int ROWS_, int U_, Conv C_, unsigned F_>
-struct Cfg {
-  static constexpr int MT = MT_, TPR = TPR_, ROWS = ROWS_, U = U_;
-  static constexpr Conv C = C_;
-  static constexpr unsigned F = F_;
-  static constexpr int kRowsPerBlock = kThreads / TPR * ROWS;
-};
-
-// The configuration of one row of x (M = 1) for a layer's matmul, N rows of K (everything but the LM head's
-// N >= 32768, which Dispatch takes first): fn(Cfg<...>{}), on the host (launch, count blocks) or the device
-// (the layers kernel's stages).
-template <typename T, unsigned EX, typename Fn>
-__host__ __device__ auto ChooseRow(int n, int k, Fn&& fn) {
-  constexpr Conv kMagic = Conv::kMagic, kInt16 = Conv::kInt16;
-  constexpr unsigned kH = kHint | EX, kStagedFirst = kHint | kStageX | kXFirst | EX;
-  const bool long_k = k / 16 > 128, many_rows = n >= 4096;
-  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(1, k) <= kMaxXStageBytes;
-  if (long_k) return fn(Cfg<1, 256, Rows<EX>(4), 2, kMagic, kH>{});   // K over the block, 4 rows
-  if (int16) return fn(Cfg<1, 16, Rows<EX>(2), 4, kInt16, kStagedFirst | kBalance>{});   // half a warp per 2 rows
-  if (many_rows) return fn(Cfg<1, 32, Rows<EX>(4), 2, kMagic, kH>{});   // a warp per 4 rows
-  return fn(Cfg<1, 64, Rows<EX>(1), 1, kMagic, kH>{});                  // 2 warps per row
-}
+constexpr int Rows(int rows) { return (EX & kSwiGLU) && rows < 2 ? 2 : rows; }
 
 template <typename T, unsigned EX = 0>
 cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, const int8_t* w, const float* sc,
@@ -795,14 +712,14 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
   const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
   const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
   if (m == 1) {
-    if (!long_k && int16 && huge_n)   // LM head
-      return Launch<T, 1, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);
-    if (!long_k && !int16 && EX == 0 && huge_n && StreamFits<2>(k))   // f32 LM head
+    if (long_k) return Launch<T, 1, 256, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);     // K over the block
+    if (int16 && huge_n) return Launch<T, 1, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);  // LM head
+    if (int16)   // half a warp per 2 rows, rows shared evenly between the SMs
+      return Launch<T, 1, 16, Rows<EX>(2), 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
+    if (EX == 0 && huge_n && StreamFits<2>(k))   // f32 LM head
       return LaunchStream<T, 2, 2, true>(st, static_cast<const T*>(x), w, sc, static_cast<T*>(y), n, k, g);
-    return ChooseRow<T, EX>(n, k, [&](auto c) {
-      using K = decltype(c);
-      return Launch<T, K::MT, K::TPR, K::ROWS, K::U, K::C, K::F>(st, x, w, sc, y, m, n, k, g, fu);
-    });
+    if (many_rows) return Launch<T, 1, 32, Rows<EX>(4), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);   // warp per 4 rows
+    return Launch<T, 1, 64, Rows<EX>(1), 1, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);                  // 2 warps per row
   }
   if (m == 2) {
     if (int16 && huge_n) return Launch<T, 2, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);

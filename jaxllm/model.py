@@ -225,7 +225,7 @@ def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, token
   b = tokens.shape[0]
   lc = fused.layers_call()
   if lc.one:
-    x, k, v = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, pos_scale, k, v, launch=lc.launch)
+    x, k, v = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, pos_scale, k, v, pdl=lc.pdl)
     return x, dataclasses.replace(cache, k=k, v=v)
   for i in range(c.n_layers):
     qkv = fused.norm_linear(x, weights.attn_norm, c.rms_eps, weights.wqkv, i, dtype=dtype)   # [B, N]

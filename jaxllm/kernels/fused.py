@@ -35,7 +35,6 @@ GPU_MAX_M = 4                 # rows the CUDA fused kernels take (tiles of 4 row
 GPU_FUSED_BATCH = 1
 GPU_MAX_NORM_K = 6144         # K of the norm prologue: 4 rows of bf16 in 48 KB of shared memory
 MERGE_MAX_SPLITS = 256        # attn1::kMaxSplits in attention_cuda.cuh
-LAYERS_LAUNCH = "pdl"         # the layers call's default launch (layers_call)
 
 
 def _rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -210,34 +209,26 @@ def _align(n: int) -> int:
   return -(-n // 256) * 256
 
 
-LAYERS_STAGES = 5            # layers1::kStages in ffi/layers_cuda.cuh
-LAYERS_COUNTER_STRIDE = 32   # layers1::kCounterStride (int32s between stage counters)
-LAUNCH = {"plain": 0, "pdl": 1, "one-kernel": 2}   # decode_layers' launch attribute (ffi/fused_cuda.cu)
-
-
-def layers_workspace_bytes(b: int, n: int, h: int, dh: int, f: int, splits: int, g: int, layers: int) -> int:
+def layers_workspace_bytes(b: int, n: int, h: int, dh: int, f: int, splits: int, g: int) -> int:
   """Bytes of decode_layers' workspace (LayersLayout in ffi/fused_cuda.cu): qkv, attention out and SwiGLU
-  out in bf16, the attention partials in f32, the attention tickets, the one-kernel form's stage counters."""
+  out in bf16, the attention partials in f32, the counters."""
   return (_align(b * n * 2) + _align(b * h * dh * 2) + _align(b * f * 2) + _align(b * h * splits * (dh + 2) * 4)
-          + _align(b * g * 4) + _align(layers * LAYERS_STAGES * LAYERS_COUNTER_STRIDE * 4))
+          + _align(b * g * 4))
 
 
 def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale: float, k_cache, v_cache, *,
-                  launch: str = "pdl"):
+                  pdl: bool = True):
   """Every layer of the fused decode step in one FFI call (CUDA): the per-op path's kernels
   (forward_decode_fused) with the QKV epilogue folded into the attention kernel, five per layer, launched
-  from one handler ("plain"), each a programmatic dependent of the one before ("pdl"), or their work items
-  in one persistent kernel whose stages wait on counters ("one-kernel": batch 1; other batches take "pdl").
+  from one handler, each (pdl) a programmatic dependent of the one before.
   x [B, D] f32 -> (x [B, D] f32, caches updated in place)."""
-  if launch not in LAUNCH:
-    raise ValueError(f"launch must be one of {sorted(LAUNCH)}, got {launch!r}")
   from jaxllm.kernels import ffi
   ffi._ensure_registered()
   c, w = config, weights
   b = x.shape[0]
   splits = merged_splits(b, k_cache)
   n = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-  nbytes = layers_workspace_bytes(b, n, c.n_heads, c.head_dim, c.d_ff, splits, c.n_kv_heads, c.n_layers)
+  nbytes = layers_workspace_bytes(b, n, c.n_heads, c.head_dim, c.d_ff, splits, c.n_kv_heads)
   opt = _optional_f32
   outs = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((nbytes,), jnp.uint8))
@@ -247,25 +238,21 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale:
       w.ffn_norm, w.w_gate_up.w, w.w_gate_up.scale, w.w_down.w, w.w_down.scale, k_cache, v_cache,
       heads=np.int64(c.n_heads), kv_heads=np.int64(c.n_kv_heads), neox=np.int64(c.rope_style == "neox"),
       pos_scale=np.float32(pos_scale), eps=np.float32(c.rms_eps),
-      splits=np.int64(splits), launch=np.int64(LAUNCH[launch]))
+      splits=np.int64(splits), pdl=np.int64(pdl))
   return x, k_cache, v_cache
 
 
 class LayersCall(NamedTuple):
   one: bool        # every layer from one FFI call (decode_layers)
-  launch: str      # how that call launches its work: a key of LAUNCH
+  pdl: bool        # programmatic dependent launch
 
 
 def layers_call() -> LayersCall:
-  """How the GPU runs the fused step's layers: one FFI call, its kernels launched as LAYERS_LAUNCH says.
-  JAXLLM_LAYERS_CALL=0 runs one FFI call per op; JAXLLM_LAYERS_LAUNCH=plain|pdl|one-kernel picks the launch
-  (for comparison)."""
+  """How the GPU runs the fused step's layers: one FFI call and PDL by default; JAXLLM_LAYERS_CALL=0 runs
+  one FFI call per op, JAXLLM_PDL=0 launches plainly (for comparison)."""
   import os
   one = jax.default_backend() == "gpu" and os.environ.get("JAXLLM_LAYERS_CALL", "1") != "0"
-  launch = os.environ.get("JAXLLM_LAYERS_LAUNCH", "").strip() or LAYERS_LAUNCH
-  if launch not in LAUNCH:
-    raise ValueError(f"JAXLLM_LAYERS_LAUNCH must be one of {sorted(LAUNCH)}, got {launch!r}")
-  return LayersCall(one, launch)
+  return LayersCall(one, os.environ.get("JAXLLM_PDL", "1") != "0")
 
 
 # ---- when the fused decode step runs ---------------------------------------------------------------------
