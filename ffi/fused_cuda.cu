@@ -7,8 +7,12 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "common.h"
 #include "attention_cuda.cuh"
@@ -112,6 +116,35 @@ ffi::Error FusedCudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 // stream is updated in place in x_out (the first O projection reads x); intermediates live in the workspace
 // (LayersWorkspace, the same sizes as fused.layers_workspace_bytes), whose attention counters are zeroed
 // once per call (each merging block resets its own after that).
+
+// JAXLLM_LAYERS_SKIP: a comma-separated list of the layer stages the layers call leaves out (qkv, attention,
+// o, gate_up, down), to time the step without them (docs/results/2026-12-02-h200-breakdown.md). Timing only:
+// the step's results are wrong. Unknown names are reported on stderr and ignored.
+enum : unsigned { kSkipQkv = 1u, kSkipAttention = 2u, kSkipO = 4u, kSkipGateUp = 8u, kSkipDown = 16u };
+inline unsigned LayersSkip() {
+  const char* v = std::getenv("JAXLLM_LAYERS_SKIP");
+  if (v == nullptr) return 0;
+  const std::pair<const char*, unsigned> names[] = {
+      {"qkv", kSkipQkv}, {"attention", kSkipAttention}, {"o", kSkipO}, {"gate_up", kSkipGateUp}, {"down", kSkipDown}};
+  unsigned mask = 0;
+  std::string list(v);
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::string item = list.substr(at, end - at);
+    bool known = item.empty();
+    for (const auto& [name, bit] : names)
+      if (item == name) mask |= bit, known = true;
+    if (!known)
+      std::fprintf(stderr, "jaxllm: JAXLLM_LAYERS_SKIP: unknown stage '%s' ignored (expected qkv, attention, o, "
+                   "gate_up or down)\n", item.c_str());
+    at = end + 1;
+  }
+  if (mask != 0)
+    std::fprintf(stderr, "jaxllm: JAXLLM_LAYERS_SKIP=%s leaves those stages out of every decode layer: the results "
+                 "are wrong (for timing only)\n", v);
+  return mask;
+}
 
 struct LayersWorkspace {
   size_t qkv, attn, act, ws, counters, total;
@@ -223,28 +256,48 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   auto w8 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return i8(a) + i * m.n * m.k; };
   auto s32 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return f32(a) + i * m.n * m.groups; };
   cudaError_t e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
+  // Stages left out of every layer (JAXLLM_LAYERS_SKIP; timing only: the results are wrong). The first kernel
+  // launched is never a programmatic dependent (the memset precedes it).
+  static const unsigned skip = LayersSkip();
+  bool first = true;
+  auto pdl_next = [&] {
+    const bool p = use_pdl && !first;
+    first = false;
+    return p;
+  };
   for (int64_t i = 0; i < layers && e == cudaSuccess; ++i) {
     const float* xcur = i == 0 ? xin : xo;
-    Fuse fq{f32(attn_norm) + i * d, eps, nullptr, use_pdl && i > 0, early};
-    e = Dispatch<bf16, kNorm>(stream, mq, xcur, w8(wqkv, i, mq), s32(sqkv, i, mq), qkv, fq);
-    if (e != cudaSuccess) break;
-    pa.bias = LayerRow(bqkv, i, n);
-    pa.qn = LayerRow(qn, i, dh);
-    pa.kn = LayerRow(kn, i, dh);
-    pa.layer = int(i);
-    e = dh == 64 ? attn1::Launch<bf16, 64>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h), int(g),
-                                           int(smax), int(splits), use_pdl, pa)
-                 : attn1::Launch<bf16, 128>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h),
-                                            int(g), int(smax), int(splits), use_pdl, pa);
-    if (e != cudaSuccess) break;
-    Fuse fo{nullptr, 0.f, xcur, use_pdl, early};
-    e = Dispatch<bf16, kResidual>(stream, mo, attn, w8(wo, i, mo), s32(so, i, mo), xo, fo);
-    if (e != cudaSuccess) break;
-    Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, use_pdl, early};
-    e = Dispatch<bf16, kNorm | kSwiGLU>(stream, mg, xo, w8(wgu, i, mg), s32(sgu, i, mg), act, fg);
-    if (e != cudaSuccess) break;
-    Fuse fd{nullptr, 0.f, xo, use_pdl, early};
-    e = Dispatch<bf16, kResidual>(stream, md, act, w8(wd, i, md), s32(sd, i, md), xo, fd);
+    if (!(skip & kSkipQkv)) {
+      Fuse fq{f32(attn_norm) + i * d, eps, nullptr, pdl_next(), early};
+      e = Dispatch<bf16, kNorm>(stream, mq, xcur, w8(wqkv, i, mq), s32(sqkv, i, mq), qkv, fq);
+      if (e != cudaSuccess) break;
+    }
+    if (!(skip & kSkipAttention)) {
+      pa.bias = LayerRow(bqkv, i, n);
+      pa.qn = LayerRow(qn, i, dh);
+      pa.kn = LayerRow(kn, i, dh);
+      pa.layer = int(i);
+      const bool pdl_attn = pdl_next();
+      e = dh == 64 ? attn1::Launch<bf16, 64>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h),
+                                             int(g), int(smax), int(splits), pdl_attn, pa)
+                   : attn1::Launch<bf16, 128>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h),
+                                              int(g), int(smax), int(splits), pdl_attn, pa);
+      if (e != cudaSuccess) break;
+    }
+    if (!(skip & kSkipO)) {
+      Fuse fo{nullptr, 0.f, xcur, pdl_next(), early};
+      e = Dispatch<bf16, kResidual>(stream, mo, attn, w8(wo, i, mo), s32(so, i, mo), xo, fo);
+      if (e != cudaSuccess) break;
+    }
+    if (!(skip & kSkipGateUp)) {
+      Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, pdl_next(), early};
+      e = Dispatch<bf16, kNorm | kSwiGLU>(stream, mg, xo, w8(wgu, i, mg), s32(sgu, i, mg), act, fg);
+      if (e != cudaSuccess) break;
+    }
+    if (!(skip & kSkipDown)) {
+      Fuse fd{nullptr, 0.f, xo, pdl_next(), early};
+      e = Dispatch<bf16, kResidual>(stream, md, act, w8(wd, i, md), s32(sd, i, md), xo, fd);
+    }
   }
   if (e != cudaSuccess) return ffi::Error::Internal(name + "launch: " + cudaGetErrorString(e));
   return ffi::Error::Success();
