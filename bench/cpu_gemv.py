@@ -4,11 +4,16 @@
   python bench/cpu_gemv.py --chain 30      # a layer stack: each shape 30 times, chained, in one program
   python bench/cpu_gemv.py --chain 30 --weights w8a16 q4 q5   # the low-bit handler's 4- and 5-bit weights too
   python bench/cpu_gemv.py --chain 24 --weights q4 q5 --shapes qwen   # Qwen2.5-0.5B's layer shapes
+  python bench/cpu_gemv.py --prefill 32 64 128 512 --weights q4 q5 q6 --shapes qwen   # many rows of x
 
 Each shape's weights are one random [N, K] int8 matrix (64-wide groups), x random f32; one jitted call
 timed back to back, best of three batches. Shapes: SmolLM2-135M's gate/up (4096 rows), part of and its
 whole LM head, Qwen2.5-0.5B's LM head and down projection. Rates on weights far larger than the caches are
 bounded by what the memory delivers; those that fit (the first) show the compute ceiling.
+
+--prefill M... times the low-bit and Q6_K kernels at M rows of x (a prefill chunk) against the reference they
+fall back to past ffi.lowbit_max_m() rows (XLA's dot on the layer dequantized in the call), each the layer
+shapes of --shapes, one layer, best of three batches; GFLOP/s = 2 M N K / time.
 
 --chain L times what a decode step sees instead: L stacked copies of each shape (SmolLM2-135M's four layer
 matmuls), each call's input depending on the previous call's output, in one jitted program, so no call
@@ -28,6 +33,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", type=int, nargs="+", default=[1, 4], help="rows of x")
   p.add_argument("--chain", type=int, default=0, metavar="L", help="time L chained layers of each shape instead")
+  p.add_argument("--prefill", type=int, nargs="+", default=[], metavar="M",
+                 help="time the low-bit kernels against their reference at these rows of x instead")
   p.add_argument("--shapes", default="smollm2", choices=tuple(CHAIN_SHAPES), help="with --chain: whose layer shapes")
   p.add_argument("--weights", nargs="+", default=["w8a16"], choices=("w8a16", "q4", "q5", "q6"),
                  help="with --chain: W8A16 (int8, an f32 scale per 64), LowBit 4- or 5-bit (f16 scale, min per 32), "
@@ -42,6 +49,8 @@ def main(argv=None) -> int:
   rng = np.random.default_rng(0)
   if args.chain:
     return chain(args.chain, args.weights, args.shapes)
+  if args.prefill:
+    return prefill(args.prefill, args.weights, args.shapes)
   print("| K | N | weights (MB) | M | us per call | G weights/s |\n|---|---|---|---|---|---|")
   for k, n in SHAPES:
     q, s = quantize_int8(rng.standard_normal((1, n, k)).astype(np.float32))
@@ -103,6 +112,27 @@ def chain(layers: int, kinds=("w8a16",), shapes: str = "smollm2") -> int:
            - best_seconds(jax.jit(without), x, lin, calls=20)) / layers
     print(f"| {kind} | {k} | {n} | {layers} | {mb:.1f} | {per * 1e6:.1f} | {n * k / per / 1e9:.2f} | "
           f"{mb / layers / 1e3 / per:.2f} |")
+  return 0
+
+
+def prefill(ms, kinds, shapes: str) -> int:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jaxllm.bench import best_seconds
+  rng = np.random.default_rng(0)
+  print("| weights | K | N | M | kernel us | reference us | kernel / reference | kernel GFLOP/s |\n"
+        "|---|---|---|---|---|---|---|---|")
+  for kind, (k, n) in ((kind, shape) for shape in CHAIN_SHAPES[shapes] for kind in kinds
+                       if kind not in ("w8a16",) and (kind != "q6" or shape[0] % 256 == 0)):
+    lin, matmul = _weights(kind, 1, n, k, rng)
+    for m in ms:
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+      calls = max(3, int(2e9 / (m * n * k)))
+      t = [best_seconds(jax.jit(lambda x, lin, r=r: matmul(x, lin, 0, max_rows=r)), x, lin, calls=calls, batches=3)
+           for r in (1 << 30, 0)]
+      print(f"| {kind} | {k} | {n} | {m} | {t[0] * 1e6:.0f} | {t[1] * 1e6:.0f} | {t[0] / t[1]:.2f} | "
+            f"{2 * m * n * k / t[0] / 1e9:.1f} |")
   return 0
 
 

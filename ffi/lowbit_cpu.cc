@@ -15,8 +15,11 @@
 // VNNI: each weight row is dequantized to f32 once and reused for every row of x.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512VL__)
 #define JAXLLM_LOWBIT_VNNI 1
+#endif
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -103,11 +106,63 @@ void DequantRow(const uint8_t* q, const uint32_t* high, const uint16_t* scale, c
   }
 }
 
+#if defined(__AVX512F__)
+constexpr int kWTile = 4;   // weight rows dequantized together (the micro-kernel's columns)
+constexpr int kXTile = 4;   // rows of x a micro-kernel call takes
+
+// out[i][j] = x[i] . w[j] for MR rows of x (stride k) and kWTile dequantized weight rows (stride k), K a
+// multiple of 16: MR x kWTile accumulators of 16 lanes, each step kWTile + MR loads for MR x kWTile FMAs
+// (the pairwise loop's two loads an FMA left it bound by loads and by x's trips through L2).
+template <int MR>
+void TileDot(const float* __restrict x, const float* __restrict w, int64_t k, float (*out)[kWTile]) {
+  __m512 acc[MR][kWTile];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kWTile; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < k; e += 16) {
+    __m512 wv[kWTile];
+    for (int j = 0; j < kWTile; ++j) wv[j] = _mm512_loadu_ps(w + j * k + e);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * k + e);
+      for (int j = 0; j < kWTile; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kWTile; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
 // The path of several rows of x (or no VNNI): y [M, N] = x [M, K] . w^T, each weight row n dequantized once
-// by dequant(n, w [K] f32) and dotted with every row of x.
+// by dequant(n, w [K] f32) and dotted with every row of x (with AVX-512: kWTile rows at a time, against
+// tiles of kXTile rows of x).
 template <typename Dequant>
 void DotDequantizedRows(ffi::ThreadPool& pool, const float* xf, int64_t m, int64_t n, int64_t k, void* out,
                         ffi::DataType t, Dequant dequant) {
+#if defined(__AVX512F__)
+  if (k % 16 == 0) {
+    ForRowChunks(pool, n, [&](int64_t n0, int64_t n1) {
+      std::vector<float> w(static_cast<size_t>(kWTile * k));
+      float tile[kXTile][kWTile];
+      for (int64_t r0 = n0; r0 < n1; r0 += kWTile) {
+        const int rt = int(std::min<int64_t>(kWTile, n1 - r0));
+        for (int j = 0; j < rt; ++j) dequant(r0 + j, w.data() + j * k);
+        // (a partial tile's missing rows keep what the last full one left: computed, never stored)
+        for (int64_t m0 = 0; m0 < m; m0 += kXTile) {
+          const int mt = int(std::min<int64_t>(kXTile, m - m0));
+          const float* xt = xf + m0 * k;
+          switch (mt) {
+            case 1: TileDot<1>(xt, w.data(), k, tile); break;
+            case 2: TileDot<2>(xt, w.data(), k, tile); break;
+            case 3: TileDot<3>(xt, w.data(), k, tile); break;
+            default: TileDot<4>(xt, w.data(), k, tile); break;
+          }
+          for (int i = 0; i < mt; ++i)
+            for (int j = 0; j < rt; ++j) StoreF32(out, t, (m0 + i) * n + r0 + j, tile[i][j]);
+        }
+      }
+    });
+    return;
+  }
+#endif
   ForRowChunks(pool, n, [&](int64_t n0, int64_t n1) {
     std::vector<float> w(static_cast<size_t>(k));
     for (int64_t r = n0; r < n1; ++r) {

@@ -114,7 +114,7 @@ def _dequant64(lin: LowBit, layer: int) -> np.ndarray:
 
 @needs_ffi
 @pytest.mark.parametrize("bits", [4, 5])
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 37])   # several rows: tiles of 4 rows of x and of 4 weight rows
 @pytest.mark.parametrize("k, n", [(64, 37), (96, 130), (576, 200)])   # 96: an odd number of groups
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cpu_kernel_matches_float64(bits, m, k, n, dtype):
@@ -189,7 +189,7 @@ def test_q6k_blocks_convert_exactly():
 
 
 @needs_ffi
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 37])
 @pytest.mark.parametrize("k, n", [(256, 37), (768, 130)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_q6k_cpu_kernel_matches_float64(m, k, n, dtype):

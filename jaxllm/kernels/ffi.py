@@ -23,6 +23,9 @@ from jaxllm.quant import Q6K, Linear, LowBit
 # the weights per 8-row tile. CPU (SmolLM2 shapes, 2 cores): 30-40% faster than XLA's dot at M = 32, even
 # at 64, 1.8-2.2x slower at 128.
 MAX_M = {"gpu": 4, "cpu": 32}
+# The low-bit and Q6_K CPU kernels (the file's own blocks) against XLA's dot on the layer dequantized per
+# call: set from bench/cpu_gemv.py --prefill (docs/results/2026-12-02-cpu-prefill.md).
+LOWBIT_MAX_M = {"cpu": 32}
 ATTN_MAX_SPLITS = 256    # kMaxSplits in cuda_kernels.cu
 ATTN_TARGET_BLOCKS = 512 # split blocks wanted across the GPU (one (sequence, kv head, split) each): about
                          # 4 per SM of the H200, as many as fit at once (128 threads, <= 128 registers)
@@ -106,13 +109,14 @@ def _matmul_call(target: str, layer: int):
   return call
 
 
-def _matmul(target: str, x: jax.Array, weights: tuple, layer: int, poison, reference) -> jax.Array:
+def _matmul(target: str, x: jax.Array, weights: tuple, layer: int, poison, reference,
+            max_rows: int | None = None) -> jax.Array:
   """x [..., K] through the FFI matmul `target` on the stacked weight arrays (each [L, N, ...]) -> [..., N];
-  reference() where M exceeds max_m(); into `poison` (the test variant) when given."""
+  reference() where M exceeds max_rows (default max_m()); into `poison` (the test variant) when given."""
   k, n = x.shape[-1], weights[0].shape[1]
   lead = x.shape[:-1]
   m = int(np.prod(lead)) if lead else 1
-  if m > max_m() and poison is None:
+  if m > (max_m() if max_rows is None else max_rows) and poison is None:
     return reference()
   if poison is not None:
     name, kw = _target(target, poison, 1 + len(weights))
@@ -159,10 +163,15 @@ def lowbit_supported() -> bool:
   return jax.default_backend() == "cpu" and unavailable_reason() is None
 
 
+def lowbit_max_m() -> int:
+  """Rows of x the low-bit and Q6_K kernels take on the default backend (LOWBIT_MAX_M)."""
+  return LOWBIT_MAX_M.get(jax.default_backend(), max_m())
+
+
 def lowbit_matmul(x: jax.Array, lin: LowBit, layer: int | None = None, *,
-                  poison: jax.Array | None = None) -> jax.Array:
-  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's low-bit kernel (M <= max_m() rows;
-  larger M runs the reference, XLA's dot on the dequantized layer).
+                  poison: jax.Array | None = None, max_rows: int | None = None) -> jax.Array:
+  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's low-bit kernel (M <= max_rows rows,
+  default lowbit_max_m(); larger M runs the reference, XLA's dot on the dequantized layer).
 
   `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
   """
@@ -179,12 +188,15 @@ def lowbit_matmul(x: jax.Array, lin: LowBit, layer: int | None = None, *,
   if k != 2 * q.shape[2]:
     raise ValueError(f"x has K={k} but the weight has K={2 * q.shape[2]}")
   return _matmul("jaxllm_lowbit", x, arrays, layer, poison,
-                 lambda: linear_reference(x, LowBit(q=q, high=high, scale=scale, min=minv), layer))
+                 lambda: linear_reference(x, LowBit(q=q, high=high, scale=scale, min=minv), layer),
+                 lowbit_max_m() if max_rows is None else max_rows)
 
 
-def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.Array | None = None) -> jax.Array:
-  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's Q6_K kernel (M <= max_m() rows;
-  larger M runs the reference). `poison` (tests only): an [M, N] buffer the kernel writes into."""
+def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.Array | None = None,
+               max_rows: int | None = None) -> jax.Array:
+  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's Q6_K kernel (M <= max_rows rows,
+  default lowbit_max_m(); larger M runs the reference). `poison` (tests only): an [M, N] buffer the kernel
+  writes into."""
   from jaxllm.kernels.linear import linear_reference
   _ensure_registered()
   _check_dtype("x", x)
@@ -196,7 +208,8 @@ def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.
   k = x.shape[-1]
   if k != 2 * arrays[0].shape[2]:
     raise ValueError(f"x has K={k} but the weight has K={2 * arrays[0].shape[2]}")
-  return _matmul("jaxllm_q6k", x, arrays, layer, poison, lambda: linear_reference(x, Q6K(*arrays), layer))
+  return _matmul("jaxllm_q6k", x, arrays, layer, poison, lambda: linear_reference(x, Q6K(*arrays), layer),
+                 lowbit_max_m() if max_rows is None else max_rows)
 
 
 def _check_caches(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_layout: str) -> tuple[int, ...]:
