@@ -34,8 +34,9 @@ def main(argv=None) -> int:
   p.add_argument("--m", type=int, nargs="+", default=[1, 4], help="rows of x")
   p.add_argument("--chain", type=int, default=0, metavar="L", help="time L chained layers of each shape instead")
   p.add_argument("--prefill", type=int, nargs="+", default=[], metavar="M",
-                 help="time the low-bit kernels against their reference at these rows of x instead")
-  p.add_argument("--shapes", default="smollm2", choices=tuple(CHAIN_SHAPES), help="with --chain: whose layer shapes")
+                 help="time the low-bit kernels (--weights q4 q5 q6) against their reference at these rows of x instead")
+  p.add_argument("--shapes", default="smollm2", choices=tuple(CHAIN_SHAPES),
+                 help="with --chain or --prefill: whose layer shapes")
   p.add_argument("--weights", nargs="+", default=["w8a16"], choices=("w8a16", "q4", "q5", "q6"),
                  help="with --chain: W8A16 (int8, an f32 scale per 64), LowBit 4- or 5-bit (f16 scale, min per 32), "
                       "Q6K (Q6_K's fields; shapes whose K is a multiple of 256)")
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
   if args.chain:
     return chain(args.chain, args.weights, args.shapes)
   if args.prefill:
+    if "w8a16" in args.weights:
+      p.error(f"--prefill times the low-bit kernels: give --weights among q4, q5, q6, got {args.weights}")
     return prefill(args.prefill, args.weights, args.shapes)
   print("| K | N | weights (MB) | M | us per call | G weights/s |\n|---|---|---|---|---|---|")
   for k, n in SHAPES:
@@ -124,7 +127,7 @@ def prefill(ms, kinds, shapes: str) -> int:
   print("| weights | K | N | M | kernel us | reference us | kernel / reference | kernel GFLOP/s |\n"
         "|---|---|---|---|---|---|---|---|")
   for kind, (k, n) in ((kind, shape) for shape in CHAIN_SHAPES[shapes] for kind in kinds
-                       if kind not in ("w8a16",) and (kind != "q6" or shape[0] % 256 == 0)):
+                       if kind != "q6" or shape[0] % 256 == 0):
     lin, matmul = _weights(kind, 1, n, k, rng)
     for m in ms:
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
