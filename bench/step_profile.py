@@ -1,0 +1,178 @@
+"""The decode step's kernels as the GPU ran them: a device trace (CUPTI, through jax.profiler) of the
+engine's decode calls back to back, summed per kernel name and per role in the fused step.
+
+  python bench/step_profile.py [--model synthetic:qwen2.5-0.5b] [--tokens 64] [--kernels ffi] [--out p.json]
+
+A greedy request of a `--prompt-len` prompt is prefilled, then `--tokens` tokens are decoded (K tokens per
+call, the calls dispatched back to back) under jax.profiler.trace, and the device's kernels are read back
+from the trace (jax.profiler.ProfileData). Each kernel's **critical share** is its end time
+less the latest end of the kernels before it: the time the chain waited on it. The shares add up to the
+traced span, so they say where a token's time goes even where kernels overlap (programmatic dependent
+launch starts a kernel early and it then waits; its duration counts that wait, its share does not).
+Printed per kernel name: launches per token, critical share per token (us), idle before it (us), mean
+duration (us); then per role (the fused step's QKV, attention, O, gate/up, down and head kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+
+def short_name(name: str) -> str:
+  """A kernel's name without template arguments and parameter lists (a demangled name's head)."""
+  name = re.sub(r"\(.*$", "", name)
+  depth, out = 0, []
+  for ch in name:
+    if ch == "<":
+      depth += 1
+    elif ch == ">":
+      depth -= 1
+    elif depth == 0:
+      out.append(ch)
+  name = "".join(out).strip()
+  return name.split(" ")[-1][:80] or "?"
+
+
+def device_events(trace_dir: str) -> list[tuple[int, int, str]]:
+  """(start ns, end ns, name) of every event on the GPU planes' stream lines of the trace in trace_dir."""
+  from jax.profiler import ProfileData
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  events = []
+  for path in files:
+    data = ProfileData.from_file(path)
+    for plane in data.planes:
+      if not plane.name.startswith("/device:GPU"):
+        continue
+      for line in plane.lines:
+        if not line.name.lower().startswith("stream"):
+          continue
+        for ev in line.events:
+          events.append((int(ev.start_ns), int(ev.end_ns), ev.name))
+  return sorted(events)
+
+
+def critical_shares(events: list[tuple[int, int, str]]) -> list[tuple[str, int, int, int]]:
+  """(name, share ns, idle ns, duration ns) per event, in start order. share = end - the latest end of the
+  events before it (0 when it ends before one of them): the shares add up to the span. idle = the part of
+  the share before the event started (the device had nothing running: launch latency or the host)."""
+  out, latest = [], events[0][0] if events else 0
+  for start, end, name in events:
+    out.append((name, max(0, end - latest), max(0, start - latest), end - start))
+    latest = max(latest, end)
+  return out
+
+
+LAYER_ROLES = ("qkv", "o", "gate_up", "down")
+
+
+def roles(events: list[tuple[int, int, str]]) -> list[str]:
+  """Each event's role in the fused step's chain (w8a16 and attention kernels; others keep their short
+  name): the matmul just before an attention kernel is the layer's QKV, the three after it O, gate/up and
+  down, a fourth the LM head."""
+  names = [short_name(n) for _, _, n in events]
+  out = list(names)
+  since = None   # matmuls since the last attention kernel
+  for i, n in enumerate(names):
+    if n.endswith("attn1::Kernel"):
+      out[i], since = "attention", 0
+    elif n.endswith("w8a16::Kernel"):
+      nxt = next((m for m in names[i + 1:] if m.endswith("::Kernel")), "")
+      if nxt.endswith("attn1::Kernel"):
+        out[i] = "qkv"
+      elif since is not None and since < 3:
+        out[i] = LAYER_ROLES[since + 1]
+        since += 1
+      else:
+        out[i], since = "head", None
+  return out
+
+
+def summarize(events, tokens: int) -> dict:
+  shares = critical_shares(events)
+  span = events[-1][1] - events[0][0] if events else 0
+  per = collections.defaultdict(lambda: [0, 0, 0, 0])
+  for name, share, idle, dur in shares:
+    row = per[short_name(name)]
+    for j, v in enumerate((1, share, idle, dur)):
+      row[j] += v
+  rows = sorted(per.items(), key=lambda kv: -kv[1][1])
+  by_role = collections.defaultdict(lambda: [0, 0, 0])
+  for role, (_, share, idle, _) in zip(roles(events), shares):
+    for j, v in enumerate((1, share, idle)):
+      by_role[role][j] += v
+  return {"tokens": tokens, "events": len(events), "span_us_per_token": span / tokens / 1e3,
+          "idle_us_per_token": sum(i for _, _, i, _ in shares) / tokens / 1e3,
+          "rows": [{"kernel": n, "per_token": c / tokens, "share_us_per_token": s / tokens / 1e3,
+                    "idle_us_per_token": i / tokens / 1e3, "mean_duration_us": d / c / 1e3}
+                   for n, (c, s, i, d) in rows],
+          "roles": [{"role": r, "per_token": c / tokens, "share_us_per_token": s / tokens / 1e3,
+                     "idle_us_per_token": i / tokens / 1e3}
+                    for r, (c, s, i) in sorted(by_role.items(), key=lambda kv: -kv[1][1])]}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="synthetic:qwen2.5-0.5b")
+  p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--tokens", type=int, default=64)
+  p.add_argument("--kernels", default="ffi")
+  p.add_argument("--tokens-per-call", type=int, default=None)
+  p.add_argument("--trace-dir", help="keep the trace here (default: a temporary directory)")
+  p.add_argument("--out", help="write the summary as JSON here")
+  args = p.parse_args(argv)
+
+  import jax
+  import numpy as np
+  from jaxllm.bench import load_model
+  from jaxllm.engine import Engine
+  config, weights, _, _ = load_model(args.model, "w8a16", 0)
+  engine = Engine(config, weights, None, max_context=args.prompt_len + args.tokens + 64,
+                  kernels=args.kernels, tokens_per_call=args.tokens_per_call)
+  engine.warmup(args.prompt_len)
+  k = engine.tokens_per_call_for(1)
+  calls = max(1, args.tokens // k)
+  prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_len)]
+  trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="step_profile_")
+  with engine._lock:                       # a greedy request prefilled, then only its decode calls traced
+    state, _ = engine._timing_start(prompt, (calls + 1) * k + 1)
+    advance = engine._advance_fn(1, True)
+    state, block, _ = advance(state, None)
+    jax.block_until_ready(block)
+    with jax.profiler.trace(trace_dir):
+      for _ in range(calls):
+        state, block, _ = advance(state, block)
+      jax.block_until_ready(block)
+    engine._cache, engine._history = state.cache, None
+  events = device_events(trace_dir)
+  print(f"[step_profile] {len(events)} device events, kernels={engine.kernels}, K={k}, {calls} calls",
+        file=sys.stderr)
+  if not events:
+    print(f"step_profile: no device kernels in the trace ({jax.default_backend()} backend)")
+    return 0
+  tokens = calls * k
+  summary = summarize(events, tokens)
+  summary.update(model=args.model, kernels_path=engine.kernels, tokens_per_call=k, device=str(jax.devices()[0]),
+                 xla_flags=os.environ.get("XLA_FLAGS", ""))
+  print(f"{'kernel':60s} {'/token':>7s} {'share us/tok':>13s} {'idle us/tok':>12s} {'mean dur us':>12s}")
+  for r in summary["rows"]:
+    print(f"{r['kernel']:60s} {r['per_token']:7.2f} {r['share_us_per_token']:13.2f} {r['idle_us_per_token']:12.2f} "
+          f"{r['mean_duration_us']:12.2f}")
+  print(f"\n{'role':40s} {'/token':>7s} {'share us/tok':>13s} {'idle us/tok':>12s}")
+  for r in summary["roles"]:
+    print(f"{r['role']:40s} {r['per_token']:7.2f} {r['share_us_per_token']:13.2f} {r['idle_us_per_token']:12.2f}")
+  print(f"span {summary['span_us_per_token']:.2f} us a token over {tokens} tokens, of which idle "
+        f"{summary['idle_us_per_token']:.2f}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(summary, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
