@@ -131,14 +131,45 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
   const int R = H / G, h = g * R + r;
-  if constexpr (PRO) {   // the layers call's early trigger: the next kernel may launch before this one waits
-    if (pa.early) w8a16::GridDepLaunch();
+  // PRO: what the prologue reads besides the QKV row was written before the layers call started (its inputs
+  // lengths, writes and pos; the bias, norm weights and frequencies): loaded before the wait, off its path.
+  int len_in = 0, at = -1;
+  qkv::HeadConsts<D> hq, hk;
+  float vbias[D / 32];
+  if constexpr (PRO) {
+    if (pa.early) w8a16::GridDepLaunch();   // the layers call's early trigger: the next kernel may launch now
+    if (!pa.late_inputs) {
+      len_in = lengths[b];
+      at = pa.writes[b];
+      hq = qkv::LoadHeadConsts<D>(pa, b, h, H, lane);
+      if (r == 0) {
+        hk = qkv::LoadHeadConsts<D>(pa, b, H + g, H, lane);
+#pragma unroll
+        for (int j = 0; j < D / 32; ++j) vbias[j] = pa.bias ? pa.bias[(H + G + g) * D + lane + 32 * j] : 0.f;
+      }
+    }
   }
   w8a16::GridDepWait();
-  const int len = min(max(lengths[b], 1), S);
+  if constexpr (PRO) {
+    if (pa.stop == 1) return;   // JAXLLM_ATTN_STOP=wait (timing only)
+    if (pa.late_inputs) {       // JAXLLM_ATTN_LATE_INPUTS=1: the same loads after the wait (for comparison)
+      len_in = lengths[b];
+      at = pa.writes[b];
+      hq = qkv::LoadHeadConsts<D>(pa, b, h, H, lane);
+      if (r == 0) {
+        hk = qkv::LoadHeadConsts<D>(pa, b, H + g, H, lane);
+#pragma unroll
+        for (int j = 0; j < D / 32; ++j) vbias[j] = pa.bias ? pa.bias[(H + G + g) * D + lane + 32 * j] : 0.f;
+      }
+    }
+  } else {
+    len_in = lengths[b];
+  }
+  const int len = min(max(len_in, 1), S);
   const int tiles = (len + TP - 1) / TP, used = min(P, tiles);
-  // Whether this block's cluster merges its splits itself (the same for every block of a cluster).
-  const bool clustered = C > 1 && used > 1;
+  // Whether this block's cluster merges its splits itself (the same for every block of a cluster; never with a
+  // timing stop, whose blocks leave early).
+  const bool clustered = C > 1 && used > 1 && pa.stop == 0;
   if (clustered) {
     if (p / C * C >= used) return;   // no block of this cluster has a tile
     ClusterArrive(true);             // first phase: this block has started (waited on before writing to block 0)
@@ -155,18 +186,22 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   if (work) {
     int tile_at = -1;   // PRO: the tile that holds the new key (in this block's range or not)
     if constexpr (PRO) {
-      qkv::WarpHead<T, D>(pa, b, h, H, G, lane, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
-      const int at = pa.writes[b];
+      qkv::WarpHead<T, D>(pa, hq, b, h, H, G, lane, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
       tile_at = at >= 0 && at < S ? at / TP : -1;
       const int owner = tile_at < tiles ? tile_at % P : 0;
       if (r == 0 && tile_at >= 0 && p == owner) {
         T* kd = static_cast<T*>(pa.kc) + head + size_t(at) * D;
         T* vd = static_cast<T*>(pa.vc) + head + size_t(at) * D;
-        qkv::WarpHead<T, D>(pa, b, H + g, H, G, lane, [&](int e, T x) { kd[e] = x; });
-        const T* row = static_cast<const T*>(pa.qkv) + size_t(b) * (H + 2 * G) * D;
-        for (int e = lane; e < D; e += 32) vd[e] = FromF32<T>(qkv::Biased(row, pa.bias, (H + G + g) * D + e));
+        qkv::WarpHead<T, D>(pa, hk, b, H + g, H, G, lane, [&](int e, T x) { kd[e] = x; });
+        const T* row = static_cast<const T*>(pa.qkv) + size_t(b) * (H + 2 * G) * D + (H + G + g) * D;
+#pragma unroll
+        for (int j = 0; j < D / 32; ++j) {   // qkv::Biased with the bias loaded before the wait
+          const float x = ToF32(row[lane + 32 * j]);
+          vd[lane + 32 * j] = FromF32<T>(pa.bias ? ToF32(FromF32<T>(__fadd_rn(x, vbias[j]))) : x);
+        }
       }
       __syncthreads();   // the new key and value are in the cache before any warp loads its tiles
+      if (pa.stop == 2) return;   // JAXLLM_ATTN_STOP=prologue (timing only)
     } else {
       for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
     }
@@ -207,6 +242,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     }
   }
   if (!(PRO && pa.early)) w8a16::GridDepLaunch();
+  if (pa.stop == 3) return;   // JAXLLM_ATTN_STOP=tiles (timing only)
   T* o_out = out + (size_t(b) * H + h) * D + lane * DV;
   if (used == 1) {
 #pragma unroll

@@ -146,6 +146,22 @@ inline unsigned LayersSkip() {
   return mask;
 }
 
+// JAXLLM_ATTN_STOP=wait|prologue|tiles: every layer's attention returns right after its wait, after its prologue
+// (the query heads and the cache append), or after its tiles without the merge. Timing only: the results are
+// wrong; it says where the attention's time goes.
+inline int AttnStop() {
+  const char* v = std::getenv("JAXLLM_ATTN_STOP");
+  if (v == nullptr || !*v) return 0;
+  const std::string s(v);
+  const int stop = s == "wait" ? 1 : s == "prologue" ? 2 : s == "tiles" ? 3 : 0;
+  if (stop == 0)
+    std::fprintf(stderr, "jaxllm: JAXLLM_ATTN_STOP: unknown point '%s' ignored (expected wait, prologue or tiles)\n", v);
+  else
+    std::fprintf(stderr, "jaxllm: JAXLLM_ATTN_STOP=%s stops every decode layer's attention there: the results are "
+                 "wrong (for timing only)\n", v);
+  return stop;
+}
+
 struct LayersWorkspace {
   size_t qkv, attn, act, ws, counters, total;
 };
@@ -252,13 +268,22 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   pa.pos_scale = pos_scale;
   pa.eps = eps;
   pa.early = early;
+  // Loads off the path after each kernel's wait (the attention's inputs and constants before it, the norm
+  // weight's lines into L1, the residual right after it); JAXLLM_PREFETCH=0 leaves them where they were.
+  static const bool prefetch = EnvFlag("JAXLLM_PREFETCH", true);
+  pa.late_inputs = !prefetch;
+  static const int attn_stop = AttnStop();
+  pa.stop = attn_stop;
   // Layer i's slice of a stacked [L, rows, cols] weight (int8) or scale (f32).
   auto w8 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return i8(a) + i * m.n * m.k; };
   auto s32 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return f32(a) + i * m.n * m.groups; };
-  cudaError_t e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
   // Stages left out of every layer (JAXLLM_LAYERS_SKIP; timing only: the results are wrong). The first kernel
-  // launched is never a programmatic dependent (the memset precedes it).
+  // launched is never a programmatic dependent: it waits for what XLA ran before the call.
   static const unsigned skip = LayersSkip();
+  // The attention's counters start at zero (each attention leaves them so): the first QKV kernel zeroes them,
+  // before any attention kernel passes its wait; a memset where that kernel is left out.
+  cudaError_t e = cudaSuccess;
+  if (skip & kSkipQkv) e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
   bool first = true;
   auto pdl_next = [&] {
     const bool p = use_pdl && !first;
@@ -268,7 +293,11 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   for (int64_t i = 0; i < layers && e == cudaSuccess; ++i) {
     const float* xcur = i == 0 ? xin : xo;
     if (!(skip & kSkipQkv)) {
-      Fuse fq{f32(attn_norm) + i * d, eps, nullptr, pdl_next(), early};
+      Fuse fq{f32(attn_norm) + i * d, eps, nullptr, pdl_next(), early, prefetch};
+      if (i == 0) {
+        fq.zero = cnt;
+        fq.zero_n = int(b * g);
+      }
       e = Dispatch<bf16, kNorm>(stream, mq, xcur, w8(wqkv, i, mq), s32(sqkv, i, mq), qkv, fq);
       if (e != cudaSuccess) break;
     }
@@ -285,17 +314,17 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
       if (e != cudaSuccess) break;
     }
     if (!(skip & kSkipO)) {
-      Fuse fo{nullptr, 0.f, xcur, pdl_next(), early};
+      Fuse fo{nullptr, 0.f, xcur, pdl_next(), early, prefetch};
       e = Dispatch<bf16, kResidual>(stream, mo, attn, w8(wo, i, mo), s32(so, i, mo), xo, fo);
       if (e != cudaSuccess) break;
     }
     if (!(skip & kSkipGateUp)) {
-      Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, pdl_next(), early};
+      Fuse fg{f32(ffn_norm) + i * d, eps, nullptr, pdl_next(), early, prefetch};
       e = Dispatch<bf16, kNorm | kSwiGLU>(stream, mg, xo, w8(wgu, i, mg), s32(sgu, i, mg), act, fg);
       if (e != cudaSuccess) break;
     }
     if (!(skip & kSkipDown)) {
-      Fuse fd{nullptr, 0.f, xo, pdl_next(), early};
+      Fuse fd{nullptr, 0.f, xo, pdl_next(), early, prefetch};
       e = Dispatch<bf16, kResidual>(stream, md, act, w8(wd, i, md), s32(sd, i, md), xo, fd);
     }
   }

@@ -35,6 +35,11 @@ struct Args {
   // The layers call's launch option for the attention kernel it prefixes: let the next kernel launch before
   // waiting on the previous one (programmatic dependent launch).
   bool early = false;
+  // Its options for comparison and timing: the call's inputs and constants loaded after the wait instead of
+  // before it (JAXLLM_ATTN_LATE_INPUTS=1), and stop (JAXLLM_ATTN_STOP: 1 after the wait, 2 after the
+  // prologue, 3 after the tiles, without the merge; wrong results, for timing only).
+  bool late_inputs = false;
+  int stop = 0;
 };
 
 // The elements of RoPE pair i of a head of D: neox pairs i and i + D / 2, the normal style 2i and 2i + 1.
@@ -82,11 +87,44 @@ __device__ __forceinline__ size_t CacheAt(const Args& a, int B, int G, int S, in
   return ((size_t(a.layer) * B + b) * G + g) * size_t(S) * D + size_t(at) * D;
 }
 
+// What one warp's head reads besides the QKV row: the bias of its pairs' elements, their norm weights and
+// RoPE frequencies, and the position. All of it is written before the layers call starts (constants, and the
+// call's inputs), so attn1::Kernel loads it before its grid dependency wait, off the path after it.
+template <int D>
+struct HeadConsts {
+  static constexpr int kPairs = D / 64;   // RoPE pairs per lane
+  float b0[kPairs], b1[kPairs], n0[kPairs], n1[kPairs], f[kPairs];
+  float pos;
+  bool has_bias, has_norm;
+};
+
+template <int D>
+__device__ __forceinline__ HeadConsts<D> LoadHeadConsts(const Args& a, int b, int hd, int H, int lane) {
+  HeadConsts<D> c;
+  const float* nw = hd < H ? a.qn : a.kn;
+  c.has_bias = a.bias != nullptr;
+  c.has_norm = nw != nullptr;
+#pragma unroll
+  for (int j = 0; j < HeadConsts<D>::kPairs; ++j) {
+    int e0, e1;
+    PairOf(lane + 32 * j, D, a.neox, &e0, &e1);
+    c.b0[j] = a.bias ? a.bias[hd * D + e0] : 0.f;
+    c.b1[j] = a.bias ? a.bias[hd * D + e1] : 0.f;
+    c.n0[j] = nw ? nw[e0] : 0.f;
+    c.n1[j] = nw ? nw[e1] : 0.f;
+    c.f[j] = a.inv_freq[lane + 32 * j];
+  }
+  c.pos = ScaledPos(a, b);
+  return c;
+}
+
 // One head by one warp (attn1::Kernel's prologue): head hd of sequence b's row (hd < H: a query head, normed by
-// qn; H <= hd < H + G: a key head, normed by kn), rotated; put(e, value) for each of its D elements.
+// qn; H <= hd < H + G: a key head, normed by kn), rotated; put(e, value) for each of its D elements. c: the
+// head's constants (LoadHeadConsts). The arithmetic of Biased, Normed and Rotate, as EpilogueKernel does it.
 template <typename T, int D, typename Put>
-__device__ __forceinline__ void WarpHead(const Args& a, int b, int hd, int H, int G, int lane, Put put) {
-  constexpr int kPairs = D / 64;   // RoPE pairs per lane
+__device__ __forceinline__ void WarpHead(const Args& a, const HeadConsts<D>& c, int b, int hd, int H, int G, int lane,
+                                         Put put) {
+  constexpr int kPairs = D / 64;
   static_assert(D % 64 == 0, "a warp takes D / 2 pairs in whole rounds");
   const T* row = static_cast<const T*>(a.qkv) + size_t(b) * (H + 2 * G) * D;
   float x0[kPairs], x1[kPairs];
@@ -94,26 +132,28 @@ __device__ __forceinline__ void WarpHead(const Args& a, int b, int hd, int H, in
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     PairOf(lane + 32 * j, D, a.neox, &e0[j], &e1[j]);
-    x0[j] = Biased(row, a.bias, hd * D + e0[j]);
-    x1[j] = Biased(row, a.bias, hd * D + e1[j]);
+    x0[j] = ToF32(row[hd * D + e0[j]]);
+    x1[j] = ToF32(row[hd * D + e1[j]]);
+    if (c.has_bias) {
+      x0[j] = ToF32(FromF32<T>(__fadd_rn(x0[j], c.b0[j])));
+      x1[j] = ToF32(FromF32<T>(__fadd_rn(x1[j], c.b1[j])));
+    }
   }
-  const float* nw = hd < H ? a.qn : a.kn;
-  if (nw) {   // the sum over the head in the block kernel's order: per 32 pairs, then across them
+  if (c.has_norm) {   // the sum over the head in the block kernel's order: per 32 pairs, then across them
     float tot = 0.f;
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) tot = __fadd_rn(tot, WarpSum(PairSq(x0[j], x1[j])));
     const float inv = NormInv(tot, D, a.eps);
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
-      x0[j] = Normed<T>(x0[j], inv, nw[e0[j]]);
-      x1[j] = Normed<T>(x1[j], inv, nw[e1[j]]);
+      x0[j] = Normed<T>(x0[j], inv, c.n0[j]);
+      x1[j] = Normed<T>(x1[j], inv, c.n1[j]);
     }
   }
-  const float pos = ScaledPos(a, b);
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     T r0, r1;
-    Rotate<T>(x0[j], x1[j], pos, a.inv_freq[lane + 32 * j], &r0, &r1);
+    Rotate<T>(x0[j], x1[j], c.pos, c.f[j], &r0, &r1);
     put(e0[j], r0);
     put(e1[j], r1);
   }

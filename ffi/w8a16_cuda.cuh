@@ -252,6 +252,13 @@ struct Fuse {
   const float* res = nullptr;
   bool pdl = false;
   bool early = false;
+  // Loads moved off the path after the wait: the norm weight's lines asked into L1 before it (kNorm), the
+  // residual element loaded right after it (kResidual). JAXLLM_PREFETCH=0 turns both off, for comparison.
+  bool prefetch = true;
+  // Ints the kernel's first block zeroes (the layers call's attention counters, by its first kernel: one
+  // memset node less), or null.
+  int32_t* zero = nullptr;
+  int zero_n = 0;
 };
 
 // Programmatic dependent launch (sm_90): wait for the grid this one depends on (a no-op without one), and
@@ -440,11 +447,29 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
       }
     }
   };
+  // The output this thread writes after the reduction, if any (as the epilogue below picks it).
+  constexpr int V = MT * ROWS;
+  auto my_output = [&](int* m, int* o) {
+    const int lane = t % kLanes;
+    const int j = kWarpsPerTeam == 1 ? lane / (kLanes / V) : t;
+    const bool writer = kWarpsPerTeam == 1 ? lane % (kLanes / V) == 0 : t < V;
+    const int r = j % ROWS;
+    *m = j / ROWS;
+    *o = row_base + r % RO * row_step;
+    return writer && r < RO && m0 + *m < m_total && *o < row_end;
+  };
+  if (fu.zero != nullptr && blockIdx.x == 0 && blockIdx.y == 0)
+    for (int i = threadIdx.x; i < fu.zero_n; i += kThreads) fu.zero[i] = 0;
   int c0 = t;
   // Nothing before GridDepWait reads what an earlier kernel writes: the weights' first loads go out first.
   if constexpr (NORM) {   // the weights' first loads are in flight while the block normalizes x
     load_round(c0);
     if (fu.early) GridDepLaunch();
+    // The norm weight is a constant: its lines are asked into L1 now, so that staging x after the block's
+    // RMS meets them there instead of waiting on a second trip to memory.
+    if (fu.prefetch)
+      for (int i = threadIdx.x * 32; i < k_total; i += kThreads * 32)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(fu.norm_w + i));
     GridDepWait();
     norm_rows();
     stage_x();
@@ -462,6 +487,12 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
     }
     if constexpr (XS && !XA) stage_x();
     if constexpr (XS) __syncthreads();
+  }
+  // kResidual: this thread's residual element is loaded now, its latency under the dot products, not after.
+  float res_in = 0.f;
+  if constexpr (RES) {
+    int m, o;
+    if (fu.prefetch && my_output(&m, &o)) res_in = fu.res[size_t(m0 + m) * n_out + o];
   }
   while (true) {
 #pragma unroll
@@ -493,7 +524,6 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
   if (!fu.early) GridDepLaunch();   // the weights are read: the next kernel may start issuing its own
   // Reduce over the team: its lanes in each warp by shuffles (a[0] ends up with the total of value j on
   // the lanes j * kLanes / V ...), then (TPR > 32) the team's warps through shared memory.
-  constexpr int V = MT * ROWS;
   float a[V];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
@@ -512,7 +542,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
   auto emit = [&](int m, int o, float v, float u) {
     const size_t at = size_t(m0 + m) * n_out + o;
     if constexpr (RES) {
-      static_cast<float*>(y_out)[at] = fu.res[at] + ToF32(FromF32<T>(v));
+      static_cast<float*>(y_out)[at] = (fu.prefetch ? res_in : fu.res[at]) + ToF32(FromF32<T>(v));
     } else if constexpr (SW) {
       const float g = ToF32(FromF32<T>(v));
       static_cast<T*>(y_out)[at] = FromF32<T>(g / (1.f + __expf(-g)) * ToF32(FromF32<T>(u)));

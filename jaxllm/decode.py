@@ -62,8 +62,15 @@ def eog_table(ids, batch: int):
 
 
 def _stopped(tokens: jax.Array, pos: jax.Array, limit: jax.Array, eog: jax.Array) -> jax.Array:
-  """Whether a sequence that just sampled `tokens` and now sits at `pos` is done."""
-  return jnp.any(tokens[:, None] == eog, axis=-1) | (pos >= limit) | (tokens == NONFINITE)
+  """Whether a sequence that just sampled `tokens` and now sits at `pos` is done.
+
+  The eog columns are compared one by one rather than reduced with jnp.any: elementwise over [B], this
+  fuses with the step's other state updates into one kernel (a reduction is a kernel of its own on the GPU,
+  one more on the path from one step's LM head to the next step's layers)."""
+  stop = (pos >= limit) | (tokens == NONFINITE)
+  for i in range(eog.shape[-1]):
+    stop = stop | (tokens == eog[:, i])
+  return stop
 
 
 def _last_hidden(hidden: jax.Array, lengths: jax.Array, last: jax.Array | None) -> jax.Array:
@@ -158,7 +165,8 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
                           kernels=kernels)
   tokens = jnp.where(active, new, state.tokens)
   pos = jnp.where(active, state.pos + 1, state.pos)
-  sampler = sampler.push(tokens, pos, active)
+  if penalties:   # the window is read by the penalties only (a state without them keeps it as it was)
+    sampler = sampler.push(tokens, pos, active)
   done = state.done | (active & _stopped(tokens, pos, state.limit, state.eog))
   return DecodeState(cache=cache, tokens=tokens, pos=pos, done=done, limit=state.limit, eog=state.eog,
                      sampler=sampler)
