@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   w8a16::GridDepWait();
   if constexpr (PRO) {
     if (pa.stop == 1) return;   // JAXLLM_ATTN_STOP=wait (timing only)
-    if (pa.late_inputs) {       // JAXLLM_ATTN_LATE_INPUTS=1: the same loads after the wait (for comparison)
+    if (pa.late_inputs) {       // JAXLLM_PREFETCH=0: the same loads after the wait (for comparison)
       len_in = lengths[b];
       at = pa.writes[b];
       hq = qkv::LoadHeadConsts<D>(pa, b, h, H, lane);

@@ -36,7 +36,7 @@ struct Args {
   // waiting on the previous one (programmatic dependent launch).
   bool early = false;
   // Its options for comparison and timing: the call's inputs and constants loaded after the wait instead of
-  // before it (JAXLLM_ATTN_LATE_INPUTS=1), and stop (JAXLLM_ATTN_STOP: 1 after the wait, 2 after the
+  // before it (JAXLLM_PREFETCH=0), and stop (JAXLLM_ATTN_STOP: 1 after the wait, 2 after the
   // prologue, 3 after the tiles, without the merge; wrong results, for timing only).
   bool late_inputs = false;
   int stop = 0;
