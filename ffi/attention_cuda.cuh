@@ -136,32 +136,24 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   int len_in = 0, at = -1;
   qkv::HeadConsts<D> hq, hk;
   float vbias[D / 32];
+  auto load_inputs = [&] {
+    len_in = lengths[b];
+    at = pa.writes[b];
+    hq = qkv::LoadHeadConsts<D>(pa, b, h, H, lane);
+    if (r == 0) {
+      hk = qkv::LoadHeadConsts<D>(pa, b, H + g, H, lane);
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) vbias[j] = pa.bias ? pa.bias[(H + G + g) * D + lane + 32 * j] : 0.f;
+    }
+  };
   if constexpr (PRO) {
     if (pa.early) w8a16::GridDepLaunch();   // the layers call's early trigger: the next kernel may launch now
-    if (!pa.late_inputs) {
-      len_in = lengths[b];
-      at = pa.writes[b];
-      hq = qkv::LoadHeadConsts<D>(pa, b, h, H, lane);
-      if (r == 0) {
-        hk = qkv::LoadHeadConsts<D>(pa, b, H + g, H, lane);
-#pragma unroll
-        for (int j = 0; j < D / 32; ++j) vbias[j] = pa.bias ? pa.bias[(H + G + g) * D + lane + 32 * j] : 0.f;
-      }
-    }
+    if (!pa.late_inputs) load_inputs();
   }
   w8a16::GridDepWait();
   if constexpr (PRO) {
-    if (pa.stop == 1) return;   // JAXLLM_ATTN_STOP=wait (timing only)
-    if (pa.late_inputs) {       // JAXLLM_PREFETCH=0: the same loads after the wait (for comparison)
-      len_in = lengths[b];
-      at = pa.writes[b];
-      hq = qkv::LoadHeadConsts<D>(pa, b, h, H, lane);
-      if (r == 0) {
-        hk = qkv::LoadHeadConsts<D>(pa, b, H + g, H, lane);
-#pragma unroll
-        for (int j = 0; j < D / 32; ++j) vbias[j] = pa.bias ? pa.bias[(H + G + g) * D + lane + 32 * j] : 0.f;
-      }
-    }
+    if (pa.stop == 1) return;            // JAXLLM_ATTN_STOP=wait (timing only)
+    if (pa.late_inputs) load_inputs();   // JAXLLM_PREFETCH=0: the same loads after the wait (for comparison)
   } else {
     len_in = lengths[b];
   }
@@ -197,7 +189,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
 #pragma unroll
         for (int j = 0; j < D / 32; ++j) {   // qkv::Biased with the bias loaded before the wait
           const float x = ToF32(row[lane + 32 * j]);
-          vd[lane + 32 * j] = FromF32<T>(pa.bias ? ToF32(FromF32<T>(__fadd_rn(x, vbias[j]))) : x);
+          vd[lane + 32 * j] = FromF32<T>(pa.bias ? qkv::AddBias<T>(x, vbias[j]) : x);
         }
       }
       __syncthreads();   // the new key and value are in the cache before any warp loads its tiles

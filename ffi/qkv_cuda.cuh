@@ -48,10 +48,14 @@ __device__ __forceinline__ void PairOf(int i, int d, bool neox, int* e0, int* e1
   *e1 = neox ? i + d / 2 : 2 * i + 1;
 }
 
+// v + bias in f32, rounded to T (the unfused path's bias add).
+template <typename T>
+__device__ __forceinline__ float AddBias(float v, float bias) { return ToF32(FromF32<T>(__fadd_rn(v, bias))); }
+
 template <typename T>
 __device__ __forceinline__ float Biased(const T* row, const float* bias, int col) {
   const float v = ToF32(row[col]);
-  return bias ? ToF32(FromF32<T>(__fadd_rn(v, bias[col]))) : v;
+  return bias ? AddBias<T>(v, bias[col]) : v;
 }
 
 __device__ __forceinline__ float PairSq(float a, float c) { return __fmaf_rn(a, a, __fmul_rn(c, c)); }
@@ -135,8 +139,8 @@ __device__ __forceinline__ void WarpHead(const Args& a, const HeadConsts<D>& c, 
     x0[j] = ToF32(row[hd * D + e0[j]]);
     x1[j] = ToF32(row[hd * D + e1[j]]);
     if (c.has_bias) {
-      x0[j] = ToF32(FromF32<T>(__fadd_rn(x0[j], c.b0[j])));
-      x1[j] = ToF32(FromF32<T>(__fadd_rn(x1[j], c.b1[j])));
+      x0[j] = AddBias<T>(x0[j], c.b0[j]);
+      x1[j] = AddBias<T>(x1[j], c.b1[j]);
     }
   }
   if (c.has_norm) {   // the sum over the head in the block kernel's order: per 32 pairs, then across them
