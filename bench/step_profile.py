@@ -74,13 +74,15 @@ LAYER_ROLES = ("qkv", "o", "gate_up", "down")
 def roles(events: list[tuple[int, int, str]]) -> list[str]:
   """Each event's role in the fused step's chain (w8a16 and attention kernels; others keep their short
   name): the matmul just before an attention kernel is the layer's QKV, the three after it O, gate/up and
-  down, a fourth the LM head."""
+  down, a fourth (or the argmax head kernel) the LM head."""
   names = [short_name(n) for _, _, n in events]
   out = list(names)
   since = None   # matmuls since the last attention kernel
   for i, n in enumerate(names):
     if n.endswith("attn1::Kernel"):
       out[i], since = "attention", 0
+    elif n.endswith("w8a16::ArgmaxHeadKernel"):   # the greedy head at batch 1
+      out[i], since = "head", None
     elif n.endswith("w8a16::Kernel"):
       nxt = next((m for m in names[i + 1:] if m.endswith("::Kernel")), "")
       if nxt.endswith("attn1::Kernel"):

@@ -118,11 +118,14 @@ struct XChunk<Conv::kInt16> {
 
 // x ~ s * q with q int16 (see kInt16 above).
 __device__ __forceinline__ void QuantizeInt16(const float* v, XChunk<Conv::kInt16>& out) {
-  float amax = 0.f;
+  float amax = 0.f, probe = 0.f;   // probe: +0, or NaN where a value is not finite (fmaxf would drop a NaN)
 #pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int i = 0; i < 16; ++i) {
+    amax = fmaxf(amax, fabsf(v[i]));
+    probe = fmaf(v[i], 0.f, probe);
+  }
   const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-  out.s = amax * (1.f / 32767.f);
+  out.s = amax * (1.f / 32767.f) + probe;   // a chunk with a NaN or an infinity makes its products NaN
 #pragma unroll
   for (int i = 0; i < 8; ++i) {   // 1.5 * 2^23 + v: the low mantissa bits hold round(v) in two's complement
     const uint32_t lo = __float_as_uint(fmaf(v[2 * i], inv, 12582912.f));
@@ -313,6 +316,48 @@ __device__ __forceinline__ uint32_t OrderedBits(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// kNorm's prologue, shared by the kernels that normalize x: inv_rms[m] = rsqrt(mean(x[m]^2) + eps) for the
+// first m_here of MT rows of the f32 x (row stride k), summed by every thread of the block (kThreads) in a
+// fixed order; ends with a barrier.
+template <int MT>
+__device__ __forceinline__ void NormRows(const float* xf, int m_here, int k, float eps, float* inv_rms) {
+  __shared__ float red[kThreads / 32][MT];
+  float ss[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    ss[m] = 0.f;
+    if (m < m_here)
+      for (int i = threadIdx.x; i < k; i += kThreads) ss[m] = fmaf(xf[m * k + i], xf[m * k + i], ss[m]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], off);
+  }
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) red[threadIdx.x >> 5][m] = ss[m];
+  __syncthreads();
+  if (threadIdx.x < MT) {
+    float v = 0.f;
+#pragma unroll
+    for (int i = 0; i < kThreads / 32; ++i) v += red[i][threadIdx.x];
+    inv_rms[threadIdx.x] = rsqrtf(v / float(k) + eps);
+  }
+  __syncthreads();
+}
+
+// 16 normalized activations T(x[i] * inv * norm_w[i]) as f32, from 16 f32 of x and of the norm weight.
+template <typename T>
+__device__ __forceinline__ void Norm16(const float* xf, const float* norm_w, float inv, float* v) {
+#pragma unroll
+  for (int i = 0; i < 16; i += 4) {
+    const float4 a = *reinterpret_cast<const float4*>(xf + i);
+    const float4 g = __ldg(reinterpret_cast<const float4*>(norm_w + i));
+    v[i] = ToF32(FromF32<T>(a.x * inv * g.x));
+    v[i + 1] = ToF32(FromF32<T>(a.y * inv * g.y));
+    v[i + 2] = ToF32(FromF32<T>(a.z * inv * g.z));
+    v[i + 3] = ToF32(FromF32<T>(a.w * inv * g.w));
+  }
+}
+
 // Rows without kBalance: team i of the grid takes rows i * ROWS ... i * ROWS + ROWS - 1 (with kSwiGLU: outputs
 // i * ROWS / 2 ..., each from its gate row and its up row F further).
 template <typename T, int MT, int TPR, int ROWS, int U, Conv C, unsigned F = 0>
@@ -384,44 +429,11 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
   const int m_here = min(MT, m_total - m0);
   __shared__ float inv_rms[MT];
   auto norm_rows = [&] {   // inv_rms[m] = rsqrt(mean(x[m0 + m]^2) + eps)
-    if constexpr (NORM) {
-      const float* xf = static_cast<const float*>(x_in) + size_t(m0) * k_total;
-      __shared__ float red[kThreads / 32][MT];
-      float ss[MT];
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        ss[m] = 0.f;
-        if (m < m_here)
-          for (int i = threadIdx.x; i < k_total; i += kThreads) ss[m] = fmaf(xf[m * k_total + i], xf[m * k_total + i], ss[m]);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], off);
-      }
-      if ((threadIdx.x & 31) == 0)
-#pragma unroll
-        for (int m = 0; m < MT; ++m) red[threadIdx.x >> 5][m] = ss[m];
-      __syncthreads();
-      if (threadIdx.x < MT) {
-        float v = 0.f;
-#pragma unroll
-        for (int i = 0; i < kThreads / 32; ++i) v += red[i][threadIdx.x];
-        inv_rms[threadIdx.x] = rsqrtf(v / float(k_total) + fu.eps);
-      }
-      __syncthreads();
-    }
+    if constexpr (NORM) NormRows<MT>(static_cast<const float*>(x_in) + size_t(m0) * k_total, m_here, k_total, fu.eps, inv_rms);
   };
   // 16 normalized activations of row m from element e, rounded to T as the unfused path rounds them.
   auto norm16 = [&](int m, int e, float* v) {
-    const float* xf = static_cast<const float*>(x_in) + size_t(m0 + m) * k_total + e;
-    const float inv = inv_rms[m];
-#pragma unroll
-    for (int i = 0; i < 16; i += 4) {
-      const float4 a = *reinterpret_cast<const float4*>(xf + i);
-      const float4 g = __ldg(reinterpret_cast<const float4*>(fu.norm_w + e + i));
-      v[i] = ToF32(FromF32<T>(a.x * inv * g.x));
-      v[i + 1] = ToF32(FromF32<T>(a.y * inv * g.y));
-      v[i + 2] = ToF32(FromF32<T>(a.z * inv * g.z));
-      v[i + 3] = ToF32(FromF32<T>(a.w * inv * g.w));
-    }
+    Norm16<T>(static_cast<const float*>(x_in) + size_t(m0 + m) * k_total + e, fu.norm_w + e, inv_rms[m], v);
   };
   auto stage_x = [&] {   // this thread's chunks of the MT rows of x below M
     if constexpr (XS) {
@@ -697,6 +709,117 @@ cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const
   return cudaGetLastError();
 }
 
+// The greedy LM head at M = 1 (kNorm | kArgmax, many rows, K / 16 <= 32 U) on the blocks the GPU holds at once.
+// The same logits, bit for bit, as Kernel<T, 1, 32, ROWS, 2, kInt16, kHint | kStageX | kNorm | kArgmax>: x's RMS
+// summed in the same order, the same int16 chunks, lane l taking chunks l, l + 32, ..., the same shuffle tree.
+// But each block normalizes and stages x once, not once per 32 rows, then its warps walk row groups n0,
+// n0 + stride, ... with the next group's weights loaded while the current one is computed (as StreamKernel),
+// each lane keeping its best packed value in a register: one 64-bit atomic a block into y (zeroed by the caller).
+template <typename T, int ROWS, int U>
+__global__ void __launch_bounds__(kThreads, 2) ArgmaxHeadKernel(const float* __restrict__ x, const int8_t* __restrict__ w,
+                                                             const float* __restrict__ scale, uint32_t* __restrict__ y,
+                                                             int n_total, int k_total, int groups, uint32_t chunk_div,
+                                                             Fuse fu) {
+  constexpr Conv C = Conv::kInt16;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = k_total >> 4;
+  const int stride = gridDim.x * (kThreads / 32) * ROWS;
+  int n0 = (blockIdx.x * (kThreads / 32) + warp) * ROWS;   // (past the end in the last block's spare warps)
+  uint4 wa[U][ROWS], wb[U][ROWS];
+  float sa[U][ROWS], sb[U][ROWS];
+  LoadRows<U, ROWS, true>(w, scale, n0, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
+  if (fu.prefetch)
+    for (int i = threadIdx.x * 32; i < k_total; i += kThreads * 32) asm volatile("prefetch.global.L1 [%0];" ::"l"(fu.norm_w + i));
+  GridDepWait();
+  __shared__ float inv_rms[1];
+  NormRows<1>(x, 1, k_total, fu.eps, inv_rms);
+  extern __shared__ uint4 x_stage[];   // [chunks][2] int16 chunks, then [chunks] f32 scales
+  float* xs_stage = reinterpret_cast<float*>(x_stage + 2 * chunks);
+  for (int i = threadIdx.x; i < chunks; i += kThreads) {
+    float v[16];
+    Norm16<T>(x + i * 16, fu.norm_w + i * 16, inv_rms[0], v);
+    XChunk<C> xc;
+    QuantizeInt16(v, xc);
+    x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
+    x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
+    xs_stage[i] = xc.s;
+  }
+  __syncthreads();
+  XChunk<C> xv[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = lane + 32 * u;
+    if (c < chunks) {
+      const uint4 a = x_stage[2 * c], b = x_stage[2 * c + 1];
+      xv[u].q[0] = a.x; xv[u].q[1] = a.y; xv[u].q[2] = a.z; xv[u].q[3] = a.w;
+      xv[u].q[4] = b.x; xv[u].q[5] = b.y; xv[u].q[6] = b.z; xv[u].q[7] = b.w;
+      xv[u].s = xs_stage[c];
+    } else {
+      ZeroX<C>(xv[u]);
+    }
+  }
+  unsigned long long best = 0ull;   // (orderable value << 32 | ~row), as Kernel's kArgmax packs it
+  bool nonfinite = false;
+  auto group = [&](const uint4 (&wv)[U][ROWS], const float (&sv)[U][ROWS], int n) {
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u)   // (Kernel stops at the last chunk: the same additions)
+        if (lane + 32 * u < chunks) acc[r] = Accumulate<C>(acc[r], xv[u], wv[u][r], sv[u][r]);
+    }
+    const int j = GroupSumEach<ROWS, 32>(acc, lane);
+    if (lane % (32 / ROWS) == 0 && n + j < n_total) {
+      const float v = ToF32(FromF32<T>(acc[0]));
+      nonfinite |= !isfinite(v);
+      best = max(best, (static_cast<unsigned long long>(OrderedBits(v)) << 32) | (0xffffffffu - uint32_t(n + j)));
+    }
+  };
+  while (n0 < n_total) {   // two row groups per trip, one per register buffer
+    const int n1 = n0 + stride;
+    if (n1 < n_total) LoadRows<U, ROWS, true>(w, scale, n1, n_total, k_total, groups, lane, chunks, chunk_div, wb, sb);
+    group(wa, sa, n0);
+    if (n1 >= n_total) break;
+    const int n2 = n1 + stride;
+    if (n2 < n_total) LoadRows<U, ROWS, true>(w, scale, n2, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
+    group(wb, sb, n1);
+    n0 = n2;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+  nonfinite = __any_sync(0xffffffffu, nonfinite);
+  __shared__ unsigned long long warp_best[kThreads / 32];
+  __shared__ bool warp_nonfinite[kThreads / 32];
+  if (lane == 0) {
+    warp_best[warp] = best;
+    warp_nonfinite[warp] = nonfinite;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bool nf = false;
+#pragma unroll
+    for (int i = 0; i < kThreads / 32; ++i) {
+      best = max(best, warp_best[i]);
+      nf |= warp_nonfinite[i];
+    }
+    atomicMax(reinterpret_cast<unsigned long long*>(y), best);
+    if (nf) atomicOr(y + 2, 1u);
+  }
+}
+
+template <typename T, int ROWS, int U>
+cudaError_t LaunchArgmaxHead(cudaStream_t stream, const float* x, const int8_t* w, const float* scale, uint32_t* y, int n,
+                             int k, int groups, const Fuse& fu) {
+  auto kernel = ArgmaxHeadKernel<T, ROWS, U>;
+  const size_t smem = XStageBytes(1, k);
+  Residency res;
+  if (cudaError_t e = ResidencyOf(reinterpret_cast<const void*>(kernel), smem, &res); e != cudaSuccess) return e;
+  constexpr int kRowsPerBlock = kThreads / 32 * ROWS;
+  const int blocks = std::min((n + kRowsPerBlock - 1) / kRowsPerBlock, res.sms * res.per_sm);
+  return LaunchEx(stream, fu.pdl, dim3(blocks), dim3(kThreads), smem, kernel, x, w, scale, y, n, k, groups,
+                  DivMagic(uint32_t(k / groups / 16)), fu);
+}
+
 // Launches one configuration; w and scale point at the layer's [N, K] and [N, G] slices. kStageX needs
 // XStageBytes(MT, K) <= kMaxXStageBytes (the caller checks). With kBalance, a grid that fits on the GPU at
 // once is rounded up to a whole number of blocks per SM (each block then takes fewer rows): otherwise the
@@ -742,6 +865,16 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
   const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
   const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
   if (m == 1) {
+    // The greedy head on resident blocks (JAXLLM_HEAD_GRID=1: a block per 32 rows, for comparison).
+    if constexpr (EX == (kNorm | kArgmax)) {
+      static const bool grid = EnvFlag("JAXLLM_HEAD_GRID", false);
+      if (int16 && huge_n && !grid && StreamFits<4>(k)) {
+        const float* xf = static_cast<const float*>(x);
+        uint32_t* yu = static_cast<uint32_t*>(y);
+        return StreamFits<2>(k) ? LaunchArgmaxHead<T, 4, 2>(st, xf, w, sc, yu, n, k, g, fu)
+                                : LaunchArgmaxHead<T, 1, 4>(st, xf, w, sc, yu, n, k, g, fu);
+      }
+    }
     if (long_k) return Launch<T, 1, 256, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);     // K over the block
     if (int16 && huge_n) return Launch<T, 1, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);  // LM head
     if (int16)   // half a warp per 2 rows, rows shared evenly between the SMs

@@ -148,6 +148,40 @@ def test_norm_argmax_flags_nonfinite_rows():
   assert np.asarray(finite).tolist() == [True, False]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003)])
+@pytest.mark.parametrize("copies", ["early and last", "last only"])
+def test_norm_argmax_at_vocabulary_size(k, n, copies):
+  """The greedy head at batch 1 over a real vocabulary (Qwen2.5-0.5B's, SmolLM2's, and K past 1024 with an
+  odd N): on the GPU it runs on the blocks resident at once, each walking row groups, so the winner is planted
+  where the walk could lose it: its row's scales raised by a quarter above the float64 argmax's, copied to an
+  earlier row (argmax takes the earliest) and to the last row of an odd-sized tail, or to the last row only."""
+  rng = np.random.default_rng(k + n)
+  w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+  s = (rng.random((n, k // 64)) * 0.02 + 0.001).astype(np.float32)
+  x = _residual_stream(rng, 1, k)
+  h = _norm64(x, np.ones(k), jnp.bfloat16)[0]
+  logits = (np.asarray(w, np.float64) * np.repeat(np.asarray(s, np.float64), 64, axis=1)) @ h
+  best = int(np.argmax(logits))
+  assert logits[best] > 0
+  original = s[best].copy()
+  s[best] *= 1.25   # a margin far above the kernel's rounding
+  planted = [max(0, best // 3 - 1), n - 1] if copies == "early and last" else [n - 1]
+  for row in planted:
+    w[row], s[row] = w[best], s[best]
+  if copies == "last only" and best != n - 1:
+    s[best] = original   # the winner is the last row alone
+  want = planted[0]
+  lin = Linear(w=jnp.asarray(w), scale=jnp.asarray(s))
+  tokens, finite = fused.norm_argmax(x, jnp.ones(k), EPS, lin, dtype=jnp.bfloat16)
+  assert np.asarray(finite).tolist() == [True]
+  assert int(np.asarray(tokens)[0]) == want, (int(np.asarray(tokens)[0]), planted, best)
+  x_bad = np.array(x)   # a non-finite residual row (the int16 staging must not turn it into zeros)
+  x_bad[0, 7] = np.nan if copies == "early and last" else np.inf
+  _, finite = fused.norm_argmax(jnp.asarray(x_bad), jnp.ones(k), EPS, lin, dtype=jnp.bfloat16)
+  assert np.asarray(finite).tolist() == [False]
+
+
 def _rope64(x, pos, inv_freq, neox):
   """x [N, Dh] float64 rotated at position pos."""
   half = x.shape[-1] // 2
