@@ -218,6 +218,18 @@ __device__ __forceinline__ int GroupSumEach(float (&a)[V], int lane) {
 // Shared memory of a kInt16 block that stages x (kStageX): MT rows of K / 16 chunks, 16 int16 and a scale each.
 constexpr size_t XStageBytes(int mt, int k) { return size_t(mt) * (k / 16) * (2 * sizeof(uint4) + sizeof(float)); }
 constexpr size_t kMaxXStageBytes = 48 << 10;   // without the opt-in to more dynamic shared memory
+// Chunk i of staged x: its 16 int16 as two uint4 at x_stage[2 i], its scale at xs_stage[i].
+__device__ __forceinline__ void StoreStaged(uint4* x_stage, float* xs_stage, int i, const XChunk<Conv::kInt16>& xc) {
+  x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
+  x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
+  xs_stage[i] = xc.s;
+}
+__device__ __forceinline__ void LoadStaged(const uint4* x_stage, const float* xs_stage, int i, XChunk<Conv::kInt16>& xc) {
+  const uint4 a = x_stage[2 * i], b = x_stage[2 * i + 1];
+  xc.q[0] = a.x; xc.q[1] = a.y; xc.q[2] = a.z; xc.q[3] = a.w;
+  xc.q[4] = b.x; xc.q[5] = b.y; xc.q[6] = b.z; xc.q[7] = b.w;
+  xc.s = xs_stage[i];
+}
 // Shared memory of a kNorm block without kStageX: MT normalized rows of x in T.
 template <typename T>
 constexpr size_t NormStageBytes(int mt, int k) { return size_t(mt) * k * sizeof(T); }
@@ -446,9 +458,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
         } else {
           LoadX<C>(x + size_t(m0) * k_total + i * 16, xc);
         }
-        x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
-        x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
-        xs_stage[i] = xc.s;
+        StoreStaged(x_stage, xs_stage, i, xc);
       }
     } else if constexpr (NORM) {
       for (int i = threadIdx.x; i < m_here * chunks; i += kThreads) {
@@ -516,10 +526,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
         if (m0 + m >= m_total) break;
         XChunk<C> xc;
         if constexpr (XS) {
-          const uint4 a = x_stage[2 * (m * chunks + c)], b = x_stage[2 * (m * chunks + c) + 1];
-          xc.q[0] = a.x; xc.q[1] = a.y; xc.q[2] = a.z; xc.q[3] = a.w;
-          xc.q[4] = b.x; xc.q[5] = b.y; xc.q[6] = b.z; xc.q[7] = b.w;
-          xc.s = xs_stage[m * chunks + c];
+          LoadStaged(x_stage, xs_stage, m * chunks + c, xc);
         } else if constexpr (NORM) {
           LoadX<C, T, true>(xn_stage + size_t(m) * k_total + c * 16, xc);
         } else {
@@ -637,6 +644,27 @@ __device__ __forceinline__ void DotRows(const XChunk<C> (&xv)[U], const uint4 (&
   if (lane % (32 / ROWS) == 0 && n0 + r < n_total) y[n0 + r] = FromF32<T>(acc[0]);
 }
 
+// A warp's row groups n0, n0 + stride, ... below n_total (n0 < n_total; wa and sa hold n0's weights and scales),
+// two per trip, one per register buffer: the next group's loads go out before body(weights, scales, n) runs on
+// the current one.
+template <int U, int ROWS, bool HINT, typename Body>
+__device__ __forceinline__ void WalkRowGroups(const int8_t* __restrict__ w, const float* __restrict__ scale, int n0,
+                                              int stride, int n_total, int k_total, int groups, int lane, int chunks,
+                                              uint32_t chunk_div, uint4 (&wa)[U][ROWS], float (&sa)[U][ROWS],
+                                              uint4 (&wb)[U][ROWS], float (&sb)[U][ROWS], Body&& body) {
+  while (true) {
+    const int n1 = n0 + stride;
+    if (n1 < n_total) LoadRows<U, ROWS, HINT>(w, scale, n1, n_total, k_total, groups, lane, chunks, chunk_div, wb, sb);
+    body(wa, sa, n0);
+    if (n1 >= n_total) break;
+    const int n2 = n1 + stride;
+    if (n2 < n_total) LoadRows<U, ROWS, HINT>(w, scale, n2, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
+    body(wb, sb, n1);
+    if (n2 >= n_total) break;
+    n0 = n2;
+  }
+}
+
 // MINB: blocks per SM the registers must allow (1: the compiler's choice).
 template <typename T, int ROWS, int U, bool HINT, int MINB = 1, Conv C = Conv::kMagic>
 __global__ void __launch_bounds__(kThreads, MINB) StreamKernel(const T* __restrict__ x, const int8_t* __restrict__ w,
@@ -660,17 +688,10 @@ __global__ void __launch_bounds__(kThreads, MINB) StreamKernel(const T* __restri
       ZeroX<C>(xv[u]);
     }
   }
-  while (true) {   // two row groups per trip, one per register buffer
-    const int n1 = n0 + stride;
-    if (n1 < n_total) LoadRows<U, ROWS, HINT>(w, scale, n1, n_total, k_total, groups, lane, chunks, chunk_div, wb, sb);
-    DotRows<T, U, ROWS, C>(xv, wa, sa, y, n0, n_total, lane);
-    if (n1 >= n_total) break;
-    const int n2 = n1 + stride;
-    if (n2 < n_total) LoadRows<U, ROWS, HINT>(w, scale, n2, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
-    DotRows<T, U, ROWS, C>(xv, wb, sb, y, n1, n_total, lane);
-    if (n2 >= n_total) break;
-    n0 = n2;
-  }
+  WalkRowGroups<U, ROWS, HINT>(w, scale, n0, stride, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa, wb, sb,
+                               [&](const uint4 (&wv)[U][ROWS], const float (&sv)[U][ROWS], int n) {
+                                 DotRows<T, U, ROWS, C>(xv, wv, sv, y, n, n_total, lane);
+                               });
 }
 
 // SMs of the current device and blocks of `kernel` (kThreads threads, `smem` bytes of dynamic shared
@@ -713,7 +734,7 @@ cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const
 // The same logits, bit for bit, as Kernel<T, 1, 32, ROWS, 2, kInt16, kHint | kStageX | kNorm | kArgmax>: x's RMS
 // summed in the same order, the same int16 chunks, lane l taking chunks l, l + 32, ..., the same shuffle tree.
 // But each block normalizes and stages x once, not once per 32 rows, then its warps walk row groups n0,
-// n0 + stride, ... with the next group's weights loaded while the current one is computed (as StreamKernel),
+// n0 + stride, ... with the next group's weights loaded while the current one is computed (WalkRowGroups, as StreamKernel),
 // each lane keeping its best packed value in a register: one 64-bit atomic a block into y (zeroed by the caller).
 template <typename T, int ROWS, int U>
 __global__ void __launch_bounds__(kThreads, 2) ArgmaxHeadKernel(const float* __restrict__ x, const int8_t* __restrict__ w,
@@ -739,9 +760,7 @@ __global__ void __launch_bounds__(kThreads, 2) ArgmaxHeadKernel(const float* __r
     Norm16<T>(x + i * 16, fu.norm_w + i * 16, inv_rms[0], v);
     XChunk<C> xc;
     QuantizeInt16(v, xc);
-    x_stage[2 * i] = make_uint4(xc.q[0], xc.q[1], xc.q[2], xc.q[3]);
-    x_stage[2 * i + 1] = make_uint4(xc.q[4], xc.q[5], xc.q[6], xc.q[7]);
-    xs_stage[i] = xc.s;
+    StoreStaged(x_stage, xs_stage, i, xc);
   }
   __syncthreads();
   XChunk<C> xv[U];
@@ -749,10 +768,7 @@ __global__ void __launch_bounds__(kThreads, 2) ArgmaxHeadKernel(const float* __r
   for (int u = 0; u < U; ++u) {
     const int c = lane + 32 * u;
     if (c < chunks) {
-      const uint4 a = x_stage[2 * c], b = x_stage[2 * c + 1];
-      xv[u].q[0] = a.x; xv[u].q[1] = a.y; xv[u].q[2] = a.z; xv[u].q[3] = a.w;
-      xv[u].q[4] = b.x; xv[u].q[5] = b.y; xv[u].q[6] = b.z; xv[u].q[7] = b.w;
-      xv[u].s = xs_stage[c];
+      LoadStaged(x_stage, xs_stage, c, xv[u]);
     } else {
       ZeroX<C>(xv[u]);
     }
@@ -775,16 +791,9 @@ __global__ void __launch_bounds__(kThreads, 2) ArgmaxHeadKernel(const float* __r
       best = max(best, (static_cast<unsigned long long>(OrderedBits(v)) << 32) | (0xffffffffu - uint32_t(n + j)));
     }
   };
-  while (n0 < n_total) {   // two row groups per trip, one per register buffer
-    const int n1 = n0 + stride;
-    if (n1 < n_total) LoadRows<U, ROWS, true>(w, scale, n1, n_total, k_total, groups, lane, chunks, chunk_div, wb, sb);
-    group(wa, sa, n0);
-    if (n1 >= n_total) break;
-    const int n2 = n1 + stride;
-    if (n2 < n_total) LoadRows<U, ROWS, true>(w, scale, n2, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa);
-    group(wb, sb, n1);
-    n0 = n2;
-  }
+  if (n0 < n_total)
+    WalkRowGroups<U, ROWS, true>(w, scale, n0, stride, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa, wb, sb,
+                                 group);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
   nonfinite = __any_sync(0xffffffffu, nonfinite);
