@@ -81,7 +81,7 @@ def roles(events: list[tuple[int, int, str]]) -> list[str]:
   for i, n in enumerate(names):
     if n.endswith("attn1::Kernel"):
       out[i], since = "attention", 0
-    elif n.endswith("w8a16::ArgmaxHeadKernel"):   # the greedy head at batch 1
+    elif n.endswith("w8a16::HeadKernel"):   # the LM head at batch 1 (greedy or logits)
       out[i], since = "head", None
     elif n.endswith("w8a16::Kernel"):
       nxt = next((m for m in names[i + 1:] if m.endswith("::Kernel")), "")

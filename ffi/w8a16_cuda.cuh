@@ -730,17 +730,18 @@ cudaError_t LaunchStream(cudaStream_t stream, const T* x, const int8_t* w, const
   return cudaGetLastError();
 }
 
-// The greedy LM head at M = 1 (kNorm | kArgmax, many rows, K / 16 <= 32 U) on the blocks the GPU holds at once.
-// The same logits, bit for bit, as Kernel<T, 1, 32, ROWS, 2, kInt16, kHint | kStageX | kNorm | kArgmax>: x's RMS
-// summed in the same order, the same int16 chunks, lane l taking chunks l, l + 32, ..., the same shuffle tree.
-// But each block normalizes and stages x once, not once per 32 rows, then its warps walk row groups n0,
-// n0 + stride, ... with the next group's weights loaded while the current one is computed (WalkRowGroups, as StreamKernel),
-// each lane keeping its best packed value in a register: one 64-bit atomic a block into y (zeroed by the caller).
-template <typename T, int ROWS, int U>
-__global__ void __launch_bounds__(kThreads, 2) ArgmaxHeadKernel(const float* __restrict__ x, const int8_t* __restrict__ w,
-                                                             const float* __restrict__ scale, uint32_t* __restrict__ y,
-                                                             int n_total, int k_total, int groups, uint32_t chunk_div,
-                                                             Fuse fu) {
+// The LM head at M = 1 (kNorm, many rows, K / 16 <= 32 U) on the blocks the GPU holds at once: ARG, the greedy
+// head (kNorm | kArgmax), else the logits. The same logits, bit for bit, as Kernel<T, 1, 32, 4, 2, kInt16, kHint |
+// kStageX | kNorm [| kArgmax]>: x's RMS summed in the same order, the same int16 chunks, lane l taking chunks l,
+// l + 32, ..., the same shuffle tree. But each block normalizes and stages x once, not once per 32 rows, then its
+// warps walk row groups n0, n0 + stride, ... with the next group's weights loaded while the current one is
+// computed (WalkRowGroups, as StreamKernel). ARG: each lane keeps its best packed value in a register, one 64-bit
+// atomic a block into y (uint32 [1, 4], zeroed by the caller); otherwise y is T [1, N].
+template <typename T, int ROWS, int U, bool ARG>
+__global__ void __launch_bounds__(kThreads, 2) HeadKernel(const float* __restrict__ x, const int8_t* __restrict__ w,
+                                                       const float* __restrict__ scale, void* __restrict__ y_out,
+                                                       int n_total, int k_total, int groups, uint32_t chunk_div,
+                                                       Fuse fu) {
   constexpr Conv C = Conv::kInt16;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = k_total >> 4;
   const int stride = gridDim.x * (kThreads / 32) * ROWS;
@@ -786,14 +787,20 @@ __global__ void __launch_bounds__(kThreads, 2) ArgmaxHeadKernel(const float* __r
     }
     const int j = GroupSumEach<ROWS, 32>(acc, lane);
     if (lane % (32 / ROWS) == 0 && n + j < n_total) {
-      const float v = ToF32(FromF32<T>(acc[0]));
-      nonfinite |= !isfinite(v);
-      best = max(best, (static_cast<unsigned long long>(OrderedBits(v)) << 32) | (0xffffffffu - uint32_t(n + j)));
+      if constexpr (ARG) {
+        const float v = ToF32(FromF32<T>(acc[0]));
+        nonfinite |= !isfinite(v);
+        best = max(best, (static_cast<unsigned long long>(OrderedBits(v)) << 32) | (0xffffffffu - uint32_t(n + j)));
+      } else {
+        static_cast<T*>(y_out)[n + j] = FromF32<T>(acc[0]);
+      }
     }
   };
   if (n0 < n_total)
     WalkRowGroups<U, ROWS, true>(w, scale, n0, stride, n_total, k_total, groups, lane, chunks, chunk_div, wa, sa, wb, sb,
                                  group);
+  if constexpr (!ARG) return;
+  uint32_t* y = static_cast<uint32_t*>(y_out);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
   nonfinite = __any_sync(0xffffffffu, nonfinite);
@@ -816,10 +823,10 @@ __global__ void __launch_bounds__(kThreads, 2) ArgmaxHeadKernel(const float* __r
   }
 }
 
-template <typename T, int ROWS, int U>
-cudaError_t LaunchArgmaxHead(cudaStream_t stream, const float* x, const int8_t* w, const float* scale, uint32_t* y, int n,
-                             int k, int groups, const Fuse& fu) {
-  auto kernel = ArgmaxHeadKernel<T, ROWS, U>;
+template <typename T, int ROWS, int U, bool ARG>
+cudaError_t LaunchHead(cudaStream_t stream, const float* x, const int8_t* w, const float* scale, void* y, int n, int k,
+                       int groups, const Fuse& fu) {
+  auto kernel = HeadKernel<T, ROWS, U, ARG>;
   const size_t smem = XStageBytes(1, k);
   Residency res;
   if (cudaError_t e = ResidencyOf(reinterpret_cast<const void*>(kernel), smem, &res); e != cudaSuccess) return e;
@@ -874,14 +881,14 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
   const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
   const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
   if (m == 1) {
-    // The greedy head on resident blocks (JAXLLM_HEAD_GRID=1: a block per 32 rows, for comparison).
-    if constexpr (EX == (kNorm | kArgmax)) {
+    // The LM head, greedy or logits, on resident blocks (JAXLLM_HEAD_GRID=1: a block per 32 rows, for comparison).
+    if constexpr (EX == (kNorm | kArgmax) || EX == kNorm) {
       static const bool grid = EnvFlag("JAXLLM_HEAD_GRID", false);
       if (int16 && huge_n && !grid && StreamFits<4>(k)) {
+        constexpr bool kArg = EX & kArgmax;
         const float* xf = static_cast<const float*>(x);
-        uint32_t* yu = static_cast<uint32_t*>(y);
-        return StreamFits<2>(k) ? LaunchArgmaxHead<T, 4, 2>(st, xf, w, sc, yu, n, k, g, fu)
-                                : LaunchArgmaxHead<T, 1, 4>(st, xf, w, sc, yu, n, k, g, fu);
+        return StreamFits<2>(k) ? LaunchHead<T, 4, 2, kArg>(st, xf, w, sc, y, n, k, g, fu)
+                                : LaunchHead<T, 1, 4, kArg>(st, xf, w, sc, y, n, k, g, fu);
       }
     }
     if (long_k) return Launch<T, 1, 256, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);     // K over the block

@@ -182,6 +182,29 @@ def test_norm_argmax_at_vocabulary_size(k, n, copies):
   assert np.asarray(finite).tolist() == [False]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003)])
+def test_norm_linear_at_vocabulary_size(k, n):
+  """The sampled step's LM head at batch 1 over a real vocabulary: on the GPU it runs on the blocks resident at
+  once, each walking row groups, so every logit must be written (poisoned output), the last rows of an odd tail
+  included, and agree with numpy float64 to bf16's rounding; its largest logit is the greedy head's token."""
+  rng = np.random.default_rng(k * 7 + n)
+  w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+  s = (rng.random((n, k // 64)) * 0.02 + 0.001).astype(np.float32)
+  x = _residual_stream(rng, 1, k)
+  norm_w = jnp.asarray(1 + 0.3 * rng.standard_normal(k), jnp.float32)
+  lin = Linear(w=jnp.asarray(w), scale=jnp.asarray(s))
+  poison = jnp.full((1, n), jnp.nan, jnp.bfloat16)
+  got = jax.jit(lambda x, p: fused.norm_linear(x, norm_w, EPS, lin, dtype=jnp.bfloat16, poison=p))(x, poison)
+  got = np.asarray(got, np.float64)[0]
+  h = _norm64(x, norm_w, jnp.bfloat16)[0]
+  want = _round((np.asarray(w, np.float64) * np.repeat(np.asarray(s, np.float64), 64, axis=1)) @ h, jnp.bfloat16)
+  assert not np.isnan(got).any(), f"unwritten logits: {np.flatnonzero(np.isnan(got))[:8]}"
+  assert _rel(got, want) < 5e-3, _rel(got, want)
+  tokens, _ = fused.norm_argmax(x, norm_w, EPS, lin, dtype=jnp.bfloat16)
+  assert int(np.asarray(tokens)[0]) == int(np.argmax(got))
+
+
 def _rope64(x, pos, inv_freq, neox):
   """x [N, Dh] float64 rotated at position pos."""
   half = x.shape[-1] // 2
