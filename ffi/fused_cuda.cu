@@ -115,7 +115,8 @@ ffi::Error FusedCudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 // is launched while that one finishes and issues its weight loads before waiting for it. The residual
 // stream is updated in place in x_out (the first O projection reads x); intermediates live in the workspace
 // (LayersWorkspace, the same sizes as fused.layers_workspace_bytes), whose attention counters are zeroed
-// once per call (each merging block resets its own after that).
+// once per call (each merging block resets its own after that). With `head`, the final norm and the LM head
+// (greedy argmax or logits) follow as the call's last kernel, a dependent of the last down projection.
 
 // JAXLLM_LAYERS_SKIP: a comma-separated list of the layer stages the layers call leaves out (qkv, attention,
 // o, gate_up, down), to time the step without them (docs/results/2026-12-02-h200-breakdown.md). Timing only:
@@ -182,10 +183,12 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
                       ffi::AnyBuffer lengths, ffi::AnyBuffer inv_freq, ffi::AnyBuffer attn_norm, ffi::AnyBuffer wqkv,
                       ffi::AnyBuffer sqkv, ffi::AnyBuffer bqkv, ffi::AnyBuffer qn, ffi::AnyBuffer kn, ffi::AnyBuffer wo,
                       ffi::AnyBuffer so, ffi::AnyBuffer ffn_norm, ffi::AnyBuffer wgu, ffi::AnyBuffer sgu,
-                      ffi::AnyBuffer wd, ffi::AnyBuffer sd, ffi::AnyBuffer, ffi::AnyBuffer,
-                      ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
-                      ffi::Result<ffi::AnyBuffer> workspace, int64_t heads, int64_t kv_heads, int64_t neox,
-                      float pos_scale, float eps, int64_t splits, int64_t pdl) {
+                      ffi::AnyBuffer wd, ffi::AnyBuffer sd, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer out_norm,
+                      ffi::AnyBuffer wh, ffi::AnyBuffer sh, ffi::Result<ffi::AnyBuffer> x_out,
+                      ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
+                      ffi::Result<ffi::AnyBuffer> workspace, ffi::Result<ffi::AnyBuffer> head_out, int64_t heads,
+                      int64_t kv_heads, int64_t neox, float pos_scale, float eps, int64_t splits, int64_t pdl,
+                      int64_t head) {
   const std::string name = "jaxllm_decode_layers: ";
   auto xd = x.dimensions(), kd = kc->dimensions();
   if (x.element_type() != ffi::F32 || xd.size() != 2 || kd.size() != 5 || kc->element_type() != ffi::BF16 ||
@@ -234,6 +237,23 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
       x_out->dimensions()[1] != d)
     return ffi::Error::InvalidArgument(name + "workspace must be uint8 [" + std::to_string(lw.total) +
                                        "] and x_out f32 [B, D]");
+  // The LM head after the last layer (head 1: the greedy argmax, uint32 [B, 4]; 2: the logits, bf16 [B, V]; 0:
+  // none, the head's operands and output empty): the final norm's weight [D], the head [V, D] and its scales.
+  MatmulShape mh{};
+  if (head != 0) {
+    auto hwd = wh.dimensions(), hsd = sh.dimensions(), hod = head_out->dimensions();
+    const bool ok = (head == 1 || head == 2) && out_norm.element_type() == ffi::F32 &&
+                    out_norm.dimensions().size() == 1 && out_norm.dimensions()[0] == d &&
+                    wh.element_type() == ffi::S8 && hwd.size() == 2 &&
+                    hwd[1] == d && sh.element_type() == ffi::F32 && hsd.size() == 2 && hsd[0] == hwd[0] &&
+                    hsd[1] >= 1 && d % hsd[1] == 0 && (d / hsd[1]) % 16 == 0 && hod.size() == 2 && hod[0] == b &&
+                    (head == 1 ? head_out->element_type() == ffi::U32 && hod[1] == 4
+                               : head_out->element_type() == ffi::BF16 && hod[1] == hwd[0]);
+    if (!ok)
+      return ffi::Error::InvalidArgument(name + "the head takes the final norm f32 [D], int8 [V, D] weights, f32 "
+                                         "[V, G] scales and writes uint32 [B, 4] (argmax) or bf16 [B, V] (logits)");
+    mh = MatmulShape{b, hwd[0], d, hsd[1], d / hsd[1], 0};
+  }
   if (b == 0) return ffi::Error::Success();
 
   using bf16 = __nv_bfloat16;
@@ -283,7 +303,12 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   // The attention's counters start at zero (each attention leaves them so): the first QKV kernel zeroes them,
   // before any attention kernel passes its wait; a memset where that kernel is left out.
   cudaError_t e = cudaSuccess;
-  if (skip & kSkipQkv) e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
+  int32_t* head_zero = head == 1 ? static_cast<int32_t*>(head_out->untyped_data()) : nullptr;   // argmax: zeroed
+  if (skip & kSkipQkv) {
+    e = cudaMemsetAsync(cnt, 0, size_t(b * g) * sizeof(int32_t), stream);
+    if (e == cudaSuccess && head_zero != nullptr)
+      e = cudaMemsetAsync(head_zero, 0, size_t(b) * 4 * sizeof(uint32_t), stream);
+  }
   bool first = true;
   auto pdl_next = [&] {
     const bool p = use_pdl && !first;
@@ -297,6 +322,8 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
       if (i == 0) {
         fq.zero = cnt;
         fq.zero_n = int(b * g);
+        fq.zero2 = head_zero;
+        fq.zero2_n = int(b * 4);
       }
       e = Dispatch<bf16, kNorm>(stream, mq, xcur, w8(wqkv, i, mq), s32(sqkv, i, mq), qkv, fq);
       if (e != cudaSuccess) break;
@@ -328,6 +355,11 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
       e = Dispatch<bf16, kResidual>(stream, md, act, w8(wd, i, md), s32(sd, i, md), xo, fd);
     }
   }
+  if (head != 0 && e == cudaSuccess) {   // the final norm and the LM head, a dependent of the last down projection
+    Fuse fh{f32(out_norm), eps, nullptr, pdl_next(), early, prefetch};
+    e = head == 1 ? Dispatch<bf16, kNorm | kArgmax>(stream, mh, xo, i8(wh), f32(sh), head_out->untyped_data(), fh)
+                  : Dispatch<bf16, kNorm>(stream, mh, xo, i8(wh), f32(sh), head_out->untyped_data(), fh);
+  }
   if (e != cudaSuccess) return ffi::Error::Internal(name + "launch: " + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
@@ -357,17 +389,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeLayersCuda, LayersCuda,
                                   .Arg<ffi::AnyBuffer>()    // its scales
                                   .Arg<ffi::AnyBuffer>()    // k cache (aliased to result 1)
                                   .Arg<ffi::AnyBuffer>()    // v cache (aliased to result 2)
+                                  .Arg<ffi::AnyBuffer>()    // the final norm [D] f32 (head) or [0]
+                                  .Arg<ffi::AnyBuffer>()    // the LM head [V, D] int8 or [0, 0]
+                                  .Arg<ffi::AnyBuffer>()    // its scales [V, G] f32 or [0, 0]
                                   .Ret<ffi::AnyBuffer>()    // x_out [B, D] f32
                                   .Ret<ffi::AnyBuffer>()    // k cache
                                   .Ret<ffi::AnyBuffer>()    // v cache
                                   .Ret<ffi::AnyBuffer>()    // workspace uint8
+                                  .Ret<ffi::AnyBuffer>()    // head: uint32 [B, 4] packed argmax, bf16 [B, V], or [0]
                                   .Attr<int64_t>("heads")
                                   .Attr<int64_t>("kv_heads")
                                   .Attr<int64_t>("neox")
                                   .Attr<float>("pos_scale")
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("pdl"),
+                                  .Attr<int64_t>("pdl")
+                                  .Attr<int64_t>("head"),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A16FusedCudaInto, FusedCudaInto, BindFusedInto<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -270,10 +270,12 @@ struct Fuse {
   // Loads moved off the path after the wait: the norm weight's lines asked into L1 before it (kNorm), the
   // residual element loaded right after it (kResidual). JAXLLM_PREFETCH=0 turns both off, for comparison.
   bool prefetch = true;
-  // Ints the kernel's first block zeroes (the layers call's attention counters, by its first kernel: one
-  // memset node less), or null.
+  // Ints the kernel's first block zeroes, or null: the layers call's first kernel zeroes the attention
+  // counters and the greedy head's output (no memset nodes).
   int32_t* zero = nullptr;
   int zero_n = 0;
+  int32_t* zero2 = nullptr;
+  int zero2_n = 0;
 };
 
 // Programmatic dependent launch (sm_90): wait for the grid this one depends on (a no-op without one), and
@@ -480,8 +482,12 @@ __global__ void __launch_bounds__(kThreads) Kernel(const void* __restrict__ x_in
     *o = row_base + r % RO * row_step;
     return writer && r < RO && m0 + *m < m_total && *o < row_end;
   };
-  if (fu.zero != nullptr && blockIdx.x == 0 && blockIdx.y == 0)
-    for (int i = threadIdx.x; i < fu.zero_n; i += kThreads) fu.zero[i] = 0;
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    if (fu.zero != nullptr)
+      for (int i = threadIdx.x; i < fu.zero_n; i += kThreads) fu.zero[i] = 0;
+    if (fu.zero2 != nullptr)
+      for (int i = threadIdx.x; i < fu.zero2_n; i += kThreads) fu.zero2[i] = 0;
+  }
   int c0 = t;
   // Nothing before GridDepWait reads what an earlier kernel writes: the weights' first loads go out first.
   if constexpr (NORM) {   // the weights' first loads are in flight while the block normalizes x

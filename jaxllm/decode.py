@@ -18,8 +18,7 @@ import jax.numpy as jnp
 
 from jaxllm.cache import KVCache
 from jaxllm.config import Config
-from jaxllm.kernels import fused
-from jaxllm.model import Weights, forward, forward_decode_fused, logits, use_fused
+from jaxllm.model import Weights, forward, forward_decode_fused_head, logits, use_fused
 from jaxllm.sampling import NONFINITE, Sampler, sample
 
 MAX_EOG = 16     # end-of-generation ids a state holds per sequence
@@ -148,15 +147,14 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
   active = ~state.done
   b = state.tokens.shape[0]
   if use_fused(config, weights, state.cache, b, kernels):
-    x, cache = forward_decode_fused(config, weights, state.cache, state.tokens, state.pos, active)
-    if greedy_only and not penalties:
-      new, finite = fused.norm_argmax(x, weights.out_norm, config.rms_eps, weights.head, dtype=cache.compute_dtype)
+    argmax = greedy_only and not penalties
+    out, cache = forward_decode_fused_head(config, weights, state.cache, state.tokens, state.pos, active,
+                                           greedy=argmax)
+    if argmax:
+      new, finite = out
       new, sampler = jnp.where(finite, new, NONFINITE), state.sampler
-    else:
-      step_logits = fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head,
-                                      dtype=cache.compute_dtype).astype(jnp.float32)          # [B, V]
-      new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only, penalties=penalties,
-                            kernels=kernels)
+    else:   # out: the logits [B, V] f32
+      new, sampler = sample(out, state.sampler, greedy_only=greedy_only, penalties=penalties, kernels=kernels)
   else:
     hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, active[:, None],
                             kernels=kernels)

@@ -214,6 +214,29 @@ def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, token
   tokens [B] int32, pos [B] int32 (the token's position), active [B] bool (inactive rows write nothing).
   Returns the residual stream [B, D] f32 before the final norm (the head fuses it) and the cache.
   """
+  x, cache, _ = _decode_fused(config, weights, cache, tokens, pos, active, None)
+  return x, cache
+
+
+def forward_decode_fused_head(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
+                              active: jax.Array, *, greedy: bool):
+  """forward_decode_fused and the fused LM head. greedy: ((tokens [B] int32, finite [B] bool), cache) from the
+  argmax head, the logits never written (fused.norm_argmax); else (logits [B, V] f32, cache). On the GPU's
+  one layers call the head is that call's last kernel, a programmatic dependent of the last layer's."""
+  head = "argmax" if greedy else "logits"
+  x, cache, out = _decode_fused(config, weights, cache, tokens, pos, active, head)
+  dtype = cache.compute_dtype
+  if out is None:   # one FFI call per op: the head's own call
+    if greedy:
+      return fused.norm_argmax(x, weights.out_norm, config.rms_eps, weights.head, dtype=dtype), cache
+    out = fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head, dtype=dtype)
+  if greedy:
+    return fused.unpack_argmax(out), cache
+  return out.astype(jnp.float32), cache
+
+
+def _decode_fused(config, weights, cache, tokens, pos, active, head):
+  """forward_decode_fused's layers, and (head, on the one layers call) the head's output, else None."""
   c = config
   dtype = cache.compute_dtype
   x = embed(weights, jnp.clip(tokens, 0, c.vocab_size - 1)[:, None])[:, 0]          # [B, D] f32
@@ -225,8 +248,9 @@ def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, token
   b = tokens.shape[0]
   lc = fused.layers_call()
   if lc.one:
-    x, k, v = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, pos_scale, k, v, pdl=lc.pdl)
-    return x, dataclasses.replace(cache, k=k, v=v)
+    x, k, v, out = fused.decode_layers(c, weights, x, pos, writes, lengths, inv_freq, pos_scale, k, v, pdl=lc.pdl,
+                                       head=head if lc.head else None)
+    return x, dataclasses.replace(cache, k=k, v=v), out
   for i in range(c.n_layers):
     qkv = fused.norm_linear(x, weights.attn_norm, c.rms_eps, weights.wqkv, i, dtype=dtype)   # [B, N]
     q, k, v, counters = fused.qkv_epilogue(
@@ -236,7 +260,7 @@ def forward_decode_fused(config: Config, weights: Weights, cache: KVCache, token
     x = fused.linear_residual(attn.reshape(b, c.q_dim), weights.wo, i, x)
     act = fused.norm_linear(x, weights.ffn_norm, c.rms_eps, weights.w_gate_up, i, dtype=dtype, epilogue="swiglu")
     x = fused.linear_residual(act, weights.w_down, i, x)
-  return x, dataclasses.replace(cache, k=k, v=v)
+  return x, dataclasses.replace(cache, k=k, v=v), None
 
 
 def logits(weights: Weights, hidden: jax.Array, dtype, *, kernels: str = "xla") -> jax.Array:

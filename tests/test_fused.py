@@ -401,8 +401,9 @@ def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name, 
   folded into the attention (whose block holding the write position appends the new key and value), with
   programmatic dependent launch. The same bits as one call per op, with PDL on or off; positions over
   several attention splits, one at a split's first tile, one row inactive (writes nothing); random
-  caches. Batch 1 is the configuration the GPU's fused step runs (fused.GPU_FUSED_BATCH)."""
-  from jaxllm.model import forward_decode_fused
+  caches; the LM head (greedy and logits) the call's last kernel, bit for bit the head's own call. Batch 1
+  is the configuration the GPU's fused step runs (fused.GPU_FUSED_BATCH)."""
+  from jaxllm.model import forward_decode_fused, forward_decode_fused_head
   config, weights = _synthetic(name)
   rng = np.random.default_rng(5)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, batch), jnp.int32)
@@ -421,7 +422,15 @@ def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name, 
     assert text.count("@jaxllm_decode_layers(") == (1 if one == "1" else 0)
     x, kv = fn(cache)
     outs[(one, pdl)] = (np.asarray(x), np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32))
+    for greedy in (True, False):   # the head: the layers call's last kernel, else its own call
+      hfn = jax.jit(lambda c: forward_decode_fused_head(config, weights, c, tokens, pos, active, greedy=greedy)[0])
+      cache = dataclasses.replace(base, k=k0 + 0, v=v0 + 0)
+      assert hfn.lower(cache).as_text().count("@jaxllm_w8a16_fused(") == (0 if one == "1" else 4 * 2 + 1)
+      outs[(one, pdl)] += tuple(np.asarray(a) for a in jax.tree.leaves(hfn(cache)))
   ref = outs[("0", "1")]
+  logits = ref[-1]
+  assert logits.shape == (batch, config.vocab_size) and np.isfinite(logits).all()
+  np.testing.assert_array_equal(ref[3], np.argmax(logits, axis=-1))   # the argmax head's tokens: the logits' argmax
   k_old = np.asarray(k0, np.float32)
   assert not np.array_equal(ref[1][:, 0, :, 300], k_old[:, 0, :, 300])   # the new key went in
   if batch == 3:

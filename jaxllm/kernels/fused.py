@@ -10,7 +10,7 @@ A decode layer through them is six kernels (docs/kernels.md):
   linear_residual(act, w_down, x)            down projection + residual add              -> x f32
 and the head is norm_argmax (final norm, LM head, greedy argmax: no [B, V] logits) or norm_linear. On the
 GPU decode_layers runs every layer in one FFI call with the QKV epilogue folded into the attention: five
-kernels a layer, the same bits.
+kernels a layer, then the head as the call's last kernel, the same bits.
 
 Shapes: M rows (the batch), K inputs, N outputs, L stacked layers; x is the f32 residual stream.
 Weights and per-layer vectors stay stacked [L, ...] and are indexed by `layer` inside the kernels, so XLA
@@ -159,6 +159,12 @@ def norm_argmax(x, norm_w, eps, lin: Linear, *, dtype) -> tuple[jax.Array, jax.A
   out = jax.ShapeDtypeStruct((x.shape[0], 4), jnp.uint32)
   packed = _fused_call(x.astype(jnp.float32), w, norm_w.reshape(1, -1).astype(jnp.float32), 0, 0, "argmax",
                        jnp.dtype(dtype) == jnp.bfloat16, eps, out)
+  return unpack_argmax(packed)
+
+
+def unpack_argmax(packed) -> tuple[jax.Array, jax.Array]:
+  """The argmax head's output uint32 [B, 4] -> (tokens [B] int32, finite [B] bool): words 0-1 the largest
+  (orderable value << 32 | ~row), word 2 set where a value was not finite."""
   tokens = (jnp.uint32(0xFFFFFFFF) - packed[:, 0]).astype(jnp.int32)
   return tokens, packed[:, 2] == 0
 
@@ -216,12 +222,17 @@ def layers_workspace_bytes(b: int, n: int, h: int, dh: int, f: int, splits: int,
           + _align(b * g * 4))
 
 
+HEAD_MODES = {None: 0, "argmax": 1, "logits": 2}
+
+
 def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale: float, k_cache, v_cache, *,
-                  pdl: bool = True):
+                  pdl: bool = True, head: str | None = None):
   """Every layer of the fused decode step in one FFI call (CUDA): the per-op path's kernels
   (forward_decode_fused) with the QKV epilogue folded into the attention kernel, five per layer, launched
-  from one handler, each (pdl) a programmatic dependent of the one before.
-  x [B, D] f32 -> (x [B, D] f32, caches updated in place)."""
+  from one handler, each (pdl) a programmatic dependent of the one before; head "argmax" or "logits" adds
+  the final norm and the LM head as the call's last kernel (norm_argmax's or norm_linear's).
+  x [B, D] f32 -> (x [B, D] f32, caches updated in place, the head's output: packed argmax uint32 [B, 4],
+  logits [B, V] in the activation dtype, or None)."""
   from jaxllm.kernels import ffi
   ffi._ensure_registered()
   c, w = config, weights
@@ -230,29 +241,40 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale:
   n = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
   nbytes = layers_workspace_bytes(b, n, c.n_heads, c.head_dim, c.d_ff, splits, c.n_kv_heads)
   opt = _optional_f32
+  if head is None:
+    head_in = (jnp.zeros((0,), jnp.float32), jnp.zeros((0, 0), jnp.int8), jnp.zeros((0, 0), jnp.float32))
+    head_out = jax.ShapeDtypeStruct((0,), jnp.uint8)
+  else:
+    hw = w.head   # [V, D] int8 and [V, G] f32 scales
+    head_in = (w.out_norm.reshape(-1).astype(jnp.float32), hw.w, hw.scale)
+    head_out = (jax.ShapeDtypeStruct((b, 4), jnp.uint32) if head == "argmax"
+                else jax.ShapeDtypeStruct((b, hw.w.shape[0]), jnp.bfloat16))
   outs = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((nbytes,), jnp.uint8))
-  x, k_cache, v_cache, _ = jax.ffi.ffi_call("jaxllm_decode_layers", outs, input_output_aliases={18: 1, 19: 2})(
+          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((nbytes,), jnp.uint8), head_out)
+  x, k_cache, v_cache, _, out = jax.ffi.ffi_call("jaxllm_decode_layers", outs, input_output_aliases={18: 1, 19: 2})(
       x, pos.astype(jnp.int32), writes.astype(jnp.int32), lengths.astype(jnp.int32), inv_freq.astype(jnp.float32),
       w.attn_norm, w.wqkv.w, w.wqkv.scale, opt(w.bqkv), opt(w.q_norm), opt(w.k_norm), w.wo.w, w.wo.scale,
-      w.ffn_norm, w.w_gate_up.w, w.w_gate_up.scale, w.w_down.w, w.w_down.scale, k_cache, v_cache,
+      w.ffn_norm, w.w_gate_up.w, w.w_gate_up.scale, w.w_down.w, w.w_down.scale, k_cache, v_cache, *head_in,
       heads=np.int64(c.n_heads), kv_heads=np.int64(c.n_kv_heads), neox=np.int64(c.rope_style == "neox"),
       pos_scale=np.float32(pos_scale), eps=np.float32(c.rms_eps),
-      splits=np.int64(splits), pdl=np.int64(pdl))
-  return x, k_cache, v_cache
+      splits=np.int64(splits), pdl=np.int64(pdl), head=np.int64(HEAD_MODES[head]))
+  return x, k_cache, v_cache, (None if head is None else out)
 
 
 class LayersCall(NamedTuple):
   one: bool        # every layer from one FFI call (decode_layers)
   pdl: bool        # programmatic dependent launch
+  head: bool       # the LM head as that call's last kernel
 
 
 def layers_call() -> LayersCall:
-  """How the GPU runs the fused step's layers: one FFI call and PDL by default; JAXLLM_LAYERS_CALL=0 runs
-  one FFI call per op, JAXLLM_PDL=0 launches plainly (for comparison)."""
+  """How the GPU runs the fused step's layers: one FFI call with the LM head as its last kernel, and PDL, by
+  default; JAXLLM_LAYERS_CALL=0 runs one FFI call per op, JAXLLM_LAYERS_HEAD=0 the head in its own call,
+  JAXLLM_PDL=0 launches plainly (for comparison)."""
   import os
   one = jax.default_backend() == "gpu" and os.environ.get("JAXLLM_LAYERS_CALL", "1") != "0"
-  return LayersCall(one, os.environ.get("JAXLLM_PDL", "1") != "0")
+  return LayersCall(one, os.environ.get("JAXLLM_PDL", "1") != "0",
+                    os.environ.get("JAXLLM_LAYERS_HEAD", "1") != "0")
 
 
 # ---- when the fused decode step runs ---------------------------------------------------------------------
