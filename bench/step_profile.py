@@ -74,7 +74,7 @@ LAYER_ROLES = ("qkv", "o", "gate_up", "down")
 def roles(events: list[tuple[int, int, str]]) -> list[str]:
   """Each event's role in the fused step's chain (w8a16 and attention kernels; others keep their short
   name): the matmul just before an attention kernel is the layer's QKV, the three after it O, gate/up and
-  down, a fourth (or the argmax head kernel) the LM head."""
+  down, a fourth (or the head kernel, greedy or logits) the LM head."""
   names = [short_name(n) for _, _, n in events]
   out = list(names)
   since = None   # matmuls since the last attention kernel

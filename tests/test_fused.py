@@ -148,6 +148,17 @@ def test_norm_argmax_flags_nonfinite_rows():
   assert np.asarray(finite).tolist() == [True, False]
 
 
+def _random_head(rng, n, k):
+  """An LM head of N rows: int8 weights [N, K] and f32 scales [N, K / 64]."""
+  w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+  return w, (rng.random((n, k // 64)) * 0.02 + 0.001).astype(np.float32)
+
+
+def _head64(w, s) -> np.ndarray:
+  """_random_head's weights dequantized in float64 [N, K]."""
+  return _dequant(Linear(w=w[None], scale=s[None]), 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003)])
 @pytest.mark.parametrize("copies", ["early and last", "last only"])
@@ -157,11 +168,10 @@ def test_norm_argmax_at_vocabulary_size(k, n, copies):
   where the walk could lose it: its row's scales raised by a quarter above the float64 argmax's, copied to an
   earlier row (argmax takes the earliest) and to the last row of an odd-sized tail, or to the last row only."""
   rng = np.random.default_rng(k + n)
-  w = rng.integers(-127, 128, (n, k), dtype=np.int8)
-  s = (rng.random((n, k // 64)) * 0.02 + 0.001).astype(np.float32)
+  w, s = _random_head(rng, n, k)
   x = _residual_stream(rng, 1, k)
   h = _norm64(x, np.ones(k), jnp.bfloat16)[0]
-  logits = (np.asarray(w, np.float64) * np.repeat(np.asarray(s, np.float64), 64, axis=1)) @ h
+  logits = _head64(w, s) @ h
   best = int(np.argmax(logits))
   assert logits[best] > 0
   original = s[best].copy()
@@ -189,8 +199,7 @@ def test_norm_linear_at_vocabulary_size(k, n):
   once, each walking row groups, so every logit must be written (poisoned output), the last rows of an odd tail
   included, and agree with numpy float64 to bf16's rounding; its largest logit is the greedy head's token."""
   rng = np.random.default_rng(k * 7 + n)
-  w = rng.integers(-127, 128, (n, k), dtype=np.int8)
-  s = (rng.random((n, k // 64)) * 0.02 + 0.001).astype(np.float32)
+  w, s = _random_head(rng, n, k)
   x = _residual_stream(rng, 1, k)
   norm_w = jnp.asarray(1 + 0.3 * rng.standard_normal(k), jnp.float32)
   lin = Linear(w=jnp.asarray(w), scale=jnp.asarray(s))
@@ -198,7 +207,7 @@ def test_norm_linear_at_vocabulary_size(k, n):
   got = jax.jit(lambda x, p: fused.norm_linear(x, norm_w, EPS, lin, dtype=jnp.bfloat16, poison=p))(x, poison)
   got = np.asarray(got, np.float64)[0]
   h = _norm64(x, norm_w, jnp.bfloat16)[0]
-  want = _round((np.asarray(w, np.float64) * np.repeat(np.asarray(s, np.float64), 64, axis=1)) @ h, jnp.bfloat16)
+  want = _round(_head64(w, s) @ h, jnp.bfloat16)
   assert not np.isnan(got).any(), f"unwritten logits: {np.flatnonzero(np.isnan(got))[:8]}"
   assert _rel(got, want) < 5e-3, _rel(got, want)
   tokens, _ = fused.norm_argmax(x, norm_w, EPS, lin, dtype=jnp.bfloat16)
@@ -425,7 +434,7 @@ def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name, 
     for greedy in (True, False):   # the head: the layers call's last kernel, else its own call
       hfn = jax.jit(lambda c: forward_decode_fused_head(config, weights, c, tokens, pos, active, greedy=greedy)[0])
       cache = dataclasses.replace(base, k=k0 + 0, v=v0 + 0)
-      assert hfn.lower(cache).as_text().count("@jaxllm_w8a16_fused(") == (0 if one == "1" else 4 * 2 + 1)
+      assert hfn.lower(cache).as_text().count("@jaxllm_w8a16_fused(") == (0 if one == "1" else 4 * config.n_layers + 1)
       outs[(one, pdl)] += tuple(np.asarray(a) for a in jax.tree.leaves(hfn(cache)))
   ref = outs[("0", "1")]
   logits = ref[-1]
