@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "qkv_cuda.cuh"   // qkv::Args, qkv::WarpHead
+#include "qkv_cuda.cuh"   // qkv::Args, qkv::HeadRow
 #include "w8a16_cuda.cuh"   // GridDepWait, GridDepLaunch, LaunchEx
 
 namespace jaxllm {
@@ -102,6 +102,27 @@ struct Tile {
   uint32_t k[Geo<T, D>::KW];                 // this lane's 128 bytes of its position's key
   uint32_t v[Geo<T, D>::TP][Geo<T, D>::VW];  // this lane's dims of every position's value
 
+  // From the block's copy of the tile in shared memory (ks, vs [TP][D], positions past the length zeroed), with
+  // position `patch` (or none: -1) taken from nk / nv [D] instead: the new key and value, appended after the
+  // copy was made.
+  __device__ __forceinline__ void LoadShared(const T* ks, const T* vs, const T* nk, const T* nv, int base, int patch,
+                                             int lane) {
+    using G = Geo<T, D>;
+    const int kp = lane / G::LPP;
+    const T* krow = (base + kp == patch ? nk : ks + kp * D) + (lane % G::LPP) * G::EK;
+#pragma unroll
+    for (int i = 0; i < G::KW / 4; ++i) {
+      const uint4 w = reinterpret_cast<const uint4*>(krow)[i];
+      k[4 * i] = w.x; k[4 * i + 1] = w.y; k[4 * i + 2] = w.z; k[4 * i + 3] = w.w;
+    }
+#pragma unroll
+    for (int j = 0; j < G::TP; ++j) {
+      const uint32_t* vw = reinterpret_cast<const uint32_t*>((base + j == patch ? nv : vs + j * D) + lane * G::DV);
+#pragma unroll
+      for (int e = 0; e < G::VW; ++e) v[j][e] = vw[e];
+    }
+  }
+
   template <bool CG>
   __device__ __forceinline__ void Load(const T* kh, const T* vh, int base, int len, int lane) {
     using G = Geo<T, D>;
@@ -117,16 +138,35 @@ struct Tile {
   }
 };
 
+// 16 bytes global -> shared without registers (cp.async, sm_80+; through L2 only); ok false: zeros.
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool ok) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+#else
+  *static_cast<uint4*>(dst) = ok ? *static_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void CopyAsyncWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // PRO: the QKV epilogue is this kernel's prologue (the fused step's layers call): q is not given, each warp
 // computes its query head from the QKV projection (pa.qkv), and the block whose tiles hold the write position
 // (block 0 when no visible tile does) appends the new key and value to the caches first, then reads that tile
 // through L2 (the others read-only). The same bits as the epilogue kernel then this one.
+// pre >= 0 (PRO only, inputs loaded before the wait): the byte offset in dynamic shared memory of a copy of the
+// block's first tile ([2][TP][D]: keys, values), made before the wait (cp.async; the cache holds those positions
+// since earlier steps), the owner's new key and value substituted as the warps read it: the tile's load is then
+// off the path that waits for the QKV projection.
 // C: blocks per cluster along x (1: no cluster; gridDim.x is then a multiple of C, and blocks p >= P idle).
 template <typename T, int D, bool PRO = false>
 __global__ void __launch_bounds__(32 * kMaxGroup)
     Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
            float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
-           int S, int P, int C, qkv::Args pa) {
+           int S, int P, int C, int pre, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
@@ -146,9 +186,26 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
       for (int j = 0; j < D / 32; ++j) vbias[j] = pa.bias ? pa.bias[(H + G + g) * D + lane + 32 * j] : 0.f;
     }
   };
+  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
+  extern __shared__ float slots[];   // the cluster merge's slots, then (pre) the tile's copy
+  T* tile_s = nullptr;               // pre: this block's copy of its first tile, keys then values
   if constexpr (PRO) {
     if (pa.early) w8a16::GridDepLaunch();   // the layers call's early trigger: the next kernel may launch now
-    if (!pa.late_inputs) load_inputs();
+    if (!pa.late_inputs) {
+      load_inputs();
+      const int len0 = min(max(len_in, 1), S);
+      if (pre >= 0 && p < min(P, (len0 + TP - 1) / TP)) {
+        tile_s = reinterpret_cast<T*>(reinterpret_cast<char*>(slots) + pre);
+        constexpr int kRowChunks = D * int(sizeof(T)) / 16, kChunks = TP * kRowChunks, kPer = 16 / int(sizeof(T));
+        const int base = p * TP;
+        for (int i = threadIdx.x; i < 2 * kChunks; i += blockDim.x) {
+          const int kv = i / kChunks, row = i % kChunks / kRowChunks, col = i % kRowChunks;
+          const bool ok = base + row < len0;
+          const T* src = (kv ? v : k) + head + size_t(ok ? base + row : 0) * D + col * kPer;
+          CopyAsync16(tile_s + (kv * TP + row) * D + col * kPer, src, ok);
+        }
+      }
+    }
   }
   w8a16::GridDepWait();
   if constexpr (PRO) {
@@ -170,29 +227,48 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   }
   const bool work = p < used;   // (false only for idle blocks of a clustered merge)
   __shared__ float q_s[kMaxGroup][D];
+  __shared__ __align__(16) T new_kv[2][D];   // pre: the owner's new key and value
   const float q_scale = rsqrtf(float(D)) * 1.4426950408889634f;
-  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
   float m = -INFINITY, l = 0.f, acc[DV];
 #pragma unroll
   for (int e = 0; e < DV; ++e) acc[e] = 0.f;
   if (work) {
     int tile_at = -1;   // PRO: the tile that holds the new key (in this block's range or not)
+    int patch = -1;     // pre: the position of the tile's copy that the new key and value replace
     if constexpr (PRO) {
-      qkv::WarpHead<T, D>(pa, hq, b, h, H, G, lane, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
+      // Every load of the QKV row this warp needs goes out before any is used: its query head, and, in the
+      // block that appends, warp 0's key head and values (they used to wait for the query head's arithmetic,
+      // and the key head's, one round trip to L2 after another).
       tile_at = at >= 0 && at < S ? at / TP : -1;
       const int owner = tile_at < tiles ? tile_at % P : 0;
-      if (r == 0 && tile_at >= 0 && p == owner) {
-        T* kd = static_cast<T*>(pa.kc) + head + size_t(at) * D;
-        T* vd = static_cast<T*>(pa.vc) + head + size_t(at) * D;
-        qkv::WarpHead<T, D>(pa, hk, b, H + g, H, G, lane, [&](int e, T x) { kd[e] = x; });
+      const bool append = r == 0 && tile_at >= 0 && p == owner;
+      if (tile_s != nullptr && tile_at == p) patch = at;
+      qkv::HeadRow<D> qrow, krow;
+      float vx[D / 32];
+      qrow.template Load<T>(pa, b, h, H, G, lane);
+      if (append) {
+        krow.template Load<T>(pa, b, H + g, H, G, lane);
         const T* row = static_cast<const T*>(pa.qkv) + size_t(b) * (H + 2 * G) * D + (H + G + g) * D;
 #pragma unroll
+        for (int j = 0; j < D / 32; ++j) vx[j] = ToF32(row[lane + 32 * j]);
+      }
+      qrow.template Apply<T>(pa, hq, [&](int e, T x) { q_s[r][e] = ToF32(x) * q_scale; });
+      if (append) {
+        T* kd = static_cast<T*>(pa.kc) + head + size_t(at) * D;
+        T* vd = static_cast<T*>(pa.vc) + head + size_t(at) * D;
+        krow.template Apply<T>(pa, hk, [&](int e, T x) {
+          kd[e] = x;
+          new_kv[0][e] = x;
+        });
+#pragma unroll
         for (int j = 0; j < D / 32; ++j) {   // qkv::Biased with the bias loaded before the wait
-          const float x = ToF32(row[lane + 32 * j]);
-          vd[lane + 32 * j] = FromF32<T>(pa.bias ? qkv::AddBias<T>(x, vbias[j]) : x);
+          const T x = FromF32<T>(pa.bias ? qkv::AddBias<T>(vx[j], vbias[j]) : vx[j]);
+          vd[lane + 32 * j] = x;
+          new_kv[1][lane + 32 * j] = x;
         }
       }
-      __syncthreads();   // the new key and value are in the cache before any warp loads its tiles
+      if (tile_s != nullptr) CopyAsyncWait();   // this thread's part of the tile's copy
+      __syncthreads();   // the new key and value are in the cache (and new_kv), the copy complete
       if (pa.stop == 2) return;   // JAXLLM_ATTN_STOP=prologue (timing only)
     } else {
       for (int d = lane; d < D; d += 32) q_s[r][d] = ToF32(q[(size_t(b) * H + h) * D + d]) * q_scale;
@@ -204,7 +280,8 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     for (int c = p; c < tiles; c += P) {
       const int base = c * TP;
       Tile<T, D> cur;   // (no prefetch of the next tile: the other warps and blocks on the SM hide the latency)
-      if (PRO && c == tile_at) cur.template Load<true>(kh, vh, base, len, lane);
+      if (PRO && tile_s != nullptr && c == p) cur.LoadShared(tile_s, tile_s + TP * D, new_kv[0], new_kv[1], base, patch, lane);
+      else if (PRO && c == tile_at) cur.template Load<true>(kh, vh, base, len, lane);
       else cur.template Load<false>(kh, vh, base, len, lane);
       float s = 0.f;
 #pragma unroll
@@ -244,7 +321,6 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   int parts = used, part = p;   // the partials merged through global memory, and this block's index among them
   if (clustered) {
     // Level 1: every block's partials into block 0's slots [C][R][D + 2]; block 0 merges them.
-    extern __shared__ float slots[];
     const int rank = p % C, cl = p / C;
     ClusterWait();   // every block of the cluster has started: block 0's shared memory is there
     if (work) {
@@ -344,10 +420,18 @@ cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, cons
                    const qkv::Args& pa = {}) {
   const int R = H / G, C = ClusterSize<D>(P, R);
   const dim3 grid((P + C - 1) / C * C, G, B), block(32 * R);
-  const size_t smem = C > 1 ? size_t(C) * R * (D + 2) * sizeof(float) : 0;
+  size_t smem = C > 1 ? size_t(C) * R * (D + 2) * sizeof(float) : 0;
+  // The prologue's copy of the first tile (JAXLLM_ATTN_PRELOAD=0: none, for comparison), where it fits beside the
+  // slots and the static q_s and new_kv without the opt-in to more than 48 KB.
+  static const bool preload = EnvFlag("JAXLLM_ATTN_PRELOAD", true);
+  using Ge = Geo<T, D>;
+  const size_t at = (smem + 15) / 16 * 16, tile = 2 * size_t(Ge::TP) * D * sizeof(T);
+  const size_t fixed = size_t(kMaxGroup) * D * sizeof(float) + 2 * D * sizeof(T) + 64;
+  const bool pre = pa.qkv != nullptr && preload && !pa.late_inputs && at + tile + fixed <= size_t(48 << 10);
+  if (pre) smem = at + tile;
   auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
   return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
-                         G, S, P, C, pa);
+                         G, S, P, C, pre ? int(at) : -1, pa);
 }
 
 }  // namespace attn1

@@ -122,46 +122,58 @@ __device__ __forceinline__ HeadConsts<D> LoadHeadConsts(const Args& a, int b, in
   return c;
 }
 
-// One head by one warp (attn1::Kernel's prologue): head hd of sequence b's row (hd < H: a query head, normed by
-// qn; H <= hd < H + G: a key head, normed by kn), rotated; put(e, value) for each of its D elements. c: the
-// head's constants (LoadHeadConsts). The arithmetic of Biased, Normed and Rotate, as EpilogueKernel does it.
-template <typename T, int D, typename Put>
-__device__ __forceinline__ void WarpHead(const Args& a, const HeadConsts<D>& c, int b, int hd, int H, int G, int lane,
-                                         Put put) {
-  constexpr int kPairs = D / 64;
+// One head by one warp (attn1::Kernel's prologue), in two steps so that a warp can have several heads' loads in
+// flight before it computes any: HeadRow loads head hd of sequence b's row (hd < H: a query head, normed by qn;
+// H <= hd < H + G: a key head, normed by kn) with its bias added, and Apply normalizes and rotates it, calling
+// put(e, value) for each of its D elements. c: the head's constants (LoadHeadConsts). The arithmetic of Biased,
+// Normed and Rotate, as EpilogueKernel does it.
+template <int D>
+struct HeadRow {
+  static constexpr int kPairs = D / 64;
   static_assert(D % 64 == 0, "a warp takes D / 2 pairs in whole rounds");
-  const T* row = static_cast<const T*>(a.qkv) + size_t(b) * (H + 2 * G) * D;
   float x0[kPairs], x1[kPairs];
   int e0[kPairs], e1[kPairs];
-#pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    PairOf(lane + 32 * j, D, a.neox, &e0[j], &e1[j]);
-    x0[j] = ToF32(row[hd * D + e0[j]]);
-    x1[j] = ToF32(row[hd * D + e1[j]]);
-    if (c.has_bias) {
-      x0[j] = AddBias<T>(x0[j], c.b0[j]);
-      x1[j] = AddBias<T>(x1[j], c.b1[j]);
-    }
-  }
-  if (c.has_norm) {   // the sum over the head in the block kernel's order: per 32 pairs, then across them
-    float tot = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPairs; ++j) tot = __fadd_rn(tot, WarpSum(PairSq(x0[j], x1[j])));
-    const float inv = NormInv(tot, D, a.eps);
+
+  template <typename T>
+  __device__ __forceinline__ void Load(const Args& a, int b, int hd, int H, int G, int lane) {
+    const T* row = static_cast<const T*>(a.qkv) + size_t(b) * (H + 2 * G) * D;
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
-      x0[j] = Normed<T>(x0[j], inv, c.n0[j]);
-      x1[j] = Normed<T>(x1[j], inv, c.n1[j]);
+      PairOf(lane + 32 * j, D, a.neox, &e0[j], &e1[j]);
+      x0[j] = ToF32(row[hd * D + e0[j]]);
+      x1[j] = ToF32(row[hd * D + e1[j]]);
     }
   }
+
+  template <typename T, typename Put>
+  __device__ __forceinline__ void Apply(const Args& a, const HeadConsts<D>& c, Put put) {
+    if (c.has_bias) {
 #pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    T r0, r1;
-    Rotate<T>(x0[j], x1[j], c.pos, c.f[j], &r0, &r1);
-    put(e0[j], r0);
-    put(e1[j], r1);
+      for (int j = 0; j < kPairs; ++j) {
+        x0[j] = AddBias<T>(x0[j], c.b0[j]);
+        x1[j] = AddBias<T>(x1[j], c.b1[j]);
+      }
+    }
+    if (c.has_norm) {   // the sum over the head in the block kernel's order: per 32 pairs, then across them
+      float tot = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) tot = __fadd_rn(tot, WarpSum(PairSq(x0[j], x1[j])));
+      const float inv = NormInv(tot, D, a.eps);
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        x0[j] = Normed<T>(x0[j], inv, c.n0[j]);
+        x1[j] = Normed<T>(x1[j], inv, c.n1[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      T r0, r1;
+      Rotate<T>(x0[j], x1[j], c.pos, c.f[j], &r0, &r1);
+      put(e0[j], r0);
+      put(e1[j], r1);
+    }
   }
-}
+};
 
 // Block (head, b) of D / 2 threads, heads 0..H-1 the queries (into q_out [B, H, D]) and H..H+G-1 the keys
 // (whose block also appends the values); thread i owns RoPE pair i. It also zeroes the attention counters

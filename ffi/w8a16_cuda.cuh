@@ -331,17 +331,40 @@ __device__ __forceinline__ uint32_t OrderedBits(float v) {
 }
 
 // kNorm's prologue, shared by the kernels that normalize x: inv_rms[m] = rsqrt(mean(x[m]^2) + eps) for the
-// first m_here of MT rows of the f32 x (row stride k), summed by every thread of the block (kThreads) in a
-// fixed order; ends with a barrier.
+// first m_here of MT rows of the f32 x (row stride k, a multiple of 16; 16-byte aligned), summed by every thread
+// of the block (kThreads) in a fixed order; ends with a barrier. It runs right after the wait on the kernel that
+// wrote x, so its loads are on the kernel's path: each thread issues all of its loads (16-byte pieces, up to
+// kNormBatch of them) before it uses any. (A loop of one scalar load a trip made the threads with 3 of K = 896's
+// elements wait on 3 round trips to L2, one after another.)
+constexpr int kNormBatch = 4;
 template <int MT>
 __device__ __forceinline__ void NormRows(const float* xf, int m_here, int k, float eps, float* inv_rms) {
   __shared__ float red[kThreads / 32][MT];
   float ss[MT];
 #pragma unroll
+  for (int m = 0; m < MT; ++m) ss[m] = 0.f;
+  // Piece p (16 bytes) of the m_here contiguous rows belongs to row p / (k / 4); thread t takes t, t + kThreads, ...
+  const float4* x4 = reinterpret_cast<const float4*>(xf);
+  const int per_row = k >> 2, total = m_here * per_row;
+#pragma unroll 1
+  for (int p0 = threadIdx.x; p0 < total; p0 += kThreads * kNormBatch) {
+    float4 v[kNormBatch];
+#pragma unroll
+    for (int j = 0; j < kNormBatch; ++j) {
+      const int p = p0 + j * kThreads;
+      v[j] = p < total ? x4[p] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kNormBatch; ++j) {
+      const int row = MT == 1 ? 0 : (p0 + j * kThreads) / per_row;
+      const float sq = fmaf(v[j].w, v[j].w, fmaf(v[j].z, v[j].z, fmaf(v[j].y, v[j].y, v[j].x * v[j].x)));
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+        if (row == m) ss[m] += sq;   // (pieces past the end are zeros, whichever row they name)
+    }
+  }
+#pragma unroll
   for (int m = 0; m < MT; ++m) {
-    ss[m] = 0.f;
-    if (m < m_here)
-      for (int i = threadIdx.x; i < k; i += kThreads) ss[m] = fmaf(xf[m * k + i], xf[m * k + i], ss[m]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], off);
   }
