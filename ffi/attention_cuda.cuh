@@ -155,8 +155,9 @@ __device__ __forceinline__ void CopyAsyncWait() {
 
 // PRO: the QKV epilogue is this kernel's prologue (the fused step's layers call): q is not given, each warp
 // computes its query head from the QKV projection (pa.qkv), and the block whose tiles hold the write position
-// (block 0 when no visible tile does) appends the new key and value to the caches first, then reads that tile
-// through L2 (the others read-only). The same bits as the epilogue kernel then this one.
+// (block 0 when no visible tile does) appends the new key and value to the caches first. A block reads that tile
+// from its copy (pre, below) with the new key and value substituted, or, without a copy or where the tile is not
+// its first, through L2 (the others read-only). The same bits as the epilogue kernel then this one.
 // pre >= 0 (PRO only, inputs loaded before the wait): the byte offset in dynamic shared memory of a copy of the
 // block's first tile ([2][TP][D]: keys, values), made before the wait (cp.async; the cache holds those positions
 // since earlier steps), the owner's new key and value substituted as the warps read it: the tile's load is then

@@ -123,8 +123,8 @@ __device__ __forceinline__ HeadConsts<D> LoadHeadConsts(const Args& a, int b, in
 }
 
 // One head by one warp (attn1::Kernel's prologue), in two steps so that a warp can have several heads' loads in
-// flight before it computes any: HeadRow loads head hd of sequence b's row (hd < H: a query head, normed by qn;
-// H <= hd < H + G: a key head, normed by kn) with its bias added, and Apply normalizes and rotates it, calling
+// flight before it computes any: Load reads head hd of sequence b's row (hd < H: a query head, normed by qn;
+// H <= hd < H + G: a key head, normed by kn), and Apply adds its bias, normalizes and rotates it, calling
 // put(e, value) for each of its D elements. c: the head's constants (LoadHeadConsts). The arithmetic of Biased,
 // Normed and Rotate, as EpilogueKernel does it.
 template <int D>
