@@ -97,22 +97,34 @@ __device__ __forceinline__ void Words(const void* p, bool ok, uint32_t* out) {
   }
 }
 
+// The copy of a tile's keys in shared memory stores a lane's 128 bytes (8 pieces of 16 bytes: lane part `part`
+// of position kp) with piece i at i ^ SwizzleOf(kp, part). Unswizzled, the 8 lanes of a quarter warp, which read
+// the same piece of 8 different positions (rows 128 or 256 bytes apart), all hit the same 4 banks: 8 wavefronts
+// where one does, on each of the 8 loads of every warp of the block. Swizzled, they hit 8 different banks.
+// swz: 7, or 0 for no swizzle (JAXLLM_ATTN_SWIZZLE=0, for comparison).
+template <typename T, int D>
+__device__ __forceinline__ int SwizzleOf(int kp, int part, int swz) {
+  return (kp * Geo<T, D>::LPP + part) & swz;
+}
+
 template <typename T, int D>
 struct Tile {
   uint32_t k[Geo<T, D>::KW];                 // this lane's 128 bytes of its position's key
   uint32_t v[Geo<T, D>::TP][Geo<T, D>::VW];  // this lane's dims of every position's value
 
-  // From the block's copy of the tile in shared memory (ks, vs [TP][D], positions past the length zeroed), with
-  // position `patch` (or none: -1) taken from nk / nv [D] instead: the new key and value, appended after the
-  // copy was made.
+  // From the block's copy of the tile in shared memory (ks, vs [TP][D], positions past the length zeroed; the
+  // keys' 16-byte pieces swizzled by SwizzleOf with mask swz), with position `patch` (or none: -1) taken from
+  // nk / nv [D] instead: the new key and value, appended after the copy was made.
   __device__ __forceinline__ void LoadShared(const T* ks, const T* vs, const T* nk, const T* nv, int base, int patch,
-                                             int lane) {
+                                             int swz, int lane) {
     using G = Geo<T, D>;
-    const int kp = lane / G::LPP;
-    const T* krow = (base + kp == patch ? nk : ks + kp * D) + (lane % G::LPP) * G::EK;
+    const int kp = lane / G::LPP, part = lane % G::LPP;
+    const bool patched = base + kp == patch;
+    const uint4* krow = reinterpret_cast<const uint4*>(patched ? nk : ks + kp * D) + part * (G::KW / 4);
+    const int sw = patched ? 0 : SwizzleOf<T, D>(kp, part, swz);
 #pragma unroll
     for (int i = 0; i < G::KW / 4; ++i) {
-      const uint4 w = reinterpret_cast<const uint4*>(krow)[i];
+      const uint4 w = krow[i ^ sw];
       k[4 * i] = w.x; k[4 * i + 1] = w.y; k[4 * i + 2] = w.z; k[4 * i + 3] = w.w;
     }
 #pragma unroll
@@ -167,7 +179,7 @@ template <typename T, int D, bool PRO = false>
 __global__ void __launch_bounds__(32 * kMaxGroup)
     Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
            float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
-           int S, int P, int C, int pre, qkv::Args pa) {
+           int S, int P, int C, int pre, int swz, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
@@ -198,12 +210,14 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
       if (pre >= 0 && p < min(P, (len0 + TP - 1) / TP)) {
         tile_s = reinterpret_cast<T*>(reinterpret_cast<char*>(slots) + pre);
         constexpr int kRowChunks = D * int(sizeof(T)) / 16, kChunks = TP * kRowChunks, kPer = 16 / int(sizeof(T));
+        constexpr int kPart = Ge::KW / 4;   // 16-byte pieces of a lane's part of a key
         const int base = p * TP;
         for (int i = threadIdx.x; i < 2 * kChunks; i += blockDim.x) {
           const int kv = i / kChunks, row = i % kChunks / kRowChunks, col = i % kRowChunks;
           const bool ok = base + row < len0;
           const T* src = (kv ? v : k) + head + size_t(ok ? base + row : 0) * D + col * kPer;
-          CopyAsync16(tile_s + (kv * TP + row) * D + col * kPer, src, ok);
+          const int at_col = kv ? col : col ^ SwizzleOf<T, D>(row, col / kPart, swz);   // keys swizzled
+          CopyAsync16(tile_s + (kv * TP + row) * D + at_col * kPer, src, ok);
         }
       }
     }
@@ -281,7 +295,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     for (int c = p; c < tiles; c += P) {
       const int base = c * TP;
       Tile<T, D> cur;   // (no prefetch of the next tile: the other warps and blocks on the SM hide the latency)
-      if (PRO && tile_s != nullptr && c == p) cur.LoadShared(tile_s, tile_s + TP * D, new_kv[0], new_kv[1], base, patch, lane);
+      if (PRO && tile_s != nullptr && c == p) cur.LoadShared(tile_s, tile_s + TP * D, new_kv[0], new_kv[1], base, patch, swz, lane);
       else if (PRO && c == tile_at) cur.template Load<true>(kh, vh, base, len, lane);
       else cur.template Load<false>(kh, vh, base, len, lane);
       float s = 0.f;
@@ -430,9 +444,10 @@ cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, cons
   const size_t fixed = size_t(kMaxGroup) * D * sizeof(float) + 2 * D * sizeof(T) + 64;
   const bool pre = pa.qkv != nullptr && preload && !pa.late_inputs && at + tile + fixed <= size_t(48 << 10);
   if (pre) smem = at + tile;
+  static const int swz = EnvFlag("JAXLLM_ATTN_SWIZZLE", true) ? 7 : 0;
   auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
   return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
-                         G, S, P, C, pre ? int(at) : -1, pa);
+                         G, S, P, C, pre ? int(at) : -1, swz, pa);
 }
 
 }  // namespace attn1
