@@ -97,11 +97,12 @@ __device__ __forceinline__ void Words(const void* p, bool ok, uint32_t* out) {
   }
 }
 
-// The copy of a tile's keys in shared memory stores a lane's 128 bytes (8 pieces of 16 bytes: lane part `part`
-// of position kp) with piece i at i ^ SwizzleOf(kp, part). Unswizzled, the 8 lanes of a quarter warp, which read
-// the same piece of 8 different positions (rows 128 or 256 bytes apart), all hit the same 4 banks: 8 wavefronts
-// where one does, on each of the 8 loads of every warp of the block. Swizzled, they hit 8 different banks.
-// swz: 7, or 0 for no swizzle (JAXLLM_ATTN_SWIZZLE=0, for comparison).
+// The copy of a tile's keys in shared memory: lane l of a warp reads 128 bytes of a key (part `part` of position
+// kp, l = kp * LPP + part) in 8 loads of 16 bytes; its piece i is stored at i ^ SwizzleOf(kp, part) = i ^ (l & 7)
+// within those 128 bytes. Unswizzled, the 8 lanes of a quarter warp load piece i of 8 parts 128 bytes apart, all
+// from the same 4 banks: 8 wavefronts where one does, on each of the 8 loads of every warp of the block.
+// Swizzled, they load from 8 different 16-byte columns of banks. swz: 7, or 0 for no swizzle
+// (JAXLLM_ATTN_SWIZZLE=0, for comparison).
 template <typename T, int D>
 __device__ __forceinline__ int SwizzleOf(int kp, int part, int swz) {
   return (kp * Geo<T, D>::LPP + part) & swz;
