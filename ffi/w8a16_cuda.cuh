@@ -923,8 +923,9 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     // The down projection (a residual epilogue at long K): 4 rows a block, rows shared evenly between the SMs (two
     // blocks an SM), each thread's chunks of x turned into int16 once for its 4 rows: a quarter of the blocks, each
     // reading x once for 4 rows, and half an instruction a weight (docs/results/2026-12-03-h200-swizzle.md).
-    if constexpr (EX == kResidual && sizeof(T) == 2)
+    if constexpr (EX == kResidual && sizeof(T) == 2) {
       if (long_k) return Launch<T, 1, 256, 4, 2, kInt16, kH | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
+    }
     if (long_k) return Launch<T, 1, 256, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);     // K over the block
     if (int16 && huge_n) return Launch<T, 1, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);  // LM head
     if (int16)   // half a warp per 2 rows, rows shared evenly between the SMs
@@ -935,9 +936,10 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     // Norm + QKV (few rows, short K): x normalized and staged as int16 once a block, a warp per 2 rows, rows shared
     // evenly (a block an SM on the H200), so that its blocks fit beside the down projection's and issue their
     // weight loads while it runs.
-    if constexpr (EX == kNorm && sizeof(T) == 2)
+    if constexpr (EX == kNorm && sizeof(T) == 2) {
       if (XStageBytes(1, k) <= kMaxXStageBytes)
         return Launch<T, 1, 32, 2, 2, kInt16, kStaged | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
+    }
     return Launch<T, 1, 64, Rows<EX>(1), 1, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);                  // 2 warps per row
   }
   if (m == 2) {
