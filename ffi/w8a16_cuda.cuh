@@ -908,7 +908,8 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
   const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
   const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768;
   const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
-  const bool int16 = sizeof(T) == 2 && many_rows && XStageBytes(mt, k) <= kMaxXStageBytes;
+  const bool stage_fits = sizeof(T) == 2 && XStageBytes(mt, k) <= kMaxXStageBytes;   // x as staged int16 chunks
+  const bool int16 = many_rows && stage_fits;
   if (m == 1) {
     // The LM head, greedy or logits, on resident blocks (JAXLLM_HEAD_GRID=1: a block per 32 rows, for comparison).
     if constexpr (EX == (kNorm | kArgmax) || EX == kNorm) {
@@ -937,8 +938,7 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     // evenly (a block an SM on the H200), so that its blocks fit beside the down projection's and issue their
     // weight loads while it runs.
     if constexpr (EX == kNorm && sizeof(T) == 2) {
-      if (XStageBytes(1, k) <= kMaxXStageBytes)
-        return Launch<T, 1, 32, 2, 2, kInt16, kStaged | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
+      if (stage_fits) return Launch<T, 1, 32, 2, 2, kInt16, kStaged | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
     }
     return Launch<T, 1, 64, Rows<EX>(1), 1, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);                  // 2 warps per row
   }
