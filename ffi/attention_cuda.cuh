@@ -59,6 +59,43 @@ __device__ __forceinline__ float* ClusterShared(float* p, int rank) {
 #endif
 }
 
+// The cluster merge's transaction barrier (sm_90) in block 0's shared memory: the other blocks' partials arrive by
+// st.async, each store counting its bytes on it, and block 0 waits for those bytes instead of a second cluster
+// barrier (JAXLLM_ATTN_MBAR=0: the barrier, for comparison).
+__device__ __forceinline__ uint32_t SharedAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// Two floats into block `rank`'s shared memory at the address `p` has here, counted on that block's barrier `bar`.
+__device__ __forceinline__ void SendPair(float* p, uint64_t* bar, int rank, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t dst, rbar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(SharedAddr(p)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(SharedAddr(bar)), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+               ::"r"(dst), "f"(a), "f"(b), "r"(rbar) : "memory");
+#endif
+}
+// Block 0: expect `bytes` more on its barrier (its one arrival), then every thread waits for the phase.
+__device__ __forceinline__ void MbarExpectArrive(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }"
+               ::"r"(SharedAddr(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; "
+                 "selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(SharedAddr(bar)) : "memory");
+#endif
+}
 
 template <typename T> __device__ __forceinline__ float Elem(const uint32_t* w, int e);
 template <> __device__ __forceinline__ float Elem<float>(const uint32_t* w, int e) { return __uint_as_float(w[e]); }
@@ -180,7 +217,7 @@ template <typename T, int D, bool PRO = false>
 __global__ void __launch_bounds__(32 * kMaxGroup)
     Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
            float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
-           int S, int P, int C, int pre, int swz, qkv::Args pa) {
+           int S, int P, int C, int pre, int swz, int mbar, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
@@ -235,8 +272,10 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   // Whether this block's cluster merges its splits itself (the same for every block of a cluster; never with a
   // timing stop, whose blocks leave early).
   const bool clustered = C > 1 && used > 1 && pa.stop == 0;
+  __shared__ __align__(8) uint64_t merge_bar;   // (mbar) block 0's transaction barrier
   if (clustered) {
     if (p / C * C >= used) return;   // no block of this cluster has a tile
+    if (mbar && p % C == 0) MbarInit(&merge_bar);   // (before the arrive below: the others wait on it to send)
     ClusterArrive(true);             // first phase: this block has started (waited on before writing to block 0)
   } else if (p >= used) {
     return;
@@ -339,16 +378,34 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     // Level 1: every block's partials into block 0's slots [C][R][D + 2]; block 0 merges them.
     const int rank = p % C, cl = p / C;
     ClusterWait();   // every block of the cluster has started: block 0's shared memory is there
-    if (work) {
-      float* dst = ClusterShared(slots, 0) + (size_t(rank) * R + r) * (D + 2);
-#pragma unroll
-      for (int e = 0; e < DV; ++e) dst[lane * DV + e] = acc[e];
-      if (lane == 0) { dst[D] = m; dst[D + 1] = l; }
-    }
-    ClusterArrive(false);   // second phase: the slots are written (release)
-    if (rank != 0) return;
-    ClusterWait();
     const int nu = min(C, used - cl * C);   // blocks of this cluster with tiles (the first nu)
+    if (mbar) {   // the partials by st.async, counted on block 0's barrier; block 0 waits for their bytes
+      float* own = slots + (size_t(rank) * R + r) * (D + 2);
+      if (rank != 0) {
+        if (work) {
+#pragma unroll
+          for (int e = 0; e < DV; e += 2) SendPair(own + lane * DV + e, &merge_bar, 0, acc[e], acc[e + 1]);
+          if (lane == 0) SendPair(own + D, &merge_bar, 0, m, l);
+        }
+        return;
+      }
+#pragma unroll
+      for (int e = 0; e < DV; ++e) own[lane * DV + e] = acc[e];
+      if (lane == 0) { own[D] = m; own[D + 1] = l; }
+      if (threadIdx.x == 0) MbarExpectArrive(&merge_bar, uint32_t(nu - 1) * R * (D + 2) * sizeof(float));
+      __syncwarp();
+      MbarWait(&merge_bar);
+    } else {
+      if (work) {
+        float* dst = ClusterShared(slots, 0) + (size_t(rank) * R + r) * (D + 2);
+#pragma unroll
+        for (int e = 0; e < DV; ++e) dst[lane * DV + e] = acc[e];
+        if (lane == 0) { dst[D] = m; dst[D + 1] = l; }
+      }
+      ClusterArrive(false);   // second phase: the slots are written (release)
+      if (rank != 0) return;
+      ClusterWait();
+    }
     float mm = -INFINITY;
     for (int i = 0; i < nu; ++i) mm = fmaxf(mm, slots[(i * R + r) * (D + 2) + D]);
     float a[DV], ll = 0.f;
@@ -446,9 +503,10 @@ cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, cons
   const bool pre = pa.qkv != nullptr && preload && !pa.late_inputs && at + tile + fixed <= size_t(48 << 10);
   if (pre) smem = at + tile;
   static const int swz = EnvFlag("JAXLLM_ATTN_SWIZZLE", true) ? 7 : 0;
+  static const int mbar = EnvFlag("JAXLLM_ATTN_MBAR", true) ? 1 : 0;
   auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
   return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
-                         G, S, P, C, pre ? int(at) : -1, swz, pa);
+                         G, S, P, C, pre ? int(at) : -1, swz, mbar, pa);
 }
 
 }  // namespace attn1
