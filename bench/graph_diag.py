@@ -12,6 +12,7 @@ marker lines:
   decode-steps-8 the engine's 8-steps-a-call executable (decode_steps, the GPU's default for the fused
                  step), state and token block donated, `--steps` / 8 calls;
   engine-loop    the engine's real pipelined loop (prefill, then steps interleaved with token reads);
+  streaming-loop the same request in the engine's streaming loop (each call's tokens read before the next);
   aliased-64     64 W8A16 calls whose outputs are written into donated inputs (keep_unused=True);
   alternating-input  the same program fed two input arrays in turn: a changed address every execution,
                  the control that shows the log reports updates when they happen.
@@ -75,6 +76,8 @@ def child(model: str, steps: int) -> None:
   list(engine.stream_tokens([prompt], steps, SamplingParams(), 0, True, ignore_eos=True))
   mark("engine-loop", steps)                          # a whole request: prefill + steps - 1 decode steps
   list(engine.stream_tokens([prompt], steps, SamplingParams(), 0, True, ignore_eos=True))
+  mark("streaming-loop", steps)                       # the same request read token by token (not pipelined)
+  list(engine.stream_tokens([prompt], steps, SamplingParams(), 0, False, ignore_eos=True))
 
   copies, n, k = 64, 1152, 896
   w8 = jax.random.randint(jax.random.PRNGKey(0), (copies, n, k), -127, 128, jnp.int8)

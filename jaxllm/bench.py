@@ -187,7 +187,9 @@ def run(args) -> list[dict]:
     if host:
       print(f"[bench] host, kernels={engine.kernels}: dispatch {host['serial_dispatch_ms']:.3f} ms with the device "
             f"idle, {host['busy_dispatch_ms']:.3f} busy; read {host['serial_read_ms']:.3f}; serial step "
-            f"{host['serial_step_ms']:.3f}; snapshot {host['snapshot_ms']:.3f}", file=sys.stderr)
+            f"{host['serial_step_ms']:.3f}; snapshot {host['snapshot_ms']:.3f}; calls of {host['tokens_per_call']}: "
+            f"dispatch {host['call_dispatch_ms']:.3f}, read {host['call_read_ms']:.3f}, back to back "
+            f"{host['call_device_ms']:.3f}", file=sys.stderr)
     for loop in (["pipelined", "streaming"] if args.loop == "both" else [args.loop]):
       m = measure(engine, prompts, args.decode_len, args.repeat, args.warmup, loop == "pipelined", params)
       m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
 import threading
 import time
@@ -571,7 +572,16 @@ class Engine:
     # Tokens of each call on the device, in order: [B] or [K, B]. Pipelined, they are copied (snapshot)
     # before the next call donates them; otherwise they are read first and the call is the only dispatch.
     keep = _snapshot_jit if pipelined else (lambda x: x)
-    pending = [keep(state.tokens)]
+    # Each call's tokens are copied to the host as soon as the device has them (the copy queued behind the call
+    # at dispatch), not once the host asks: the read then finds them there. JAXLLM_READ_AHEAD=0: on asking.
+    ahead = os.environ.get("JAXLLM_READ_AHEAD", "1") != "0"
+
+    def kept(tokens):
+      tokens = keep(tokens)
+      if ahead:
+        tokens.copy_to_host_async()
+      return tokens
+    pending = [kept(state.tokens)]
     in_flight = 1                                         # tokens per row in pending
     read: list[np.ndarray] = []
     block = None
@@ -579,7 +589,7 @@ class Engine:
       while pending:
         if pipelined and len(read) + in_flight < steps:
           state, block, out = advance(state, block)      # dispatch ahead, then read the older tokens
-          pending.append(keep(out))
+          pending.append(kept(out))
           in_flight += k
         rows = np.asarray(pending.pop(0)).reshape(-1, b)
         in_flight -= len(rows)
@@ -590,7 +600,7 @@ class Engine:
           break
         if not pipelined:
           state, block, out = advance(state, block)
-          pending.append(out)
+          pending.append(kept(out))
           in_flight += k
     finally:
       # What the cache now holds, per row: the prompt and the generated tokens written before it stopped.
@@ -611,21 +621,22 @@ class Engine:
                                         reuse_cache=reuse_cache):
       yield int(tokens[0]), t
 
-  def _timing_start(self, prompt_ids: Sequence[int], tokens: int) -> tuple[DecodeState, Callable]:
+  def _timing_start(self, prompt_ids: Sequence[int], tokens: int) -> tuple[DecodeState, Callable, Callable]:
     """A greedy batch-1 request of `tokens` tokens for a timing loop, prefilled: (its state, the compiled
-    single step). The caller holds the lock and puts the last state's cache back."""
+    single step, the engine's advance of tokens_per_call_for(1) steps a call). The caller holds the lock and puts
+    the last state's cache back."""
     self.check_prompt(prompt_ids)
     sampler, limits, eog, greedy = self._setup([prompt_ids], tokens, SamplingParams(), 0, True)
     self._close_abandoned()
     state, _ = self._prefill([prompt_ids], sampler, limits, eog, greedy, False)
-    return state, self.step_fn(1, greedy)
+    return state, self.step_fn(1, greedy), self._advance_fn(1, greedy)
 
   def burst_step_ms(self, prompt_ids: Sequence[int], steps: int) -> float:
     """Mean ms per greedy decode step when `steps` steps are dispatched back to back and read once at the
     end: the device-bound step time when host dispatch keeps ahead of the device."""
     steps = min(steps, self.max_context - len(prompt_ids))
     with self._lock:
-      state, step = self._timing_start(prompt_ids, steps + 1)
+      state, step, _ = self._timing_start(prompt_ids, steps + 1)
       state = step(self.weights, state)
       state.tokens.block_until_ready()
       t0 = time.perf_counter()
@@ -643,12 +654,14 @@ class Engine:
     (the step call returning, the device idle), read (np.asarray of its token: the device step and the copy
     back), step (the two). snapshot_ms: the pipelined loop's copy of a token before the next step donates
     it (a dispatch and its read). busy_dispatch_ms: the step call returning while earlier steps still run
-    (the pipelined and burst loops).
+    (the pipelined and burst loops). call_*: the same for the engine's calls of tokens_per_call steps (the
+    streaming loop's calls): call_dispatch_ms, call_read_ms (the device's K steps and the copy back), and
+    call_device_ms, a call's time when calls are dispatched back to back.
     """
     steps = max(2, min(steps, (self.max_context - len(prompt_ids)) // 3))
     med = lambda xs: statistics.median(xs) * 1e3
     with self._lock:
-      state, step = self._timing_start(prompt_ids, 3 * steps + 1)
+      state, step, advance = self._timing_start(prompt_ids, 3 * steps + 1)
       state = step(self.weights, state)
       np.asarray(_snapshot_jit(state.tokens))
       dispatch, read, snap, busy = [], [], [], []
@@ -668,11 +681,29 @@ class Engine:
         t0 = time.perf_counter()
         state = step(self.weights, state)
         busy.append(time.perf_counter() - t0)
+      # The calls of K steps (past the request's limit the rows are done: the same kernels run).
+      block = None
+      state, block, out = advance(state, block)
+      np.asarray(out)
+      cdispatch, cread = [], []
+      for _ in range(8):
+        t0 = time.perf_counter()
+        state, block, out = advance(state, block)
+        t1 = time.perf_counter()
+        np.asarray(out)
+        cdispatch.append(t1 - t0)
+        cread.append(time.perf_counter() - t1)
+      t0 = time.perf_counter()
+      for _ in range(8):
+        state, block, out = advance(state, block)
+      np.asarray(out)
+      cdevice = (time.perf_counter() - t0) / 8
       state.tokens.block_until_ready()
       self._cache, self._history = state.cache, None
     return {"serial_dispatch_ms": med(dispatch), "serial_read_ms": med(read),
             "serial_step_ms": med([a + b for a, b in zip(dispatch, read)]), "snapshot_ms": med(snap),
-            "busy_dispatch_ms": med(busy), "steps": steps}
+            "busy_dispatch_ms": med(busy), "steps": steps, "tokens_per_call": self.tokens_per_call_for(1),
+            "call_dispatch_ms": med(cdispatch), "call_read_ms": med(cread), "call_device_ms": cdevice * 1e3}
 
   def generate(self, prompt_ids: Sequence[int], max_tokens: int = 32, params: SamplingParams = SamplingParams(),
                seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False, pipelined: bool = True,

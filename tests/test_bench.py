@@ -33,6 +33,8 @@ def test_bench_smoke_schema(tmp_path, monkeypatch):
     assert all((r["tokens_per_call"], r["device_loop"]) == (8, "while") for r in records)
   host = k4[0]["host_timings"]
   assert host["serial_step_ms"] >= host["serial_dispatch_ms"] > 0 and host["snapshot_ms"] > 0
+  assert host["tokens_per_call"] == 4 and host["call_dispatch_ms"] > 0 and host["call_read_ms"] > 0
+  assert host["call_device_ms"] > 0
   assert len(records) == 5
   for r in records:
     assert FIELDS <= set(r), FIELDS - set(r)
