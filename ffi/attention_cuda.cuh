@@ -7,10 +7,11 @@
 // Softmax is online in base 2 (q carries log2 e). A sequence whose visible keys fit the first P tiles uses
 // `used` = ceil(len / TP) (at most P) blocks; with one, it writes `out` itself. Otherwise the splits are
 // merged in two levels:
-//   - in a thread-block cluster (C blocks along x, C = 2..8; sm_90): each block puts its unnormalized
+//   - in a thread-block cluster (C blocks along x, C = 2..8; sm_90): each block sends its unnormalized
 //     partials (acc [D], m, l) into the shared memory of the cluster's first block (distributed shared
-//     memory), which merges them after one cluster barrier. No global memory, fence or atomic: with all
-//     used blocks in one cluster (len <= C tiles) the merged result is the output.
+//     memory, st.async), counted on that block's transaction barrier, and block 0 merges them once their
+//     bytes are in. No global memory, fence or atomic: with all used blocks in one cluster (len <= C tiles)
+//     the merged result is the output.
 //   - across clusters (or blocks, without clusters): partials ws[b, h, i] in global memory, a ticket from
 //     counters[b, g], and the block that draws the last one resets the counter and merges.
 //
