@@ -142,7 +142,7 @@ def main(argv=None) -> int:
   prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_len)]
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="step_profile_")
   with engine._lock:                       # a greedy request prefilled, then only its decode calls traced
-    state, _, _ = engine._timing_start(prompt, (calls + 1) * k + 1)
+    state, _ = engine._timing_start(prompt, (calls + 1) * k + 1)
     advance = engine._advance_fn(1, True)
     state, block, _ = advance(state, None)
     jax.block_until_ready(block)

@@ -621,22 +621,21 @@ class Engine:
                                         reuse_cache=reuse_cache):
       yield int(tokens[0]), t
 
-  def _timing_start(self, prompt_ids: Sequence[int], tokens: int) -> tuple[DecodeState, Callable, Callable]:
+  def _timing_start(self, prompt_ids: Sequence[int], tokens: int) -> tuple[DecodeState, Callable]:
     """A greedy batch-1 request of `tokens` tokens for a timing loop, prefilled: (its state, the compiled
-    single step, the engine's advance of tokens_per_call_for(1) steps a call). The caller holds the lock and puts
-    the last state's cache back."""
+    single step). The caller holds the lock and puts the last state's cache back."""
     self.check_prompt(prompt_ids)
     sampler, limits, eog, greedy = self._setup([prompt_ids], tokens, SamplingParams(), 0, True)
     self._close_abandoned()
     state, _ = self._prefill([prompt_ids], sampler, limits, eog, greedy, False)
-    return state, self.step_fn(1, greedy), self._advance_fn(1, greedy)
+    return state, self.step_fn(1, greedy)
 
   def burst_step_ms(self, prompt_ids: Sequence[int], steps: int) -> float:
     """Mean ms per greedy decode step when `steps` steps are dispatched back to back and read once at the
     end: the device-bound step time when host dispatch keeps ahead of the device."""
     steps = min(steps, self.max_context - len(prompt_ids))
     with self._lock:
-      state, step, _ = self._timing_start(prompt_ids, steps + 1)
+      state, step = self._timing_start(prompt_ids, steps + 1)
       state = step(self.weights, state)
       state.tokens.block_until_ready()
       t0 = time.perf_counter()
@@ -661,7 +660,7 @@ class Engine:
     steps = max(2, min(steps, (self.max_context - len(prompt_ids)) // 3))
     med = lambda xs: statistics.median(xs) * 1e3
     with self._lock:
-      state, step, advance = self._timing_start(prompt_ids, 3 * steps + 1)
+      state, step = self._timing_start(prompt_ids, 3 * steps + 1)
       state = step(self.weights, state)
       np.asarray(_snapshot_jit(state.tokens))
       dispatch, read, snap, busy = [], [], [], []
@@ -681,7 +680,9 @@ class Engine:
         t0 = time.perf_counter()
         state = step(self.weights, state)
         busy.append(time.perf_counter() - t0)
-      # The calls of K steps (past the request's limit the rows are done: the same kernels run).
+      # The calls of K steps (past the request's limit the rows are done: the same kernels run); greedy, as
+      # the request _timing_start prefilled.
+      advance = self._advance_fn(1, True)
       block = None
       state, block, out = advance(state, block)
       np.asarray(out)
