@@ -105,11 +105,11 @@ class _StopText:
     # Shown text never ends with the start of a stop string (that much is held back), so a stop string
     # can only begin in the pending text.
     self.pending += piece
-    for s in self.stops:
-      at = self.pending.find(s)
-      if at >= 0:
-        self.pending = self.pending[:at]
-        return self._show(at), True
+    hits = [at for at in (self.pending.find(s) for s in self.stops) if at >= 0]
+    if hits:                     # the earliest stop string in the text, whatever its place in the list
+      at = min(hits)
+      self.pending = self.pending[:at]
+      return self._show(at), True
     hold = 0
     for s in self.stops:
       for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
@@ -585,6 +585,12 @@ class Engine:
     in_flight = 1                                         # tokens per row in pending
     read: list[np.ndarray] = []
     block = None
+    # The device's stop rule (decode._stopped) followed on the host, from the tokens alone: a row is done after
+    # an end-of-generation or NONFINITE token, or once it has its limit's tokens; when every row is, so is the
+    # stream (the device would only repeat the done rows' last tokens).
+    stoppers = [set(row.tolist()) | {NONFINITE} for row in eog]
+    quota = [int(limits[r]) - len(p) + 1 for r, p in enumerate(prompts)]
+    done = [False] * b
     try:
       while pending:
         if pipelined and len(read) + in_flight < steps:
@@ -596,19 +602,27 @@ class Engine:
         for tokens in rows[:steps - len(read)]:
           read.append(tokens)
           yield tokens, time.perf_counter() - t0
-        if len(read) >= steps:
+          done = [d or int(t) in stop or len(read) >= q for d, t, stop, q in zip(done, tokens, stoppers, quota)]
+          if all(done):
+            break
+        if len(read) >= steps or all(done):
           break
         if not pipelined:
           state, block, out = advance(state, block)
           pending.append(kept(out))
           in_flight += k
     finally:
-      # What the cache now holds, per row: the prompt and the generated tokens written before it stopped.
-      pos = np.asarray(state.pos)
-      gen = np.stack(read, axis=1) if read else np.zeros((len(prompts), 0), np.int32)
-      self._history = [list(p) + [int(t) for t in gen[r, :max(0, pos[r] - len(p))]]
-                       for r, p in enumerate(prompts)]
-      self._cache = state.cache
+      if any(a.is_deleted() for a in jax.tree.leaves(state)):
+        # Interrupted (Ctrl-C) between a call that donated the state and the assignment of what it returned:
+        # the buffers are gone, so is the cache; the next request starts from a new one.
+        self._cache, self._history = None, None
+      else:
+        # What the cache now holds, per row: the prompt and the generated tokens written before it stopped.
+        pos = np.asarray(state.pos)
+        gen = np.stack(read, axis=1) if read else np.zeros((len(prompts), 0), np.int32)
+        self._history = [list(p) + [int(t) for t in gen[r, :max(0, pos[r] - len(p))]]
+                         for r, p in enumerate(prompts)]
+        self._cache = state.cache
 
   def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
                  seed: int = 0, pipelined: bool = True, reuse_cache: bool = False) -> Iterator[tuple[int, float]]:

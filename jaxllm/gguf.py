@@ -95,7 +95,11 @@ class _Cursor:
       self.need(count * struct.calcsize(fmt), f"the {count} items of {key!r}")
       arr = np.frombuffer(self.buf, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=self.pos)
       self.pos += arr.nbytes
-      return arr.tolist()
+      # A numpy array, not a list: its items cost their own bytes, not a Python object each (~36 bytes an
+      # int8), so the metadata of a 1 GiB file cannot need tens of GiB. Copied: the map may be closed.
+      out = arr.astype(dtype)
+      out.flags.writeable = False
+      return out
     if item == V.STRING:
       self.need(count * 8, f"the {count} strings of {key!r}")   # each string has at least its length
       return [self.string(f"item {i} of {key!r}") for i in range(count)]
@@ -199,7 +203,8 @@ class GGUFFile:
 
   Attributes:
     path: the file.
-    metadata: dict of key -> Python value (scalars, strings, lists).
+    metadata: dict of key -> value: Python scalars and strings, a list of str for a string array, a
+      read-only 1-D numpy array for a numeric array.
     config: the model Config.
   """
 

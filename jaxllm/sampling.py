@@ -34,6 +34,11 @@ MAX_TOP_K = 128          # candidates kept for top-k / top-p / min-p (top_k may 
 PENALTY_WINDOW = 64      # last tokens the penalties look at (llama.cpp's repeat_last_n default)
 CANDIDATE_BLOCK = 128    # logits per block in the two-stage top-k
 NONFINITE = -1           # the token a row with NaN or inf logits gets
+# Sampling settings' bounds: within them a finite logit stays finite through temperature and penalties
+# (|logit| / 1e-3, |logit| x 100 and 100 x PENALTY_WINDOW stay far inside f32).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+REPEAT_PENALTY_RANGE = (0.01, 100.0)
+MAX_ADDITIVE_PENALTY = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +62,20 @@ class SamplingParams:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise ValueError(f"{name} must be {expect}, got {value!r}")
-    number("temperature", lambda v: v >= 0, "a finite number >= 0")
+    # Bounds keep every scaled logit finite (a logit divided by 1e-38, or a penalty of 1e30, is inf, and then
+    # NaN): temperature 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]; penalties within their ranges.
+    number("temperature", lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
+           f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
     if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= MAX_TOP_K:
       raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
     number("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
     number("min_p", lambda v: 0 <= v < 1, "in [0, 1)")
-    number("repeat_penalty", lambda v: v > 0, "a finite number > 0 (1 = off)")
-    number("presence_penalty", lambda v: True, "a finite number (0 = off)")
-    number("frequency_penalty", lambda v: True, "a finite number (0 = off)")
+    lo, hi = REPEAT_PENALTY_RANGE
+    number("repeat_penalty", lambda v: lo <= v <= hi, f"a number in [{lo}, {hi}] (1 = off)")
+    number("presence_penalty", lambda v: abs(v) <= MAX_ADDITIVE_PENALTY,
+           f"a number in [-{MAX_ADDITIVE_PENALTY}, {MAX_ADDITIVE_PENALTY}] (0 = off)")
+    number("frequency_penalty", lambda v: abs(v) <= MAX_ADDITIVE_PENALTY,
+           f"a number in [-{MAX_ADDITIVE_PENALTY}, {MAX_ADDITIVE_PENALTY}] (0 = off)")
     if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                   or not 0 <= self.seed < 2 ** 63):
       raise ValueError(f"seed must be an integer in [0, 2^63) or None, got {self.seed!r}")

@@ -70,6 +70,32 @@ def test_corpus_file_fails_cleanly(name):
   assert peak < PEAK_BYTES, (name, peak)
 
 
+def test_a_large_numeric_metadata_array_costs_its_own_bytes(tmp_path):
+  """A valid file whose metadata holds a 2^24-item int8 array (16 MiB in the file): reading it needs about
+  that much memory, not a Python object per item (a list of them was ~8x the file's bytes and more)."""
+  import numpy as np
+  from jaxllm import GGUFFile
+  n = 1 << 24
+  meta = gguf_corpus.micro_metadata()
+  raw = gguf_corpus.s("general.padding") + struct.pack("<IIQ", gguf_corpus.ARR, 1, n) + bytes(range(256)) * (n // 256)
+  body = gguf_corpus.build(meta + [("x", gguf_corpus.U32, 0)])
+  # The extra key is spliced in by hand (the corpus writer builds arrays item by item, slow at 2^24 items).
+  marker = gguf_corpus.kv("x", gguf_corpus.U32, 0)
+  body = body.replace(marker, raw, 1)
+  path = tmp_path / "big-meta.gguf"
+  path.write_bytes(body)
+  tracemalloc.start()
+  try:
+    gf = GGUFFile(path)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  arr = gf.metadata["general.padding"]
+  assert isinstance(arr, np.ndarray) and arr.dtype == np.int8 and arr.shape == (n,) and not arr.flags.writeable
+  assert arr[:3].tolist() == [0, 1, 2] and int(arr[255]) == -1
+  assert peak < 2 * n, peak
+
+
 @pytest.mark.parametrize("name", ["head_count_0.gguf", "block_count_2e32.gguf", "huge_array_count_68.gguf"])
 def test_cli_reports_a_bad_file_as_an_error(name):
   """The CLI prints `error: ...` (SystemExit with the message), not a traceback."""

@@ -251,6 +251,20 @@ def test_non_finite_logits_are_reported_not_sampled():
     assert 0 <= int(got[2]) < 50
 
 
+def test_settings_at_their_bounds_keep_finite_logits_finite():
+  """The most extreme settings allowed on large finite logits: every row still draws a token (before the
+  bounds, repeat_penalty 1e-38 made a logit inf, then NaN, which argmax picked)."""
+  rng = np.random.default_rng(3)
+  logits = (rng.standard_normal((4, 300)) * 60).astype(np.float32)
+  history = [list(rng.integers(0, 300, 64))] * 4
+  rows = [SamplingParams(repeat_penalty=0.01), SamplingParams(repeat_penalty=100.0, frequency_penalty=-100.0),
+          SamplingParams(temperature=1e-3, presence_penalty=100.0, frequency_penalty=100.0),
+          SamplingParams(temperature=1e-3, top_p=0.5, repeat_penalty=0.01, presence_penalty=-100.0)]
+  sampler = Sampler.create(rows, 4, history=history, vocab_size=300)
+  got, _ = sample(jnp.asarray(logits), sampler)
+  assert all(0 <= t < 300 for t in np.asarray(got).tolist()), got
+
+
 def test_one_compiled_sampler_serves_every_setting():
   """Settings are arrays: a jitted sample() compiles once for any temperature, top-k, top-p or seed."""
   def draw(logits, sampler):      # a function of its own: jit's cache then holds this test's entries only
@@ -264,16 +278,20 @@ def test_one_compiled_sampler_serves_every_setting():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+    (dict(temperature=-1.0), r"temperature must be 0 \(greedy\) or a number in \[0.001, 1000.0\], got -1.0"),
+    (dict(temperature=float("nan")), r"temperature must be 0 \(greedy\) or a number in \[0.001, 1000.0\], got nan"),
+    (dict(temperature=1e-38), r"temperature must be 0 \(greedy\) or a number in \[0.001, 1000.0\], got 1e-38"),
     (dict(top_k=-3), r"top_k must be an integer in \[0, 128\] \(0 = off\), got -3"),
     (dict(top_k=2.5), r"top_k must be an integer in \[0, 128\] \(0 = off\), got 2.5"),
     (dict(top_k=500), r"top_k must be an integer in \[0, 128\]"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(min_p=1.0), r"min_p must be in \[0, 1\), got 1.0"),
-    (dict(repeat_penalty=0.0), r"repeat_penalty must be a finite number > 0"),
-    (dict(presence_penalty=float("inf")), r"presence_penalty must be a finite number"),
+    (dict(repeat_penalty=0.0), r"repeat_penalty must be a number in \[0.01, 100.0\] \(1 = off\), got 0.0"),
+    (dict(repeat_penalty=1e-38), r"repeat_penalty must be a number in \[0.01, 100.0\] \(1 = off\), got 1e-38"),
+    (dict(repeat_penalty=1e9), r"repeat_penalty must be a number in \[0.01, 100.0\]"),
+    (dict(presence_penalty=float("inf")), r"presence_penalty must be a number in \[-100.0, 100.0\] \(0 = off\)"),
+    (dict(frequency_penalty=-1e30), r"frequency_penalty must be a number in \[-100.0, 100.0\] \(0 = off\)"),
     (dict(seed=-1), r"seed must be an integer in \[0, 2\^63\) or None, got -1"),
 ])
 def test_bad_sampling_values(kw, msg):

@@ -182,3 +182,57 @@ def test_cli_batch_of_prompts(model, capsys, tmp_path):
     assert r["ids"] == engine.generate(r["prompt_ids"], 6, ignore_eos=True).ids
   with pytest.raises(SystemExit, match="give a prompt"):
     cli_main([path])
+
+
+def test_stop_text_cuts_at_the_earliest_stop_string_whatever_the_list_order():
+  """Several stop strings: the text is cut at the one that appears first in the text (it was cut at the
+  first in list order: `_StopText(["b", "a"]).push("ab")` kept "a")."""
+  assert _StopText(["b", "a"]).push("ab") == ("", True)
+  s = _StopText(["world", "lo", "xyz"])
+  assert s.push("hello world") == ("hel", True) and s.text == "hel"
+  s = _StopText(["cd", "bcd"])
+  assert s.push("abc") == ("a", False) and s.push("d") == ("", True) and s.text == "a"
+
+
+def test_a_stream_ends_when_every_row_is_done(model, monkeypatch):
+  """stream_tokens stops once every row is done on the device (end of generation, or its share of the
+  context), instead of yielding the done rows' last tokens up to max_tokens."""
+  _, engine, tok = model
+  # Full contexts: rows of 61 and 58 tokens in a context of 64 generate 4 and 7 tokens, not 40.
+  prompts = [list(range(1, 62)), list(range(3, 61))]
+  rows = [t.tolist() for t, _ in engine.stream_tokens(prompts, 40, ignore_eos=True)]
+  assert len(rows) == 7
+  # End of generation: the row's third greedy token made an end-of-generation id ends the stream there.
+  prompt = tok.encode("hello")
+  alone = [int(t[0]) for t, _ in engine.stream_tokens([prompt], 12, ignore_eos=True)]
+  third = alone[2]
+  assert third not in alone[:2]
+  monkeypatch.setattr(tok, "eog_ids", frozenset({third}))
+  got = [int(t[0]) for t, _ in engine.stream_tokens([prompt], 12)]
+  assert got == alone[:3]
+
+
+def test_an_interrupt_after_a_donating_call_leaves_a_working_engine(model, monkeypatch):
+  """Ctrl-C between a call that donated the state and the assignment of its result: the old buffers are
+  deleted, the new ones lost. The engine drops its cache (no traceback on the way out) and the next request,
+  reusing the cache or not, runs from a new one with the same tokens as before."""
+  _, engine, tok = model
+  prompt = tok.encode("the cat")
+  want = engine.generate(prompt, 12, ignore_eos=True).ids
+  real = engine._advance_fn
+
+  def interrupted(batch, greedy):
+    advance = real(batch, greedy)
+
+    def call(state, block):
+      advance(state, block)
+      raise KeyboardInterrupt
+    return call
+  monkeypatch.setattr(engine, "_advance_fn", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    engine.generate(prompt, 12, ignore_eos=True)
+  monkeypatch.setattr(engine, "_advance_fn", real)
+  again = engine.generate(prompt + want[:4], 8, ignore_eos=True, reuse_cache=True)
+  assert engine.last_reused == [0]
+  assert again.ids == want[4:12]
+  assert engine.generate(prompt, 12, ignore_eos=True).ids == want

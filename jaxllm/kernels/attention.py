@@ -17,6 +17,11 @@ import jax.numpy as jnp
 PREFILL_KEY_BLOCK = 512   # keys per step of the blocked (flash) prefill attention on the XLA path
 
 
+def _precision(dtype):
+  """f32 queries are the float reference: full-precision products on the GPU too (its f32 default is TF32)."""
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def _visible_lengths(lengths: jax.Array, s: int) -> jax.Array:
   return jnp.clip(lengths, 1, s)
 
@@ -47,12 +52,13 @@ def prefill_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.A
   b, t, h, dh = q.shape
   g, s = k.shape[1], k.shape[2]
   qg = q.reshape(b, t, g, h // g, dh).astype(jnp.float32)       # [B, T, G, R, Dh]
-  scores = jnp.einsum("btgrd,bgsd->bgrts", qg, k.astype(jnp.float32)) * (dh ** -0.5)
+  hi = _precision(q.dtype)
+  scores = jnp.einsum("btgrd,bgsd->bgrts", qg, k.astype(jnp.float32), precision=hi) * (dh ** -0.5)
   last = jnp.clip(start[:, None] + jnp.arange(t)[None, :], 0, s - 1)   # [B, T] last visible key
   visible = jnp.arange(s)[None, None, :] <= last[:, :, None]            # [B, T, S]
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
   p = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bgrts,bgsd->btgrd", p, v.astype(jnp.float32))
+  out = jnp.einsum("bgrts,bgsd->btgrd", p, v.astype(jnp.float32), precision=hi)
   return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
@@ -70,6 +76,7 @@ def prefill_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
   r = h // g
   block = min(block, s)
   qg = jnp.moveaxis(q.reshape(b, t, g, r, dh), 1, 3).astype(jnp.float32) * (dh ** -0.5)   # [B, G, R, T, Dh]
+  hi = _precision(q.dtype)
   last = jnp.clip(start[:, None] + jnp.arange(t)[None, :], 0, s - 1)                    # [B, T]
   n_blocks = (jnp.max(last) + block) // block
 
@@ -81,14 +88,14 @@ def prefill_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
     vb = jax.lax.dynamic_slice_in_dim(v, at, block, axis=2).astype(jnp.float32)
     pos = at + jnp.arange(block)                                                        # [blk]
     visible = (pos[None, None, :] <= last[:, :, None]) & (pos >= lo)[None, None, :]     # [B, T, blk]
-    sc = jnp.einsum("bgrtd,bgsd->bgrts", qg, kb)
+    sc = jnp.einsum("bgrtd,bgsd->bgrts", qg, kb, precision=hi)
     sc = jnp.where(visible[:, None, None], sc, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(sc, axis=-1))                                        # [B, G, R, T]
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(sc - m_safe[..., None])
     alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
     l = l * alpha + jnp.sum(p, axis=-1)
-    acc = acc * alpha[..., None] + jnp.einsum("bgrts,bgsd->bgrtd", p, vb)
+    acc = acc * alpha[..., None] + jnp.einsum("bgrts,bgsd->bgrtd", p, vb, precision=hi)
     return m_new, l, acc
 
   init = (jnp.full((b, g, r, t), -jnp.inf, jnp.float32), jnp.zeros((b, g, r, t), jnp.float32),

@@ -53,7 +53,10 @@ def linear_reference(x: jax.Array, lin: Linear | LowBit | Q6K | Mixed | MixedAt,
   if layer is not None:
     lin = jax.tree.map(lambda a: a[layer], lin)
   w = lin.dequantize(x.dtype)                                                   # [N, K]
-  return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  # f32 activations are the float reference: full precision on the GPU too (its default for f32 is TF32).
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32,
+                    precision=precision).astype(x.dtype)
 
 
 def linear(x: jax.Array, lin: Linear | LowBit | Q6K | Mixed | MixedAt, layer: int | None = None, *,
