@@ -1,45 +1,66 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build the FFI extension, run suite stages (bench/suite.py) and the GPU
-# tests. Everything lands in $OUT/suite (the suite's files) and $OUT/*.log, then is packed into $OUT/gpu.tgz
-# (the only file left under $OUT: the device tool brings back at most 8 files).
-#   STAGES="parity replay kernels" TESTS="tests/test_kernels.py tests/test_graphs.py" bash bench/gpu_check.sh
-# Knobs: GEMV_SWEEP (non-empty: run bench/gemv_sweep.cu), GEMV_SHAPES (its shapes, e.g. gate_up,lm_head), STAGES (suite stages; empty: none), TESTS (empty: none), T_TESTS (s), PAIRS, JAXLLM_GIT_COMMIT.
+# The test suite on a GPU machine in one command: build the FFI extension for this GPU, then run the tests.
+#
+#   TESTS=all bash bench/gpu_check.sh                       # every test (the whole suite, about 6 min on an H200)
+#   TESTS="tests/test_fused.py tests/test_graphs.py" bash bench/gpu_check.sh
+#   STAGES="parity replay" TESTS= bash bench/gpu_check.sh   # bench/suite.py stages only
+#
+# Everything it writes goes to a folder it makes, $OUT/gpu-check (OUT defaults to ./gpu-out), packed at the
+# end into $OUT/gpu-check.tgz; it deletes nothing but that folder of its own. Wheels in .whl/ (packages
+# the machine lacks, e.g. gguf) are installed into /tmp/site first. On a machine without the network, set
+# JAXLLM_TEST_OFFLINE=1: the tests that download a demo model then skip and say so.
+# Knobs: TESTS ("all", files, or empty), GEMV_SWEEP (non-empty: bench/gemv_sweep.cu), STAGES (bench/suite.py stages), WORKERS (test processes, default 12),
+# T_TESTS (seconds for the tests, default 420), PAIRS (suite pairs, default 5).
 set -u
 if ! nvidia-smi -L >/dev/null 2>&1; then
   echo "bench/gpu_check.sh builds and runs the CUDA handlers: it needs an NVIDIA GPU, and nvidia-smi finds none here"
   exit 0
 fi
 OUT=${OUT:-gpu-out}
-mkdir -p "$OUT/suite"
+DIR="$OUT/gpu-check"
+if [ -e "$DIR" ]; then
+  echo "bench/gpu_check.sh: $DIR exists already; move it away first (this script deletes only what it made)"
+  exit 1
+fi
+mkdir -p "$DIR"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-pack() { tar czf /tmp/gpu.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu.tgz "$OUT/"; }
+pack() { tar czf "$OUT/gpu-check.tgz" -C "$OUT" gpu-check && rm -rf "$DIR"; }
 trap pack EXIT
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$DIR/env.txt"
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
 t0=$(date +%s)
 timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . \
-  -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90-real > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-python3 -c "import jax, jaxllm.kernels.ffi as f; print(jax.devices(), 'ffi:', f.unavailable_reason() or 'ok')" | tee -a "$OUT/env.txt"
+  -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="${arch}-real" > "$DIR/build.log" 2>&1 || { tail -40 "$DIR/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s (sm_${arch})"
+python3 -c "import jax, jaxllm.kernels.ffi as f; print(jax.__version__, jax.devices(), 'ffi:', f.unavailable_reason() or 'ok')" \
+  | tee -a "$DIR/env.txt"
 if [ -n "${GEMV_SWEEP-}" ]; then
   # The W8A16 kernel's configurations on the model shapes (bench/gemv_sweep.cu), cuBLAS beside them when
-  # its headers are found (the nvidia-cublas wheel).
+  # its headers are found (the nvidia-cublas wheel). GEMV_SHAPES picks shapes (e.g. gate_up,lm_head).
+  mkdir -p "$DIR/suite"
   cb=$(python3 -c "import nvidia.cublas as c, os; print(os.path.dirname(c.__file__))" 2>/dev/null || true)
-  src="-O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep"
+  src="-O3 -std=c++17 -arch=sm_${arch} -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep"
   nvcc $src -DWITH_CUBLAS -I"$cb/include" -L"$cb/lib" -l:libcublas.so.13 -Xlinker -rpath="$cb/lib" \
-    > "$OUT/gemv_build.log" 2>&1 || nvcc $src >> "$OUT/gemv_build.log" 2>&1 || { tail -20 "$OUT/gemv_build.log"; exit 1; }
-  /tmp/gemv_sweep "$OUT/suite/gemv_sweep.jsonl" ${GEMV_SHAPES-} > "$OUT/gemv_sweep.log" 2>&1; echo "gemv sweep: exit $?"
+    > "$DIR/gemv_build.log" 2>&1 || nvcc $src >> "$DIR/gemv_build.log" 2>&1 || { tail -20 "$DIR/gemv_build.log"; exit 1; }
+  /tmp/gemv_sweep "$DIR/suite/gemv_sweep.jsonl" ${GEMV_SHAPES-} > "$DIR/gemv_sweep.log" 2>&1; echo "gemv sweep: exit $?"
 fi
 if [ -n "${STAGES-}" ]; then
-  python3 bench/suite.py gpu --dir "$OUT/suite" --pairs "${PAIRS:-5}" --stages $STAGES
+  python3 bench/suite.py gpu --dir "$DIR/suite" --pairs "${PAIRS:-5}" --stages $STAGES
 fi
-if [ -n "${TESTS-}" ]; then
+TESTS=${TESTS-}
+[ "$TESTS" = all ] && TESTS=tests
+if [ -n "$TESTS" ]; then
   # Several test processes share the GPU: no preallocation, so each takes only what it uses.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_TESTS:-280}" python3 -m pytest -q -rA -n "${WORKERS:-4}" \
-    $TESTS > "$OUT/gpu_tests.log" 2>&1
-  echo "tests: exit $?"; tail -8 "$OUT/gpu_tests.log"
+  t0=$(date +%s)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_TESTS:-420}" python3 -m pytest -q -rfEs -n "${WORKERS:-12}" \
+    -p no:cacheprovider --durations=25 $TESTS > "$DIR/tests.log" 2>&1
+  rc=$?
+  echo "tests: exit $rc in $(( $(date +%s) - t0 )) s"
+  grep -E "^(FAILED|ERROR)" "$DIR/tests.log" | head -40
+  tail -3 "$DIR/tests.log"
 fi

@@ -12,6 +12,7 @@ from typing import Iterable, Mapping, Sequence
 
 import jinja2
 import jinja2.sandbox
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -85,6 +86,8 @@ class Tokenizer:
     types = metadata.get("tokenizer.ggml.token_type")
     if types is None:
       types = [1] * len(tokens)
+    if isinstance(types, np.ndarray) and types.ndim == 1 and np.issubdtype(types.dtype, np.integer):
+      types = types.tolist()           # GGUFFile's numeric arrays are numpy arrays (as many as tokens here)
     if not isinstance(types, list) or not all(isinstance(t, int) for t in types):
       raise ValueError("tokenizer.ggml.token_type must be a list of integers")
     if len(types) != len(tokens):

@@ -19,7 +19,10 @@ def _blocks():
     text = path.read_text()
     for m in re.finditer(re.escape(MARK) + r"\s*\n```(bash|python)\n(.*?)```", text, re.S):
       line = text[:m.start()].count("\n") + 1
-      yield pytest.param(m.group(1), m.group(2), id=f"{path.relative_to(ROOT)}:{line}")
+      # A block that runs the demo model (the CLI's default, or by name) downloads it the first time.
+      demo = re.search(r"jaxllm\.generate(?!.*synthetic:)|smollm2-135m|qwen2\.5-coder", m.group(2))
+      yield pytest.param(m.group(1), m.group(2), id=f"{path.relative_to(ROOT)}:{line}",
+                         marks=[pytest.mark.network] if demo else [])
 
 
 BLOCKS = list(_blocks())

@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 from jaxllm import Engine, GGUFFile, Tokenizer, create_cache, fetch_demo_model, sequence_logits  # noqa: E402
 from jaxllm.weights import load_weights  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.network]   # the real models are demo-model downloads
 
 TOKENIZER_STRINGS = [
     "Hello, world! How are you today?",
