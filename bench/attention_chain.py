@@ -6,7 +6,8 @@ length and split count; beside them a W8A16 call of 64 x 64 (the fixed cost of a
                                   [--out out.json]
 
 "default" among --splits is the engine's choice (fused.merged_splits). JAXLLM_ATTN_CLUSTER=0 merges the
-one-kernel form's splits through global memory only (no thread-block clusters), for comparison.
+one-kernel form's splits through global memory only (no thread-block clusters), for comparison: a lab switch,
+read only by the lab build (pip install -e . -Ccmake.define.JAXLLM_LAB=ON; docs/benchmarks.md).
 """
 from __future__ import annotations
 

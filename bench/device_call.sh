@@ -3,6 +3,8 @@
 #   stamp MSG          seconds since the start, and MSG, into r/stamps.txt
 #   room SECONDS WHAT  true while SECONDS more fit before $DEADLINE (default 560 s), else logs WHAT as skipped
 # Expects the ignored .whl/ (the gguf wheel: the machine has no gguf) beside the working tree.
+# LAB=1 (set before sourcing) builds the lab extension, which reads the lab switches (JAXLLM_LAYERS_SKIP,
+# JAXLLM_PDL_EARLY, ...; docs/benchmarks.md): a script that sets one needs it, or the switch is ignored.
 set -u
 R=$OUT/r; mkdir -p $R
 export PYTHONUNBUFFERED=1
@@ -16,5 +18,5 @@ export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/env.txt
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90-real \
-  > $R/build.log 2>&1 || { stamp "build failed"; tail -30 $R/build.log; exit 1; }
-stamp built
+  ${LAB:+-Ccmake.define.JAXLLM_LAB=ON} > $R/build.log 2>&1 || { stamp "build failed"; tail -30 $R/build.log; exit 1; }
+stamp "built${LAB:+ (lab build)}"

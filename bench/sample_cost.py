@@ -8,8 +8,8 @@ Parts (logits [1, V] f32, the settings of `jaxllm.sampling.sample` as data):
   chain        nothing but the chaining itself (one pass over V), included in every row below
   greedy       sample(..., greedy_only=True): the penalties, the finiteness check, the argmax
   full         sample(...) with temperature 0.7, top-p 0.9: everything the sampled step ran before the kernel
-  full_ffi     the same with the candidates from the CUDA kernel (sample(..., kernels="ffi"),
-               the default; JAXLLM_CANDIDATES_KERNEL=0 turns it off)
+  full_ffi     the same with the candidates from the CUDA kernel (sample(..., kernels="ffi"), the
+               default; the lab switch JAXLLM_CANDIDATES_KERNEL=0 turns it off in a lab build)
   penalties    apply_penalties alone
   candidates   top_candidates(z, MAX_TOP_K) (the exact two-stage top-k, jnp: XLA's sorts)
   candidates_ffi  the CUDA kernel's candidates (jaxllm.kernels.ffi.top_candidates)
@@ -28,8 +28,6 @@ def main(argv=None) -> int:
   p.add_argument("--n", type=int, default=16)
   p.add_argument("--out")
   args = p.parse_args(argv)
-  import os
-  os.environ.setdefault("JAXLLM_CANDIDATES_KERNEL", "1")   # for full_ffi (also the engine's default)
   import jax
   import jax.numpy as jnp
   import numpy as np

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
       if stage == "head":
         tok, _ = fused.norm_argmax(x, w.out_norm, eps, w.head, dtype=dtype)
         x = x + tok[:, None].astype(jnp.float32) * 0
-      if stage == "step":   # (the head in its own call, as JAXLLM_LAYERS_HEAD=0: the stage chains x)
+      if stage == "step":   # (the head in its own call, as lab switch JAXLLM_LAYERS_HEAD=0: the stage chains x)
         active = jnp.ones((1,), bool)
         x, kv = forward_decode_fused(c, w, dataclasses.replace(cache, k=k, v=v), jnp.zeros((1,), jnp.int32),
                                      pos, active)

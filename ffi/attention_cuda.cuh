@@ -62,7 +62,7 @@ __device__ __forceinline__ float* ClusterShared(float* p, int rank) {
 
 // The cluster merge's transaction barrier (sm_90) in block 0's shared memory: the other blocks' partials arrive by
 // st.async, each store counting its bytes on it, and block 0 waits for those bytes instead of a second cluster
-// barrier (JAXLLM_ATTN_MBAR=0: the barrier, for comparison).
+// barrier (lab switch JAXLLM_ATTN_MBAR=0: the barrier, for comparison).
 __device__ __forceinline__ uint32_t SharedAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -140,7 +140,7 @@ __device__ __forceinline__ void Words(const void* p, bool ok, uint32_t* out) {
 // within those 128 bytes. Unswizzled, the 8 lanes of a quarter warp load piece i of 8 parts 128 bytes apart, all
 // from the same 4 banks: 8 wavefronts where one does, on each of the 8 loads of every warp of the block.
 // Swizzled, they load from 8 different 16-byte columns of banks. swz: 7, or 0 for no swizzle
-// (JAXLLM_ATTN_SWIZZLE=0, for comparison).
+// (lab switch JAXLLM_ATTN_SWIZZLE=0, for comparison).
 template <typename T, int D>
 __device__ __forceinline__ int SwizzleOf(int kp, int part, int swz) {
   return (kp * Geo<T, D>::LPP + part) & swz;
@@ -467,12 +467,12 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
 
 // Blocks per cluster for P splits of R heads: the largest of 8, 4, 2 that P reaches (a cluster of blocks
 // that mostly idle buys nothing) and whose slots fit kMaxSlotBytes; 1 (no cluster) below sm_90, with P = 1,
-// or with JAXLLM_ATTN_CLUSTER=0 (for comparison).
+// or with lab switch JAXLLM_ATTN_CLUSTER=0 (for comparison).
 template <int D>
 int ClusterSize(int P, int R) {
   static const int enabled = [] {
     int dev = 0, major = 0;
-    if (!EnvFlag("JAXLLM_ATTN_CLUSTER", true)) return 0;
+    if (!LabFlag("JAXLLM_ATTN_CLUSTER", true)) return 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
       cudaGetLastError();
       return 0;
@@ -495,16 +495,16 @@ cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, cons
   const int R = H / G, C = ClusterSize<D>(P, R);
   const dim3 grid((P + C - 1) / C * C, G, B), block(32 * R);
   size_t smem = C > 1 ? size_t(C) * R * (D + 2) * sizeof(float) : 0;
-  // The prologue's copy of the first tile (JAXLLM_ATTN_PRELOAD=0: none, for comparison), where it fits beside the
-  // slots and the static q_s and new_kv without the opt-in to more than 48 KB.
-  static const bool preload = EnvFlag("JAXLLM_ATTN_PRELOAD", true);
+  // The prologue's copy of the first tile (lab switch JAXLLM_ATTN_PRELOAD=0: none, for comparison), where it
+  // fits beside the slots and the static q_s and new_kv without the opt-in to more than 48 KB.
+  static const bool preload = LabFlag("JAXLLM_ATTN_PRELOAD", true);
   using Ge = Geo<T, D>;
   const size_t at = (smem + 15) / 16 * 16, tile = 2 * size_t(Ge::TP) * D * sizeof(T);
   const size_t fixed = size_t(kMaxGroup) * D * sizeof(float) + 2 * D * sizeof(T) + 64;
   const bool pre = pa.qkv != nullptr && preload && !pa.late_inputs && at + tile + fixed <= size_t(48 << 10);
   if (pre) smem = at + tile;
-  static const int swz = EnvFlag("JAXLLM_ATTN_SWIZZLE", true) ? 7 : 0;
-  static const int mbar = EnvFlag("JAXLLM_ATTN_MBAR", true) ? 1 : 0;
+  static const int swz = LabFlag("JAXLLM_ATTN_SWIZZLE", true) ? 7 : 0;
+  static const int mbar = LabFlag("JAXLLM_ATTN_MBAR", true) ? 1 : 0;
   auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
   return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
                          G, S, P, C, pre ? int(at) : -1, swz, mbar, pa);

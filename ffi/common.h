@@ -12,9 +12,18 @@ namespace jaxllm {
 
 namespace ffi = xla::ffi;
 
-// An on/off switch from the environment: unset or empty gives dflt, a value starting with '0' off, else on.
-inline bool EnvFlag(const char* name, bool dflt) {
-  const char* v = std::getenv(name);
+// Lab switches: the knobs of past experiments (JAXLLM_PDL_EARLY, JAXLLM_LAYERS_SKIP, ...; docs/benchmarks.md),
+// read from the environment only in a lab build (cmake -DJAXLLM_LAB=ON, for bench/). A release build sees
+// every one unset: each takes its default, and the compiler folds the other branches away.
+#ifdef JAXLLM_LAB
+inline const char* LabEnv(const char* name) { return std::getenv(name); }
+#else
+constexpr const char* LabEnv(const char*) { return nullptr; }
+#endif
+
+// An on/off lab switch: unset or empty gives dflt, a value starting with '0' off, else on.
+inline bool LabFlag(const char* name, bool dflt) {
+  const char* v = LabEnv(name);
   return v == nullptr || v[0] == '\0' ? dflt : v[0] != '0';
 }
 

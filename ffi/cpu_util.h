@@ -66,7 +66,8 @@ inline bool AllFinite(const float* x, int64_t n) {
 // A worker spins (pause) for kSpinUs after the last job, then sleeps on a condition variable.
 //   JAXLLM_CPU_THREADS=T   threads a job runs on, the caller included (default: the CPUs this process may
 //                          use); 1 runs everything on the caller.
-//   JAXLLM_CPU_WORKERS=0   XLA's intra-op pool instead (the previous behaviour, for comparison).
+//   JAXLLM_CPU_WORKERS=0   XLA's intra-op pool instead (no threads of jaxllm's own, none spinning; the same
+//                          results). Both are user-facing (docs/usage.md), read in every build.
 //
 // One job at a time: its state is (generation << 32 | next chunk) in one atomic, so a worker that wakes late
 // claims a chunk only of the job it read (its compare-and-swap fails once a newer job is published, and a job

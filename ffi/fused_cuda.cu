@@ -118,12 +118,13 @@ ffi::Error FusedCudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
 // once per call (each merging block resets its own after that). With `head`, the final norm and the LM head
 // (greedy argmax or logits) follow as the call's last kernel, a dependent of the last down projection.
 
-// JAXLLM_LAYERS_SKIP: a comma-separated list of the layer stages the layers call leaves out (qkv, attention,
-// o, gate_up, down), to time the step without them (docs/results/2026-12-02-h200-breakdown.md). Timing only:
-// the step's results are wrong. Unknown names are reported on stderr and ignored.
+// JAXLLM_LAYERS_SKIP (a lab switch, see LabEnv): a comma-separated list of the layer stages the layers call
+// leaves out (qkv, attention, o, gate_up, down), to time the step without them
+// (docs/results/2026-12-02-h200-breakdown.md). Timing only: the step's results are wrong. Unknown names are
+// reported on stderr and ignored. A release build never reads it: 0.
 enum : unsigned { kSkipQkv = 1u, kSkipAttention = 2u, kSkipO = 4u, kSkipGateUp = 8u, kSkipDown = 16u };
 inline unsigned LayersSkip() {
-  const char* v = std::getenv("JAXLLM_LAYERS_SKIP");
+  const char* v = LabEnv("JAXLLM_LAYERS_SKIP");
   if (v == nullptr) return 0;
   const std::pair<const char*, unsigned> names[] = {
       {"qkv", kSkipQkv}, {"attention", kSkipAttention}, {"o", kSkipO}, {"gate_up", kSkipGateUp}, {"down", kSkipDown}};
@@ -147,11 +148,11 @@ inline unsigned LayersSkip() {
   return mask;
 }
 
-// JAXLLM_ATTN_STOP=wait|prologue|tiles: every layer's attention returns right after its wait, after its prologue
-// (the query heads and the cache append), or after its tiles without the merge. Timing only: the results are
-// wrong; it says where the attention's time goes.
+// JAXLLM_ATTN_STOP=wait|prologue|tiles (a lab switch, see LabEnv): every layer's attention returns right after
+// its wait, after its prologue (the query heads and the cache append), or after its tiles without the merge.
+// Timing only: the results are wrong; it says where the attention's time goes. A release build never reads it: 0.
 inline int AttnStop() {
-  const char* v = std::getenv("JAXLLM_ATTN_STOP");
+  const char* v = LabEnv("JAXLLM_ATTN_STOP");
   if (v == nullptr || !*v) return 0;
   const std::string s(v);
   const int stop = s == "wait" ? 1 : s == "prologue" ? 2 : s == "tiles" ? 3 : 0;
@@ -272,9 +273,9 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   auto i8 = [](const ffi::AnyBuffer& a) { return static_cast<const int8_t*>(a.untyped_data()); };
   const bool use_pdl = pdl != 0;
   // Each kernel lets the next one launch as soon as it has issued its weight loads, before its own wait, so
-  // that the next one's loads overlap its whole run (JAXLLM_PDL_EARLY=0: once its weights are read, for
-  // comparison; docs/kernels.md).
-  static const bool early_env = EnvFlag("JAXLLM_PDL_EARLY", true);
+  // that the next one's loads overlap its whole run (lab switch JAXLLM_PDL_EARLY=0: once its weights are read,
+  // for comparison; docs/kernels.md).
+  static const bool early_env = LabFlag("JAXLLM_PDL_EARLY", true);
   const bool early = use_pdl && early_env;
   const int32_t* len = static_cast<const int32_t*>(lengths.untyped_data());
   qkv::Args pa;
@@ -289,16 +290,16 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   pa.eps = eps;
   pa.early = early;
   // Loads off the path after each kernel's wait (the attention's inputs and constants before it, the norm
-  // weight's lines into L1, the residual right after it); JAXLLM_PREFETCH=0 leaves them where they were.
-  static const bool prefetch = EnvFlag("JAXLLM_PREFETCH", true);
+  // weight's lines into L1, the residual right after it); lab switch JAXLLM_PREFETCH=0 leaves them where they were.
+  static const bool prefetch = LabFlag("JAXLLM_PREFETCH", true);
   pa.late_inputs = !prefetch;
   static const int attn_stop = AttnStop();
   pa.stop = attn_stop;
   // Layer i's slice of a stacked [L, rows, cols] weight (int8) or scale (f32).
   auto w8 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return i8(a) + i * m.n * m.k; };
   auto s32 = [&](const ffi::AnyBuffer& a, int64_t i, const MatmulShape& m) { return f32(a) + i * m.n * m.groups; };
-  // Stages left out of every layer (JAXLLM_LAYERS_SKIP; timing only: the results are wrong). The first kernel
-  // launched is never a programmatic dependent: it waits for what XLA ran before the call.
+  // Stages left out of every layer (lab switch JAXLLM_LAYERS_SKIP; timing only: the results are wrong). The first
+  // kernel launched is never a programmatic dependent: it waits for what XLA ran before the call.
   static const unsigned skip = LayersSkip();
   // The attention's counters start at zero (each attention leaves them so): the first QKV kernel zeroes them,
   // before any attention kernel passes its wait; a memset where that kernel is left out.

@@ -224,12 +224,12 @@ inline void FifthBitMasks(const uint32_t* high, __mmask32* lo, __mmask32* hi) {
 #endif
 }
 
-// Weight rows the one-row paths ask the caches for ahead of the row they compute (JAXLLM_LOWBIT_PREFETCH, 0:
-// none): with the hardware's prefetch alone, qwen2.5-0.5b's gate/up read 13 GB/s of the VM's 41 (8 ahead:
-// 30; docs/kernels.md).
+// Weight rows the one-row paths ask the caches for ahead of the row they compute (8; lab switch
+// JAXLLM_LOWBIT_PREFETCH, 0: none): with the hardware's prefetch alone, qwen2.5-0.5b's gate/up read 13 GB/s
+// of the VM's 41 (8 ahead: 30; docs/kernels.md).
 inline int64_t PrefetchRows() {
   static const int64_t rows = [] {
-    const char* e = std::getenv("JAXLLM_LOWBIT_PREFETCH");
+    const char* e = LabEnv("JAXLLM_LOWBIT_PREFETCH");
     return e ? std::atoll(e) : int64_t(8);
   }();
   return rows;

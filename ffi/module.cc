@@ -82,4 +82,10 @@ PYBIND11_MODULE(_ffi, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  // A lab build (cmake -DJAXLLM_LAB=ON) reads the lab switches from the environment; jaxllm/lab.py asks.
+#ifdef JAXLLM_LAB
+  m.attr("lab_build") = true;
+#else
+  m.attr("lab_build") = false;
+#endif
 }

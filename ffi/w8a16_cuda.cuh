@@ -911,9 +911,10 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
   const bool stage_fits = sizeof(T) == 2 && XStageBytes(mt, k) <= kMaxXStageBytes;   // x as staged int16 chunks
   const bool int16 = many_rows && stage_fits;
   if (m == 1) {
-    // The LM head, greedy or logits, on resident blocks (JAXLLM_HEAD_GRID=1: a block per 32 rows, for comparison).
+    // The LM head, greedy or logits, on resident blocks (lab switch JAXLLM_HEAD_GRID=1: a block per 32 rows, for
+    // comparison).
     if constexpr (EX == (kNorm | kArgmax) || EX == kNorm) {
-      static const bool grid = EnvFlag("JAXLLM_HEAD_GRID", false);
+      static const bool grid = LabFlag("JAXLLM_HEAD_GRID", false);
       if (int16 && huge_n && !grid && StreamFits<4>(k)) {
         constexpr bool kArg = EX & kArgmax;
         const float* xf = static_cast<const float*>(x);

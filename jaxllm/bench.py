@@ -40,11 +40,14 @@ def _git_commit() -> str | None:
 def environment() -> dict:
   import jax
   import jaxlib
+
+  from jaxllm import lab
   dev = jax.devices()[0]
   env = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
          "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
          "host": platform.node(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-         "git_commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+         "git_commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+         "lab_build": lab.lab_build()}
   if dev.platform == "gpu":
     try:
       out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],

@@ -16,19 +16,20 @@ the last 64 tokens, prompt included):
      tokens they keep are among those candidates; a nucleus wider than MAX_TOP_K tokens is cut to them.
 Candidates come from an exact two-stage top-k (block maxima, then the best blocks), never a sort of V; on the
 GPU's FFI path from one CUDA kernel (jaxllm.kernels.ffi.top_candidates: radix selects instead of XLA's
-sorts; JAXLLM_CANDIDATES_KERNEL=0 keeps the jnp path, see candidates_kernel).
+sorts; in a lab build JAXLLM_CANDIDATES_KERNEL=0 keeps the jnp path, see candidates_kernel).
 A row whose logits are not all finite samples token -1 and is reported, never drawn from.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxllm import lab
 
 MAX_TOP_K = 128          # candidates kept for top-k / top-p / min-p (top_k may not exceed it)
 PENALTY_WINDOW = 64      # last tokens the penalties look at (llama.cpp's repeat_last_n default)
@@ -207,9 +208,9 @@ CANDIDATES_ENV = "JAXLLM_CANDIDATES_KERNEL"
 
 
 def candidates_kernel() -> bool:
-  """Whether FFI paths take the candidates from the CUDA kernel (ffi/sampling_cuda.cu) where it runs: yes
-  unless JAXLLM_CANDIDATES_KERNEL=0 (the jnp path, for comparison)."""
-  value = os.environ.get(CANDIDATES_ENV, "1").strip() or "1"
+  """Whether FFI paths take the candidates from the CUDA kernel (ffi/sampling_cuda.cu) where it runs: yes,
+  unless JAXLLM_CANDIDATES_KERNEL=0 in a lab build (jaxllm/lab.py; the jnp path, for comparison)."""
+  value = lab.switch(CANDIDATES_ENV, "1").strip() or "1"
   if value not in ("0", "1"):
     raise ValueError(f"{CANDIDATES_ENV} must be 0 or 1, got {value!r}")
   return value == "1"

@@ -47,6 +47,15 @@ def _private_model_cache(tmp_path_factory):
   store.models_dir, store.compile_dir = saved
 
 
+@pytest.fixture
+def lab_switches(monkeypatch):
+  """The Python lab switches (jaxllm/lab.py) read the environment, as in a lab build, for this test: set them
+  with the monkeypatch returned. The C++ and CUDA switches stay as the extension was built."""
+  from jaxllm import lab
+  monkeypatch.setattr(lab, "lab_build", lambda: True)
+  return monkeypatch
+
+
 @pytest.fixture(scope="session", params=ARCHS)
 def tiny_path(request, tmp_path_factory):
   """A tiny random model file of each architecture."""

@@ -25,8 +25,9 @@ EPS = 1e-6
 
 
 @pytest.fixture(autouse=True)
-def _exact(monkeypatch):
-  monkeypatch.setenv("JAXLLM_FUSED_CPU", "1")   # the CPU runs the fused step only when asked
+def _exact(lab_switches):
+  # The CPU runs the fused step only when asked (a lab switch; the tests' monkeypatch sets the others too).
+  lab_switches.setenv("JAXLLM_FUSED_CPU", "1")
   with jax.default_matmul_precision("highest"):
     yield
 

@@ -174,14 +174,14 @@ def test_w8a16_agreement_with_float(both, teacher_forced):
   assert agree >= 0.95 and rel < 0.1 and kl < 0.05
 
 
-def test_fused_decode_agrees_with_hf(both, teacher_forced, monkeypatch):
-  """The fused decode step (the GPU's decode path; JAXLLM_FUSED_CPU=1 runs it on the CPU's fused handlers),
+def test_fused_decode_agrees_with_hf(both, teacher_forced, lab_switches):
+  """The fused decode step (the GPU's decode path; lab switch JAXLLM_FUSED_CPU=1 runs it on the CPU's fused handlers),
   W8A16, fed the text one token at a time after a 64-token prompt, against HF's float logits at the same
   positions: within test_w8a16_agreement_with_float's bounds."""
   import jax
   from jaxllm.kernels import fused
   from jaxllm.model import forward_decode_fused
-  monkeypatch.setenv("JAXLLM_FUSED_CPU", "1")
+  lab_switches.setenv("JAXLLM_FUSED_CPU", "1")
   config, wq, ids = both["config"], teacher_forced["wq"], teacher_forced["ids"]
   prompt, steps = 64, 128
   cache = create_cache(config, 1, prompt + steps + 1, jnp.float32)

@@ -172,10 +172,9 @@ def test_cuda_candidates_logsumexp(v):
 
 
 @pytest.mark.gpu
-def test_sample_draws_the_same_tokens_on_the_kernel_path(monkeypatch):
+def test_sample_draws_the_same_tokens_on_the_kernel_path():
   """With the same keys and tie-free logits, the FFI path (candidates from the CUDA kernel) draws what the
   jnp path draws, for every kind of setting."""
-  monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", "1")
   x = jnp.asarray(_candidate_rows(151936)[:, None, :].repeat(4, 1).reshape(16, 151936))
   rows = [SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_k=40, seed=2),
           SamplingParams(temperature=0.8, min_p=0.05, seed=3), SamplingParams(temperature=1.2, seed=4)] * 4
@@ -185,17 +184,17 @@ def test_sample_draws_the_same_tokens_on_the_kernel_path(monkeypatch):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_candidates_take_the_jnp_path_where_no_kernel_runs(monkeypatch):
+def test_candidates_take_the_jnp_path_where_no_kernel_runs(lab_switches):
   from jaxllm.sampling import candidates
   x = _candidate_rows(20000)
   want = np.argsort(-x, axis=-1, kind="stable")[:, :MAX_TOP_K]
   for env in ("0", "1"):
-    monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", env)
+    lab_switches.setenv("JAXLLM_CANDIDATES_KERNEL", env)
     for kernels in ("xla", "ffi"):
       _, ids, lse = candidates(jnp.asarray(x), MAX_TOP_K, kernels)
       np.testing.assert_array_equal(np.asarray(ids), want)
       np.testing.assert_allclose(np.asarray(lse), _logsumexp64(x), rtol=2e-6)
-  monkeypatch.setenv("JAXLLM_CANDIDATES_KERNEL", "yes")
+  lab_switches.setenv("JAXLLM_CANDIDATES_KERNEL", "yes")
   with pytest.raises(ValueError, match="JAXLLM_CANDIDATES_KERNEL must be 0 or 1"):
     candidates(jnp.asarray(x), MAX_TOP_K, "ffi")
 

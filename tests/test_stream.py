@@ -77,9 +77,9 @@ def test_generate_stops_at_stop_string(model):
   assert cut.text == full.text[: full.text.index(stop)]
 
 
-def test_pipelined_and_streaming_loops_agree(model, monkeypatch):
+def test_pipelined_and_streaming_loops_agree(model, lab_switches):
   """Both loops give the same tokens, with each call's tokens copied to the host at dispatch (the default) or
-  when read (JAXLLM_READ_AHEAD=0)."""
+  when read (lab switch JAXLLM_READ_AHEAD=0)."""
   _, engine, tok = model
   prompt = tok.encode("hello")
   params = SamplingParams(temperature=0.8, top_p=0.9)
@@ -88,7 +88,7 @@ def test_pipelined_and_streaming_loops_agree(model, monkeypatch):
   c = engine.generate(prompt, 20, params, seed=6, ignore_eos=True)
   assert a.ids == b.ids and len(a.ids) == 20
   assert a.ids != c.ids
-  monkeypatch.setenv("JAXLLM_READ_AHEAD", "0")
+  lab_switches.setenv("JAXLLM_READ_AHEAD", "0")
   for pipelined in (True, False):
     assert engine.generate(prompt, 20, params, seed=5, ignore_eos=True, pipelined=pipelined).ids == a.ids
 

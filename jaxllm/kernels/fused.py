@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import lab
 from jaxllm.kernels.linear import linear_reference
 from jaxllm.quant import Linear
 
@@ -268,21 +269,19 @@ class LayersCall(NamedTuple):
 
 
 def layers_call() -> LayersCall:
-  """How the GPU runs the fused step's layers: one FFI call with the LM head as its last kernel, and PDL, by
-  default; JAXLLM_LAYERS_CALL=0 runs one FFI call per op, JAXLLM_LAYERS_HEAD=0 the head in its own call,
-  JAXLLM_PDL=0 launches plainly (for comparison)."""
-  import os
-  one = jax.default_backend() == "gpu" and os.environ.get("JAXLLM_LAYERS_CALL", "1") != "0"
-  return LayersCall(one, os.environ.get("JAXLLM_PDL", "1") != "0",
-                    os.environ.get("JAXLLM_LAYERS_HEAD", "1") != "0")
+  """How the GPU runs the fused step's layers: one FFI call with the LM head as its last kernel, and PDL. In a
+  lab build (jaxllm/lab.py), for comparison: JAXLLM_LAYERS_CALL=0 runs one FFI call per op,
+  JAXLLM_LAYERS_HEAD=0 the head in its own call, JAXLLM_PDL=0 launches plainly."""
+  one = jax.default_backend() == "gpu" and lab.switch("JAXLLM_LAYERS_CALL", "1") != "0"
+  return LayersCall(one, lab.switch("JAXLLM_PDL", "1") != "0", lab.switch("JAXLLM_LAYERS_HEAD", "1") != "0")
 
 
 # ---- when the fused decode step runs ---------------------------------------------------------------------
 
 def cpu_fused() -> bool:
-  """Whether the CPU runs the fused step (JAXLLM_FUSED_CPU=1; off by default, see fused_decode_reason)."""
-  import os
-  return os.environ.get("JAXLLM_FUSED_CPU") == "1"
+  """Whether the CPU runs the fused step: no (see fused_decode_reason), unless JAXLLM_FUSED_CPU=1 in a lab build
+  (jaxllm/lab.py; the tests run the CPU's fused handlers so)."""
+  return lab.switch("JAXLLM_FUSED_CPU") == "1"
 
 
 def fused_decode_reason(config, weights, cache, batch: int) -> str | None:

@@ -6,8 +6,9 @@ batch, and the other ops through jaxllm's single-op kernels; "ffi-unfused" runs 
 """
 from __future__ import annotations
 
-import os
 import warnings
+
+from jaxllm import lab
 
 KERNEL_CHOICES = ("auto", "ffi", "ffi-unfused", "xla")
 FFI_PATHS = ("ffi", "ffi-unfused")
@@ -15,9 +16,9 @@ FFI_OPS = ("matmul", "attention", "fused")
 
 
 def ffi_ops() -> tuple[str, ...]:
-  """Which ops the "ffi" path runs through jaxllm's kernels: all, or those in JAXLLM_FFI_OPS
-  (comma-separated; a diagnostic knob for timing one kernel's share of the step)."""
-  value = os.environ.get("JAXLLM_FFI_OPS")
+  """Which ops the "ffi" path runs through jaxllm's kernels: all, or in a lab build (jaxllm/lab.py) those in
+  JAXLLM_FFI_OPS (comma-separated; for timing one kernel's share of the step)."""
+  value = lab.switch("JAXLLM_FFI_OPS")
   if value is None:
     return FFI_OPS
   ops = tuple(v.strip() for v in value.split(",") if v.strip())
