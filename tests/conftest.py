@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -8,6 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny import write_tiny_model  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3")
+_CACHE_ROOT = pytest.StashKey[str]()   # the session cache root to remove at the end ("": kept)
 
 
 def pytest_configure(config):
@@ -35,16 +38,23 @@ def _jax_ok():
     return False
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_model_cache(tmp_path_factory):
-  """Converted models and compiled executables go to a temporary directory, not the user's cache (demo
-  model downloads stay where they are)."""
-  from jaxllm import store
-  root = tmp_path_factory.mktemp("jaxllm-cache")
-  saved = store.models_dir, store.compile_dir
-  store.models_dir, store.compile_dir = (lambda: root / "models"), (lambda: root / "xla")
-  yield root
-  store.models_dir, store.compile_dir = saved
+def pytest_sessionstart(session):
+  """The session's own cache root: JAXLLM_CACHE (converted models, compiled executables, demo-model
+  downloads) and XDG_CACHE_HOME (pip's download cache, Hugging Face's) point into a temporary directory,
+  removed at the end; subprocesses the tests start inherit both. The suite never reads or writes ~/.cache,
+  so demo models are downloaded once per session. JAXLLM_TEST_CACHE names a directory to use instead (kept,
+  to reuse the downloads across sessions; the tests clear the converted models and executables in it)."""
+  kept = os.environ.get("JAXLLM_TEST_CACHE")
+  root = os.path.abspath(kept) if kept else tempfile.mkdtemp(prefix="jaxllm-test-cache-")
+  session.config.stash[_CACHE_ROOT] = "" if kept else root
+  os.environ["JAXLLM_CACHE"] = root
+  os.environ["XDG_CACHE_HOME"] = os.path.join(root, "xdg")
+
+
+def pytest_sessionfinish(session):
+  root = session.config.stash.get(_CACHE_ROOT, "")
+  if root:
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

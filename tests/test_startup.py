@@ -1,5 +1,6 @@
 """Start-up: the cache of converted models and of compiled executables, the CLI's flags and stages, and the
 interactive chat driven through a pseudo-terminal."""
+import importlib
 import json
 import os
 import pty
@@ -45,10 +46,14 @@ def test_second_load_maps_the_cached_conversion(tmp_path, arch):
   assert w_bf16.wqkv.w.dtype == jax.numpy.bfloat16 and _leaves_equal(w_bf16, w_bf16_again)
 
 
-def test_a_damaged_entry_is_converted_again(tmp_path):
+@pytest.mark.parametrize("default", ["platform", "bfloat16"])
+def test_a_damaged_entry_is_converted_again(tmp_path, monkeypatch, default):
+  load_module = importlib.import_module("jaxllm.load")                 # the module (jaxllm.load is the function)
+  if default == "bfloat16":                                           # the GPU's default, on any platform
+    monkeypatch.setattr(load_module, "default_dtype", lambda: jax.numpy.bfloat16)
   path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
   _, w1, _ = jaxllm.load(path, quant="w8a16", progress=False)
-  key = store.model_key(path, "w8a16", "float32")
+  key = store.model_key(path, "w8a16", jax.numpy.dtype(load_module.default_dtype()).name)   # the dtype load() chose
   victim = store.models_dir() / key / "w_down.w.npy"
   victim.write_bytes(victim.read_bytes()[:-100])                      # truncated
   stages = Stages(quiet=True)

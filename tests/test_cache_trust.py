@@ -1,0 +1,294 @@
+"""The cache directory as a trust boundary (jaxllm.store): private directories, refused shared ones, keys
+that name everything that changes compiled code, unwritable caches that only warn, dead writers'
+temporaries removed, and a test session that keeps out of ~/.cache.
+
+Running as root, chmod does not stop writes: an unwritable cache is a path under a regular file, or a
+write that fails through a monkeypatch (a full disk, a read-only directory)."""
+import errno
+import hashlib
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import time
+import types
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm import models, store
+from jaxllm.progress import Stages
+from tiny import write_tiny_model
+
+_PLANTED = "JAXLLM_TEST_PLANTED_CODE_RAN"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+  """A fresh cache root for one test (not yet made), with the once-per-process warnings forgotten."""
+  root = tmp_path / "cache"
+  monkeypatch.setenv("JAXLLM_CACHE", str(root))
+  monkeypatch.setattr(store, "_warned", set())
+  return root
+
+
+def _compiled():
+  return jax.jit(lambda x: x * 2 + 1).lower(jnp.arange(4.0)).compile()
+
+
+def _mode(path) -> int:
+  return stat.S_IMODE(os.stat(path).st_mode)
+
+
+class _Planted:
+  """Unpickling it runs code: what a writer of someone else's cache could leave there."""
+
+  def __reduce__(self):
+    return exec, (f"import os; os.environ[{_PLANTED!r}] = '1'",)
+
+
+def _give_away(path, monkeypatch) -> Path:
+  """Makes path someone else's (chown, as root) or, not being root, the whole cache (this process pretends
+  to be another user); returns the directory the refusal will name."""
+  if os.geteuid() == 0:
+    os.chown(path, 4242, -1)
+    return path
+  uid = os.geteuid() + 1
+  monkeypatch.setattr(os, "geteuid", lambda: uid)
+  return store.cache_dir()
+
+
+def test_cache_directories_are_made_private(cache, tmp_path):
+  old = os.umask(0o022)
+  try:
+    path = write_tiny_model(tmp_path / "m.gguf", "llama")
+    jaxllm.load(path, progress=False)
+    store.save_executable("k" * 32, _compiled())
+  finally:
+    os.umask(old)
+  for d in (cache, store.models_dir(), store.executables_dir()):
+    assert _mode(d) == 0o700, (d, oct(_mode(d)))
+  assert store.load_executable("k" * 32) is not None
+
+
+@pytest.mark.parametrize("where", ["root", "executables", "owner"])
+def test_an_executable_cache_others_could_write_is_not_loaded(cache, monkeypatch, where):
+  store.save_executable("good", _compiled())
+  d = store.executables_dir()
+  (d / "planted.bin").write_bytes(pickle.dumps(_Planted()))
+  monkeypatch.delenv(_PLANTED, raising=False)
+  if where == "owner":
+    named = _give_away(d, monkeypatch)
+  else:
+    named = cache if where == "root" else d
+    os.chmod(named, 0o777 if where == "root" else 0o770)
+  with pytest.warns(store.CacheWarning) as record:
+    assert store.load_executable("planted") is None
+    assert _PLANTED not in os.environ                                 # the pickle was never opened
+    assert store.load_executable("good") is None
+    store.save_executable("new", _compiled())
+  assert len(record) == 1, [str(w.message) for w in record]            # once
+  message = str(record[0].message)
+  assert f"{named} is not private" in message and "run code as you" in message
+  assert ("(chown)" if where == "owner" else f"chmod 700 {named}") in message and "JAXLLM_CACHE" in message
+  assert not (d / "new.bin").exists()
+
+
+def test_an_executable_file_others_could_write_is_not_loaded(cache, monkeypatch):
+  store.save_executable("good", _compiled())
+  path = store.executables_dir() / "good.bin"
+  os.chmod(path, 0o666)
+  with pytest.warns(store.CacheWarning, match="writable by its group and others"):
+    assert store.load_executable("good") is None
+  os.chmod(path, 0o600)
+  assert store.load_executable("good") is not None
+  os.symlink(path, store.executables_dir() / "link.bin")              # a link is not followed
+  assert store.load_executable("link") is None
+
+
+def test_a_private_cache_loads_its_executables_and_drops_damaged_ones(cache):
+  store.save_executable("good", _compiled())
+  assert store.load_executable("good")(jnp.arange(4.0)).tolist() == [1.0, 3.0, 5.0, 7.0]
+  (store.executables_dir() / "bad.bin").write_bytes(b"not a pickle")
+  assert store.load_executable("bad") is None and not (store.executables_dir() / "bad.bin").exists()
+
+
+def test_a_models_cache_others_could_write_is_not_used(cache, tmp_path):
+  path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
+  _, w1, _ = jaxllm.load(path, progress=False)
+  os.chmod(store.models_dir(), 0o777)
+  stages = Stages(quiet=True)
+  with pytest.warns(store.CacheWarning, match=r"converted models cache .* is not private .*choose what the model"):
+    _, w2, _ = jaxllm.load(path, progress=stages)
+  assert "read model" in stages.times                                 # converted again, not read from there
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(w1), jax.tree.leaves(w2)))
+
+
+def test_executable_keys_name_xla_flags_jax_settings_and_the_extension(cache, tmp_path, monkeypatch):
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  base = store.executable_key("step")
+  assert store.executable_key("step") == base
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  assert store.executable_key("step") != base
+  monkeypatch.delenv("XLA_FLAGS")
+  with jax.default_matmul_precision("highest"):
+    assert store.executable_key("step") != base
+  with jax.enable_x64(True):
+    assert store.executable_key("step") != base
+  assert store.executable_key("step") == base
+  ext = tmp_path / "_ffi.cpython-test.so"                             # as found through an editable install's redirect
+  ext.write_bytes(b"\x7fELF one build")
+  monkeypatch.setitem(sys.modules, "jaxllm._ffi", types.SimpleNamespace(__file__=str(ext)))
+  store.code_version.cache_clear()
+  try:
+    first = store.executable_key("step")
+    ext.write_bytes(b"\x7fELF a rebuild")
+    store.code_version.cache_clear()
+    assert store.executable_key("step") != first
+  finally:
+    store.code_version.cache_clear()
+
+
+def test_an_unwritable_cache_warns_once_and_the_run_goes_on(tmp_path, monkeypatch):
+  (tmp_path / "file").write_text("a regular file")
+  monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "file" / "cache"))   # cannot be made, even by root
+  monkeypatch.setattr(store, "_warned", set())
+  path = write_tiny_model(tmp_path / "m.gguf", "llama")
+  with pytest.warns(store.CacheWarning) as record:
+    config, weights, tok = jaxllm.load(path, progress=False)
+    jaxllm.load(path, progress=False)
+    store.save_executable("k", _compiled())
+    store.save_executable("k", _compiled())
+    assert store.load_executable("k") is None
+  messages = [str(w.message) for w in record]
+  assert len(messages) == 2, messages                                 # once per cache
+  assert all("cannot create" in m and "running without it" in m and "JAXLLM_CACHE" in m for m in messages)
+  engine = jaxllm.Engine(config, weights, tok, max_context=32, cache_executables=True)
+  assert len(engine.generate(tok.encode("the cat"), 3, ignore_eos=True).ids) == 3
+
+
+def test_a_full_disk_mid_conversion_warns_once_and_leaves_nothing(cache, tmp_path, monkeypatch):
+  path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
+  real_save, calls = np.save, []
+
+  def save(file, array):
+    calls.append(file)
+    if len(calls) > 2:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    real_save(file, array)
+  monkeypatch.setattr(np, "save", save)
+  with pytest.warns(store.CacheWarning) as record:
+    _, w1, _ = jaxllm.load(path, progress=False)
+  assert len(record) == 1 and "No space left" in str(record[0].message), [str(w.message) for w in record]
+  assert len(calls) == 3                                              # no more writes once it failed
+  assert not list(store.models_dir().iterdir())                       # the partial entry is gone
+  monkeypatch.setattr(np, "save", real_save)
+  _, w2, _ = jaxllm.load(path, progress=False)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(w1), jax.tree.leaves(w2)))
+
+
+def test_a_read_only_executable_cache_warns_once(cache, monkeypatch):
+  store.executables_dir().mkdir(parents=True)
+  compiled = _compiled()
+
+  def read_only(*args, **kwargs):
+    raise PermissionError(errno.EROFS, "Read-only file system")
+  monkeypatch.setattr(store.tempfile, "mkstemp", read_only)
+  with pytest.warns(store.CacheWarning) as record:
+    store.save_executable("a", compiled)
+    store.save_executable("b", compiled)
+  assert len(record) == 1 and "Read-only file system" in str(record[0].message)
+  assert not list(store.executables_dir().iterdir())
+
+
+def _age(path, seconds):
+  t = time.time() - seconds
+  os.utime(path, (t, t))
+
+
+def test_a_killed_conversion_leaves_nothing_behind_for_long(cache, tmp_path):
+  """A conversion in another process: its temporary directory stays while it lives, however old, and goes
+  at the next use of the cache once it is killed (its lock died with it). This process's own entry stays;
+  lock-less temporaries go once they are STALE_SECONDS old."""
+  code = ("import sys, numpy as np; from jaxllm import store; e = store.Entry('other'); "
+          "e.add('x', np.zeros(1000)); print('ready', flush=True); sys.stdin.read()")
+  proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  d = store.models_dir()
+  try:
+    assert proc.stdout.readline() == "ready\n"
+    (other,) = [p for p in d.iterdir() if p.name.startswith(".other.")]
+    _age(other, 2 * store.STALE_SECONDS)                              # a long conversion, still going
+    assert store.load("some-key") is None and other.exists()
+  finally:
+    proc.kill()
+    proc.wait()
+  assert other.exists()                                               # what a killed run leaves
+  live = store.Entry("live")
+  live.add("x", np.zeros(10))
+  fresh, old = d / ".fresh.abc", d / ".old.abc"
+  fresh.mkdir()
+  old.mkdir()
+  (old / "x.npy").write_bytes(b"0" * 100)
+  _age(old, 2 * store.STALE_SECONDS)
+  assert store.load("some-key") is None                               # any use of the cache cleans
+  left = sorted(p.name.split(".")[1] for p in d.iterdir())
+  assert left == ["fresh", "live"], left
+  path = write_tiny_model(tmp_path / "m.gguf", "llama")
+  config, _, tok = jaxllm.load(path, progress=False, cache=False)
+  live.commit(config, tok.to_state())                                 # the live writer was not disturbed
+  assert store.load("live")[2]["x"].shape == (10,)
+
+
+def test_stale_executable_temporaries_are_removed(cache):
+  store.save_executable("first", _compiled())
+  d = store.executables_dir()
+  (d / ".old.x1").write_bytes(b"half an executable")
+  (d / ".new.x2").write_bytes(b"being written")
+  _age(d / ".old.x1", 2 * store.STALE_SECONDS)
+  assert store.load_executable("first") is not None
+  assert sorted(p.name for p in d.iterdir()) == [".new.x2", "first.bin"]
+
+
+def test_the_test_session_keeps_out_of_the_users_cache():
+  home_cache = Path.home() / ".cache"
+  code = "from jaxllm import store; print(store.cache_dir(), store.executables_dir(), store.models_dir())"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+  here = [store.cache_dir(), store.models_dir(), store.compile_dir(), store.executables_dir()]
+  for p in here + [Path(p) for p in out] + [Path(os.environ.get("XDG_CACHE_HOME", home_cache))]:
+    assert not p.resolve().is_relative_to(home_cache.resolve()), p
+  assert models.cache_dir() == store.cache_dir()                       # demo-model downloads go there too
+
+
+def test_every_demo_model_is_pinned():
+  for spec in models.DEMO_MODELS.values():
+    assert spec.size and spec.sha256 and len(spec.sha256) == 64, spec
+
+
+def test_a_demo_model_in_a_shared_directory_is_checked_before_use(cache, monkeypatch):
+  good = b"the real model"
+  spec = models.DemoModel(name="tiny", filename="tiny.gguf", parts=(), size=len(good),
+                          sha256=hashlib.sha256(good).hexdigest())
+  monkeypatch.setitem(models.DEMO_MODELS, "tiny", spec)
+  downloads = []
+
+  def download(spec, target):
+    downloads.append(target)
+    target.write_bytes(good)
+    return target
+  monkeypatch.setattr(models, "_download", download)
+  cache.mkdir(mode=0o700)
+  fake = b"x" * len(good)                                             # the same size, other bytes
+  (cache / "tiny.gguf").write_bytes(fake)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert models.fetch_demo_model("tiny").read_bytes() == fake       # private: the user's own file
+  os.chmod(cache, 0o777)
+  with pytest.warns(store.CacheWarning, match="checked against its sha256"):
+    assert models.fetch_demo_model("tiny").read_bytes() == good
+  assert len(downloads) == 1
