@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import statistics
 import threading
 import time
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import graphs
+from jaxllm import graphs, lab
 from jaxllm.cache import KVCache, check_fits, create_cache
 from jaxllm.config import Config
 from jaxllm.decode import (DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, eog_table, extend,
@@ -573,8 +572,8 @@ class Engine:
     # before the next call donates them; otherwise they are read first and the call is the only dispatch.
     keep = _snapshot_jit if pipelined else (lambda x: x)
     # Each call's tokens are copied to the host as soon as the device has them (the copy queued behind the call
-    # at dispatch), not once the host asks: the read then finds them there. JAXLLM_READ_AHEAD=0: on asking.
-    ahead = os.environ.get("JAXLLM_READ_AHEAD", "1") != "0"
+    # at dispatch), not once the host asks: the read then finds them there. Lab switch JAXLLM_READ_AHEAD=0: on asking.
+    ahead = lab.switch("JAXLLM_READ_AHEAD", "1") != "0"
 
     def kept(tokens):
       tokens = keep(tokens)

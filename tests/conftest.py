@@ -17,6 +17,7 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
   config.addinivalue_line("markers", "hf: compares with HF transformers on a real model (needs torch)")
   config.addinivalue_line("markers", "qwen: needs the 0.5B Qwen demo model (set JAXLLM_TEST_QWEN=1)")
+  config.addinivalue_line("markers", "network: downloads a demo model (skipped with JAXLLM_TEST_OFFLINE=1)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,6 +26,8 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not has_gpu:
       item.add_marker(pytest.mark.skip(reason="no CUDA GPU"))
+    if "network" in item.keywords and os.environ.get("JAXLLM_TEST_OFFLINE") == "1":
+      item.add_marker(pytest.mark.skip(reason="needs the network to download a demo model (JAXLLM_TEST_OFFLINE=1)"))
     if "qwen" in item.keywords and os.environ.get("JAXLLM_TEST_QWEN") != "1":
       item.add_marker(pytest.mark.skip(reason="Qwen tests are opt-in: set JAXLLM_TEST_QWEN=1"))
 
