@@ -3,18 +3,19 @@
 The BPE model, merges and special tokens come from `tokenizer.ggml.*`; the pre-tokenizer is chosen by
 `tokenizer.ggml.pre` (the split regex each model family was trained with). Text is byte-level BPE, so
 every token maps to a byte string; `StreamDecoder` turns a stream of ids into text without breaking a
-UTF-8 character split across tokens.
+UTF-8 character split across tokens. The chat template is rendered by jaxllm.chat_template (untrusted code,
+bounded there).
 """
 from __future__ import annotations
 
 import codecs
 from typing import Iterable, Mapping, Sequence
 
-import jinja2
-import jinja2.sandbox
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
+
+from jaxllm.chat_template import ChatTemplate
 
 # Split patterns per `tokenizer.ggml.pre` family (the ones llama.cpp's vocab loader uses).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -28,6 +29,7 @@ PRE_TOKENIZERS = ("gpt2", "qwen2", "llama-bpe", "smollm", "default")
 _CONTROL, _USER_DEFINED = 3, 4
 # End-of-generation tokens by their text, beside the file's eos/eot ids (llama.cpp does the same).
 _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+MAX_EOG = 16     # end-of-generation ids a sequence can have (the width of decode's eog table)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -70,11 +72,16 @@ class Tokenizer:
     vocab_size: number of token ids.
     bos_id, eos_id: from the metadata (may be None).
     add_bos: whether encode() prepends BOS (the file's `tokenizer.ggml.add_bos_token`).
-    eog_ids: ids that end generation (eos, eot, and end-of-turn tokens such as <|im_end|>).
+    eog_ids: ids that end generation (eos, eot, and end-of-turn tokens such as <|im_end|>); at most MAX_EOG.
     chat_template: the jinja2 template text, or None.
+    source: where the tokenizer came from (the model file's path), named in chat-template errors; or None.
+
+  Args:
+    metadata: the GGUF file's key-value metadata.
+    source: the file's path, or None.
   """
 
-  def __init__(self, metadata: Mapping):
+  def __init__(self, metadata: Mapping, source: str | None = None):
     model = metadata.get("tokenizer.ggml.model")
     if model != "gpt2":
       raise ValueError(f"unsupported tokenizer model {model!r}: jaxllm reads byte-level BPE ('gpt2') "
@@ -110,6 +117,8 @@ class Tokenizer:
     if template is not None and not isinstance(template, str):
       raise ValueError(f"tokenizer.chat_template must be a string, got {type(template).__name__}")
     self.chat_template = template
+    self.source = None if source is None else str(source)
+    self._template: ChatTemplate | None = None
 
     try:
       bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
@@ -134,7 +143,7 @@ class Tokenizer:
     eog = {i for i in (self.eos_id, _token_id(metadata, "tokenizer.ggml.eot_token_id", len(tokens)),
                        _token_id(metadata, "tokenizer.ggml.eom_token_id", len(tokens))) if i is not None}
     eog |= {i for i in special if tokens[i] in _EOG_TEXTS}
-    self.eog_ids = frozenset(eog)
+    self.eog_ids = _checked_eog(eog, tokens.__getitem__)
 
   def to_state(self) -> dict:
     """Everything the tokenizer is, as JSON-able values (for the model cache)."""
@@ -143,8 +152,9 @@ class Tokenizer:
             "chat_template": self.chat_template, "eog_ids": sorted(self.eog_ids)}
 
   @classmethod
-  def from_state(cls, state: dict) -> "Tokenizer":
-    """The tokenizer to_state() described (without the GGUF metadata it was built from)."""
+  def from_state(cls, state: dict, source: str | None = None) -> "Tokenizer":
+    """The tokenizer to_state() described (without the GGUF metadata it was built from); `source` as in
+    Tokenizer()."""
     self = cls.__new__(cls)
     self._tok = _HFTokenizer.from_str(state["hf"])
     self._bytes = [b.encode("latin-1") for b in state["bytes"]]
@@ -152,7 +162,9 @@ class Tokenizer:
     self.vocab_size = len(self._bytes)
     self.bos_id, self.eos_id, self.add_bos = state["bos_id"], state["eos_id"], state["add_bos"]
     self.chat_template = state["chat_template"]
-    self.eog_ids = frozenset(state["eog_ids"])
+    self.eog_ids = _checked_eog(state["eog_ids"], lambda i: self._bytes[i].decode("utf-8", "replace"))
+    self.source = None if source is None else str(source)
+    self._template = None
     return self
 
   def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -178,20 +190,30 @@ class Tokenizer:
     return data.decode("utf-8", errors="replace")
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-    """Renders `messages` ([{"role": ..., "content": ...}]) with the model's template."""
+    """Renders `messages` ([{"role": ..., "content": ...}]) with the model's template.
+
+    Raises:
+      ChatTemplateError (a ValueError): the template failed or hit a limit (jaxllm.chat_template).
+    """
     if not self.chat_template:
       raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = _raise_template_error
+    if self._template is None:
+      self._template = ChatTemplate(self.chat_template, self.source)
     token = self._bytes[self.bos_id].decode("utf-8", "replace") if self.bos_id is not None else ""
     eos = self._bytes[self.eos_id].decode("utf-8", "replace") if self.eos_id is not None else ""
-    try:
-      return env.from_string(self.chat_template).render(
-          messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=token,
-          eos_token=eos, tools=None)
-    except jinja2.TemplateError as e:   # syntax errors, undefined names, sandbox refusals: the file's template
-      raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+    return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                 bos_token=token, eos_token=eos, tools=None)
+
+
+def _checked_eog(ids: Iterable[int], text) -> frozenset[int]:
+  """The end-of-generation ids, refused when there are more than decode's table holds (MAX_EOG); `text(i)`
+  is token i's text, for the message."""
+  ids = frozenset(ids)
+  if len(ids) > MAX_EOG:
+    first = ", ".join(f"{i} {text(i)!r}" for i in sorted(ids)[:4])
+    raise ValueError(f"the tokenizer declares {len(ids)} end-of-generation tokens ({first}, ...); jaxllm "
+                     f"handles at most {MAX_EOG}")
+  return ids
 
 
 def _token_id(metadata: Mapping, key: str, vocab_size: int) -> int | None:
@@ -202,10 +224,6 @@ def _token_id(metadata: Mapping, key: str, vocab_size: int) -> int | None:
   if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
     raise ValueError(f"{key} must be a token id in [0, {vocab_size}), got {value!r}")
   return value
-
-
-def _raise_template_error(message: str):
-  raise ValueError(f"chat template error: {message}")
 
 
 class StreamDecoder:
