@@ -101,7 +101,9 @@ class Config:
     if scaling not in ("none", "linear"):
       raise ValueError(f"unsupported RoPE scaling {scaling!r}: jaxllm handles 'none', 'linear' and llama3 factors")
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size", int, len(tokens) if isinstance(tokens, list) else -1)
+    # The token list's length (a list of strings; GGUFFile gives a numeric array as numpy, which the tokenizer
+    # then refuses by name).
+    vocab = get("vocab_size", int, len(tokens) if isinstance(tokens, list) or hasattr(tokens, "ndim") else -1)
     if vocab == -1:
       raise ValueError("GGUF metadata gives no vocabulary size (neither vocab_size nor tokenizer.ggml.tokens)")
     return cls(

@@ -30,7 +30,7 @@ def read_model(path) -> tuple[GGUFFile, Tokenizer]:
   """Opens and validates a GGUF model file and builds its tokenizer; every defect is a GGUFError."""
   gf = GGUFFile(path)
   try:
-    tokenizer = Tokenizer(gf.metadata)
+    tokenizer = Tokenizer(gf.metadata, source=gf.path)
   except ValueError as e:
     raise GGUFError(f"{gf.path!r}: {e}") from None
   if tokenizer.vocab_size != gf.config.vocab_size:
@@ -66,7 +66,7 @@ def load(model: str, quant: str = "auto", dtype=None, progress: bool | Stages = 
   if hit is not None:
     with stages.stage("load cached conversion"):
       config, tokenizer_state, arrays = hit
-      tokenizer = Tokenizer.from_state(tokenizer_state)
+      tokenizer = Tokenizer.from_state(tokenizer_state, source=path)
       weights = assemble(arrays)
       jax.block_until_ready(weights)
     return config, weights, tokenizer
