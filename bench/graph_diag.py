@@ -42,6 +42,7 @@ def child(model: str, steps: int) -> None:
   from jaxllm.engine import Engine
   from jaxllm.kernels import ffi
   from jaxllm.quant import GROUP, Linear
+  from jaxllm.timing import burst_step_ms
   from jaxllm.cache import create_cache
   from jaxllm.decode import prefill
   from jaxllm.sampling import Sampler, SamplingParams
@@ -53,7 +54,7 @@ def child(model: str, steps: int) -> None:
   engine = Engine(config, weights, None, max_context=64 + 2 * steps, kernels="ffi", graphs_on=True)
   prompt = list(range(1, 33))
   mark("warmup")                                      # compile, record, first replays
-  engine.burst_step_ms(prompt, 4)
+  burst_step_ms(engine, prompt, 4)
   cache = create_cache(config, 1, engine.max_context, engine.dtype, engine.cache_dtype)
   state = prefill(config, weights, cache, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32),
                   Sampler.create(SamplingParams(), 1), kernels=engine.kernels)

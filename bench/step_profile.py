@@ -141,16 +141,16 @@ def main(argv=None) -> int:
   calls = max(1, args.tokens // k)
   prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_len)]
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="step_profile_")
-  with engine._lock:                       # a greedy request prefilled, then only its decode calls traced
-    state, _ = engine._timing_start(prompt, (calls + 1) * k + 1)
-    advance = engine._advance_fn(1, True)
+  with engine.timing_run(prompt, (calls + 1) * k + 1) as run:   # a greedy request prefilled, then only its calls traced
+    state = run.state
+    advance = engine.advance_fn(1, True)
     state, block, _ = advance(state, None)
     jax.block_until_ready(block)
     with jax.profiler.trace(trace_dir):
       for _ in range(calls):
         state, block, _ = advance(state, block)
       jax.block_until_ready(block)
-    engine._cache, engine._history = state.cache, None
+    run.state = state
   events = device_events(trace_dir)
   print(f"[step_profile] {len(events)} device events, kernels={engine.kernels}, K={k}, {calls} calls",
         file=sys.stderr)

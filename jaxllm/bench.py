@@ -150,7 +150,8 @@ def measure(engine, prompts, decode_len: int, repeat: int, warmup: int, pipeline
   params = params or SamplingParams()
   requests = [[t for _, t in engine.stream_tokens(prompts, decode_len, params, i, pipelined, ignore_eos=True)]
               for i in range(warmup + repeat)][warmup:]
-  burst = engine.burst_step_ms(prompts[0], min(decode_len, 64)) if len(prompts) == 1 and params.greedy else None
+  from jaxllm.timing import burst_step_ms
+  burst = burst_step_ms(engine, prompts[0], min(decode_len, 64)) if len(prompts) == 1 and params.greedy else None
   return {"step_ms_burst": burst, **timing_stats(requests)}
 
 
@@ -158,8 +159,10 @@ def run(args) -> list[dict]:
   import jax
   import numpy as np
   from jaxllm.cache import cache_bytes
+  from jaxllm import graphs
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.presets import weight_bytes_per_token
+  from jaxllm.timing import host_timings
   from jaxllm.weights import resolve_quant
   t_load = time.perf_counter()
   config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
@@ -184,8 +187,8 @@ def run(args) -> list[dict]:
     engine.warmup(args.prompt_len, params, batch=args.batch)
     compile_s = time.perf_counter() - t0
     greedy = greedy_mode(params)
-    state = engine.graph_state(greedy) if args.graph_state else {"state": "not inspected"}
-    host = (engine.host_timings(prompts[0], args.decode_len)
+    state = graphs.graph_state(engine, greedy) if args.graph_state else {"state": "not inspected"}
+    host = (host_timings(engine, prompts[0], args.decode_len)
             if args.host_timings and args.batch == 1 and greedy is True else None)
     if host:
       print(f"[bench] host, kernels={engine.kernels}: dispatch {host['serial_dispatch_ms']:.3f} ms with the device "

@@ -142,7 +142,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
-  from jaxllm import store
+  from jaxllm import graphs, store
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.load import load
   try:
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
   with stages.stage("compile and warm up", "compiled steps cached" if not args.no_compile_cache else ""):
     engine.warmup(longest, params, batch=max(1, len(all_ids)), trial=True)
   greedy = greedy_mode(params)
-  graph_state = engine.graph_state(greedy) if args.show_graph_state else None
+  graph_state = graphs.graph_state(engine, greedy) if args.show_graph_state else None
   if graph_state is not None:
     print("[jaxllm] graph state: " + json.dumps(graph_state), file=sys.stderr)
   run = _Run(args, engine, params, model, max_tokens, max_context, stages, graph_state, t_start)

@@ -3,12 +3,18 @@
 The switch is applied per executable through compiler options, so graphs-on and graphs-off executables
 can live in one process. If the user put `--xla_gpu_enable_command_buffer` in XLA_FLAGS themselves, that
 setting wins and is reported.
+
+What XLA actually did is read from its dump: graph_state compiles an engine's decode step once more with
+`xla_dump_to` and reads the thunk sequence (read_dump, parse_thunk_sequence).
 """
 from __future__ import annotations
 
 import glob
 import os
 import re
+import tempfile
+
+import jax
 
 ENV_VAR = "JAXLLM_CUDA_GRAPHS"
 _FLAG = "xla_gpu_enable_command_buffer"
@@ -114,3 +120,32 @@ def count_log_segments(log: str, marker: str) -> dict:
       m = re.search(r"updated_allocs=(\d+)", line)
       current["updated_allocs"].append(int(m.group(1)) if m else None)
   return out
+
+
+def graph_state(engine, greedy: bool | str = True, dump_dir: str | None = None) -> dict:
+  """What XLA actually did with an Engine's decode step: compiles it once more with a dump and reads it.
+
+  Returns a dict with "state" ("on" | "off" | "unknown"), "requested", the command-buffer count and
+  the share of the step's work thunks they hold ("coverage"), and the user's XLA_FLAGS setting if any.
+  What it compiles is the executable a batch-1 request runs: "tokens_per_call" steps, whose thunks are
+  "work_thunks" in all and "work_thunks_per_step" per step.
+  `dump_dir` keeps XLA's dump there (default: a temporary directory).
+  """
+  info = {"requested": engine.graphs_requested, "fallback": engine.graphs_fallback,
+          "xla_flags_setting": user_xla_flag(),
+          "backend": jax.default_backend(), "kernels": engine.kernels}
+  if jax.default_backend() != "gpu":
+    info.update(state="off", reason="XLA command buffers (CUDA graphs) exist only on the GPU backend")
+    return info
+  k = engine.tokens_per_call_for(1)
+  info["tokens_per_call"] = k
+  fn, donate, args = engine.decode_program(1, greedy, k)
+  donate = (donate,) if isinstance(donate, int) else donate
+  with tempfile.TemporaryDirectory(prefix="jaxllm-dump-") as tmp:
+    target = dump_dir or tmp
+    options = dict(engine.compiler_options, xla_dump_to=target)
+    jax.jit(fn, donate_argnums=donate, compiler_options=options).lower(*args).compile()
+    info.update(read_dump(target))
+  if "work_thunks" in info:
+    info["work_thunks_per_step"] = info["work_thunks"] / k
+  return info

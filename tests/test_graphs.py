@@ -89,7 +89,7 @@ def test_graph_state_reports_cpu_truthfully():
     pytest.skip("CPU-only statement")
   config = preset("smollm2-135m").replace(n_layers=1, vocab_size=256)
   engine = Engine(config, random_weights(config, seed=0), None, max_context=32)
-  state = engine.graph_state()
+  state = graphs.graph_state(engine)
   assert state["state"] == "off" and "only on the GPU" in state["reason"]
 
 
@@ -100,13 +100,13 @@ def test_graph_state_gpu(kernels, monkeypatch):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   config = preset("qwen2.5-0.5b")
   weights = random_weights(config, seed=0)
-  on = Engine(config, weights, None, max_context=256, kernels=kernels, graphs_on=True).graph_state()
+  on = graphs.graph_state(Engine(config, weights, None, max_context=256, kernels=kernels, graphs_on=True))
   print("graphs on:", on)
   assert on["state"] == "on" and on["command_buffers"] >= 1
   if kernels == "ffi":
     assert on["command_buffers"] == 1 and on["coverage"] == 1.0, on
   monkeypatch.setenv(graphs.ENV_VAR, "0")
-  off = Engine(config, weights, None, max_context=256, kernels=kernels).graph_state()
+  off = graphs.graph_state(Engine(config, weights, None, max_context=256, kernels=kernels))
   print("graphs off:", off)
   assert off["state"] == "off" and off["command_buffers"] == 0 and not off["requested"]
 
@@ -173,8 +173,8 @@ def test_replay_needs_no_update_gpu(tmp_path):
 
 def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   """A failure compiling with command buffers warns once, turns them off, and gives the same tokens."""
-  import jaxllm.engine as engine_mod
-  real = engine_mod._compile
+  import jaxllm.programs as programs_mod
+  real = programs_mod._compile
 
   def failing(fn, donate, options, args):
     if "xla_gpu_enable_command_buffer" not in options:
@@ -185,8 +185,8 @@ def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   weights = load_weights(gf, progress=False)
   tok = Tokenizer(gf.metadata)
   reference = _tokens(Engine(gf.config, weights, tok, max_context=64, graphs_on=False), 24)
-  monkeypatch.setattr(engine_mod, "_graphs_possible", lambda: True)    # as on a GPU: the mechanism under test
-  monkeypatch.setattr(engine_mod, "_compile", failing)
+  monkeypatch.setattr(programs_mod, "_graphs_possible", lambda: True)    # as on a GPU: the mechanism under test
+  monkeypatch.setattr(programs_mod, "_compile", failing)
   engine = Engine(gf.config, weights, tok, max_context=64, graphs_on=True)
   with pytest.warns(RuntimeWarning, match="CUDA graphs .* failed, running without them: RuntimeError: INTERNAL"):
     got = _tokens(engine, 24)

@@ -212,7 +212,7 @@ def test_leaving_out_unset_penalties_draws_the_same_tokens():
 
 
 def test_greedy_mode_names_the_step_a_batch_needs():
-  from jaxllm.engine import _step_flags, greedy_mode
+  from jaxllm.programs import _step_flags, greedy_mode
   plain, pen = SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, repeat_penalty=1.1)
   cases = [([SamplingParams()], True, {"greedy_only": True, "penalties": False}),
            ([SamplingParams(repeat_penalty=1.1)], "penalized", {"greedy_only": True, "penalties": True}),

@@ -93,12 +93,12 @@ def test_engine_executables_load_from_disk(tmp_path, monkeypatch):
   saved = sorted(p.name for p in store.executables_dir().glob("*.bin"))
   assert len(saved) >= 2
   second = jaxllm.Engine(config, weights, tok, max_context=64, cache_executables=True)
-  import jaxllm.engine as engine_mod
+  import jaxllm.programs as programs_mod
 
   def no_compiling(*args):
     raise AssertionError("compiled although the executable was on disk")
   with monkeypatch.context() as m:
-    m.setattr(engine_mod, "_compile", no_compiling)
+    m.setattr(programs_mod, "_compile", no_compiling)
     b = second.generate(prompt, 8, ignore_eos=True)
   assert a.ids == b.ids and sorted(p.name for p in store.executables_dir().glob("*.bin")) == saved
   other = jaxllm.Engine(config, weights, tok, max_context=96, cache_executables=True)   # other shapes: new keys

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from jaxllm import Engine, GGUFFile, SamplingParams, StreamDecoder, Tokenizer
-from jaxllm.engine import _StopText
+from jaxllm.text import StopText
 from jaxllm.generate import main as cli_main
 from jaxllm.weights import load_weights
 from tiny import write_tiny_model
@@ -33,7 +33,7 @@ def test_stream_decoder_holds_split_characters(model):
 
 
 def test_stop_text_holds_back_prefixes():
-  s = _StopText(["STOP"])
+  s = StopText(["STOP"])
   assert s.push("abc ST") == ("abc ", False)
   assert s.push("O") == ("", False)
   assert s.push("x") == ("STOx", False)
@@ -50,7 +50,7 @@ def test_stop_text_against_a_full_search():
   rng = random.Random(0)
   for trial in range(300):
     stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 4)))
-    s, full, shown, hit_at = _StopText([stop]), "", "", None
+    s, full, shown, hit_at = StopText([stop]), "", "", None
     for i in range(rng.randint(1, 40)):
       piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 3)))
       full += piece
@@ -186,11 +186,11 @@ def test_cli_batch_of_prompts(model, capsys, tmp_path):
 
 def test_stop_text_cuts_at_the_earliest_stop_string_whatever_the_list_order():
   """Several stop strings: the text is cut at the one that appears first in the text (it was cut at the
-  first in list order: `_StopText(["b", "a"]).push("ab")` kept "a")."""
-  assert _StopText(["b", "a"]).push("ab") == ("", True)
-  s = _StopText(["world", "lo", "xyz"])
+  first in list order: `StopText(["b", "a"]).push("ab")` kept "a")."""
+  assert StopText(["b", "a"]).push("ab") == ("", True)
+  s = StopText(["world", "lo", "xyz"])
   assert s.push("hello world") == ("hel", True) and s.text == "hel"
-  s = _StopText(["cd", "bcd"])
+  s = StopText(["cd", "bcd"])
   assert s.push("abc") == ("a", False) and s.push("d") == ("", True) and s.text == "a"
 
 
@@ -219,7 +219,7 @@ def test_an_interrupt_after_a_donating_call_leaves_a_working_engine(model, monke
   _, engine, tok = model
   prompt = tok.encode("the cat")
   want = engine.generate(prompt, 12, ignore_eos=True).ids
-  real = engine._advance_fn
+  real = engine.advance_fn
 
   def interrupted(batch, greedy):
     advance = real(batch, greedy)
@@ -228,10 +228,10 @@ def test_an_interrupt_after_a_donating_call_leaves_a_working_engine(model, monke
       advance(state, block)
       raise KeyboardInterrupt
     return call
-  monkeypatch.setattr(engine, "_advance_fn", interrupted)
+  monkeypatch.setattr(engine, "advance_fn", interrupted)
   with pytest.raises(KeyboardInterrupt):
     engine.generate(prompt, 12, ignore_eos=True)
-  monkeypatch.setattr(engine, "_advance_fn", real)
+  monkeypatch.setattr(engine, "advance_fn", real)
   again = engine.generate(prompt + want[:4], 8, ignore_eos=True, reuse_cache=True)
   assert engine.last_reused == [0]
   assert again.ids == want[4:12]

@@ -1,0 +1,296 @@
+"""The compiled programs an Engine runs, and compiling them.
+
+Programs holds a model's weights and the settings that shape its executables (kernel path, dtypes, cache
+length, prefill chunk, decode steps per call, command buffers) and compiles each program once per key:
+a prefill chunk (extend_fn), the last chunk with the first token's sampling (prefill_fn), and the decode
+step (step_fn, or steps_fn for K steps per call), each from abstract arguments. With command buffers on it
+runs a new executable once on zeros, and where either fails it warns, turns command buffers off for this
+engine and compiles again without them; with cache_executables it keeps executables on disk (jaxllm.store).
+
+greedy_mode names the decode step a request needs: sampling settings are data in the DecodeState, so one
+executable serves every request of a batch size and mode.
+"""
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import graphs, store
+from jaxllm.cache import KVCache
+from jaxllm.config import Config
+from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
+from jaxllm.kernels import fused, resolve_kernels, select
+from jaxllm.model import Weights, use_fused
+from jaxllm.sampling import Sampler, SamplingParams, candidates_kernel, rows_of
+
+MIN_BUCKET = 16
+# Tokens per prefill chunk, measured (docs/results/2026-12-01-h200-prefill.md): on the H200 a 32000-token
+# prompt took 327 / 279 / 267 ms with chunks of 2048 / 4096 / 8192 (8192 tokens: 36.7 / 34.5 / 34.2 ms), the
+# memory beyond weights and cache 0.85 / 0.92 / 1.06 GB: 4096 keeps most of the gain. The CPU's matmuls gain
+# nothing past a few hundred rows, and each chunk's intermediates grow with it.
+PREFILL_CHUNK = {"gpu": 4096, "cpu": 512}
+PREFILL_LAYERS = {"cpu": "scan"}            # how prefill runs the layers per backend (model.forward)
+
+
+def prompt_bucket(length: int, cap: int) -> int:
+  """Padded length of a chunk: the next power of two >= length (at least MIN_BUCKET), capped at `cap`."""
+  bucket = MIN_BUCKET
+  while bucket < length:
+    bucket *= 2
+  return min(bucket, cap)
+
+
+# Decode steps per executable call by default (Engine.tokens_per_call_for) where the GPU runs the fused step
+# (measured on the H200, docs/results/2026-12-01-h200-step.md: 4 and 8 both leave the step device-bound) and
+# on the CPU, there in a while loop (docs/results/2026-12-02-cpu-calls.md: 0.74-0.86x the TPOT of one step a
+# call, compiled as fast); and the most an Engine takes.
+GPU_TOKENS_PER_CALL = 8
+CPU_TOKENS_PER_CALL = 8
+MAX_TOKENS_PER_CALL = 64
+
+
+def _compile(fn, donate: int | tuple[int, ...], options: dict, args) -> Callable:
+  """jit + lower + compile with per-executable XLA options."""
+  donate = (donate,) if isinstance(donate, int) else donate
+  return jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile()
+
+
+def _trial_args(args):
+  """Zero-filled device arrays standing in for abstract arguments (for a first, throw-away run)."""
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, args)
+
+
+def _graphs_possible() -> bool:
+  """XLA command buffers exist on the GPU backend only."""
+  return jax.default_backend() == "gpu"
+
+
+def _spec(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
+def _final_chunk(config, weights, cache, tokens, lengths, start, last, pos, sampler, limit, eog, *, greedy_only,
+                 kernels, layers):
+  """The last prefill chunk: extend the cache, then sample each row's first token."""
+  cache, hidden = extend(config, weights, cache, tokens, lengths, start, last, kernels=kernels, layers=layers)
+  return finish_prefill(config, weights, cache, hidden, pos, sampler, limit, eog, greedy_only=greedy_only,
+                        kernels=kernels)
+
+
+def greedy_mode(rows: SamplingParams | Sequence[SamplingParams]) -> bool | str:
+  """The step a request needs (Engine.step_fn's `greedy`): where every row is greedy, True, or "penalized"
+  where some row has a penalty; where some row samples, "sampled" when no row has a penalty (the step
+  skips them: a pass over [B, V] less), else False. Each sampling step serves every temperature, top-k,
+  top-p, min-p and seed (they are data: changing them never compiles). rows: one SamplingParams or one per
+  row."""
+  rows = [rows] if isinstance(rows, SamplingParams) else rows
+  penalized = any(p.penalized for p in rows)
+  if not all(p.greedy for p in rows):
+    return False if penalized else "sampled"
+  return "penalized" if penalized else True
+
+
+def _all_greedy(params, batch: int) -> bool | str:
+  return greedy_mode(rows_of(params, batch))
+
+
+def _greedy_only(greedy: bool | str) -> bool:
+  """Whether a greedy mode (greedy_mode) compiles only the argmax."""
+  return greedy is True or greedy == "penalized"
+
+
+def _step_flags(greedy: bool | str) -> dict:
+  """decode_step's static flags for a greedy mode (see Engine.step_fn)."""
+  return {"greedy_only": _greedy_only(greedy), "penalties": greedy in (False, "penalized")}
+
+
+class Programs:
+  """A model's weights and its compiled programs (the base of Engine, which documents the arguments)."""
+
+  def __init__(self, config: Config, weights: Weights, max_context: int, kernels: str = "auto",
+               graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
+               cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None,
+               device_loop: str | None = None):
+    if not isinstance(max_context, int) or max_context < 2:
+      raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
+    if tokens_per_call is not None and (not isinstance(tokens_per_call, int) or isinstance(tokens_per_call, bool)
+                                        or not 1 <= tokens_per_call <= MAX_TOKENS_PER_CALL):
+      raise ValueError(f"tokens_per_call must be an integer in [1, {MAX_TOKENS_PER_CALL}], got {tokens_per_call!r}")
+    if device_loop is not None and device_loop not in DEVICE_LOOPS:
+      raise ValueError(f"device_loop must be one of {DEVICE_LOOPS} or None, got {device_loop!r}")
+    self.tokens_per_call = tokens_per_call
+    self.device_loop = device_loop or ("unrolled" if jax.default_backend() == "gpu" else "while")
+    self.config = config
+    self.weights = weights
+    self.max_context = int(max_context)
+    self.kernels = resolve_kernels(kernels)
+    self.graphs_requested = graphs.graphs_requested() if graphs_on is None else bool(graphs_on)
+    self.compiler_options = graphs.compiler_options(self.graphs_requested)
+    self.graphs_fallback: str | None = None   # why command buffers were dropped, if they were
+    self.dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+    self.cache_dtype = cache_dtype or self.dtype
+    chunk = prefill_chunk or PREFILL_CHUNK.get(jax.default_backend(), 512)
+    if not isinstance(chunk, int) or chunk < MIN_BUCKET:
+      raise ValueError(f"prefill_chunk must be an integer >= {MIN_BUCKET}, got {chunk!r}")
+    self.prefill_chunk = chunk
+    # The CPU's prefill scans over the layers (a working set of one layer, and a program that compiles in a
+    # fraction of the time); the GPU's is unrolled, like the decode step, for its kernels and command buffers.
+    self.prefill_layers = PREFILL_LAYERS.get(jax.default_backend(), "unrolled")
+    self._exe: dict[tuple, Callable] = {}
+    self.compile_seconds = 0.0
+    self.cache_executables = cache_executables
+
+  # ---- compilation ---------------------------------------------------------------------------
+
+  def _build(self, key: tuple, fn, donate: int, args) -> Callable:
+    """Compiles fn once per key; with command buffers on, also runs it once on zeros. If either fails,
+    warns once with the reason, turns command buffers off for this engine, and compiles again without."""
+    if key in self._exe:
+      return self._exe[key]
+    t0 = time.perf_counter()
+    disk_key = None
+    if self.cache_executables:
+      disk_key = store.executable_key(key, self.config, self.kernels, jnp.dtype(self.dtype).name,
+                                      jnp.dtype(self.cache_dtype).name, self.max_context,
+                                      sorted(self.compiler_options.items()), fused.layers_call(), fused.cpu_fused(),
+                                      select.ffi_ops(), candidates_kernel(), jax.tree.structure(args),
+                                      [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
+      compiled = store.load_executable(disk_key)
+      if compiled is not None:
+        self.compile_seconds += time.perf_counter() - t0
+        self._exe[key] = compiled
+        return compiled
+    try:
+      compiled = _compile(fn, donate, self.compiler_options, args)
+      if self.graphs_active:
+        jax.block_until_ready(compiled(*_trial_args(args)))
+    except Exception as e:  # XLA reports command-buffer failures as assorted runtime errors
+      if not self.graphs_active:
+        raise
+      self.graphs_fallback = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+      warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) failed, running without them: "
+                    f"{self.graphs_fallback}", RuntimeWarning, stacklevel=3)
+      self.compiler_options = graphs.compiler_options(False)
+      self._exe.clear()
+      compiled = _compile(fn, donate, self.compiler_options, args)
+      disk_key = None                   # the options changed: this key no longer describes the executable
+    if disk_key is not None:
+      store.save_executable(disk_key, compiled)
+    self.compile_seconds += time.perf_counter() - t0
+    self._exe[key] = compiled
+    return compiled
+
+  @property
+  def graphs_active(self) -> bool:
+    """Command buffers requested, possible on this backend, and not dropped by a fallback."""
+    return self.graphs_requested and self.graphs_fallback is None and _graphs_possible()
+
+  def _cache_spec(self, batch: int) -> KVCache:
+    c = self.config
+    kv = jax.ShapeDtypeStruct((c.n_layers, batch, c.n_kv_heads, self.max_context, c.head_dim), self.cache_dtype)
+    compute = jnp.dtype(self.dtype).name if jnp.dtype(self.dtype) != jnp.dtype(self.cache_dtype) else ""
+    return KVCache(k=kv, v=kv, compute=compute)
+
+  def _sampler_spec(self, batch: int) -> Sampler:
+    return _spec(Sampler.create(SamplingParams(), batch))
+
+  def _state_spec(self, batch: int) -> DecodeState:
+    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return DecodeState(cache=self._cache_spec(batch), tokens=vec, pos=vec,
+                       done=jax.ShapeDtypeStruct((batch,), jnp.bool_), limit=vec,
+                       eog=jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32), sampler=self._sampler_spec(batch))
+
+  def extend_fn(self, batch: int, size: int) -> Callable:
+    """Compiled extend(weights, cache, tokens [B, size], lengths, start, last) -> (cache, last)."""
+    fn = functools.partial(extend, self.config, kernels=self.kernels, layers=self.prefill_layers)
+    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, size), jnp.int32), vec, vec,
+            jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32))
+    return self._build(("extend", batch, size), fn, 1, args)                 # (weights, cache, ...)
+
+  def prefill_fn(self, batch: int, bucket: int, greedy: bool | str) -> Callable:
+    """Compiled final prefill chunk (weights, cache, tokens [B, bucket], lengths, start, last, pos, sampler,
+    limit, eog) -> DecodeState."""
+    fn = functools.partial(_final_chunk, self.config, greedy_only=_greedy_only(greedy), kernels=self.kernels,
+                           layers=self.prefill_layers)
+    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
+            jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32), vec, self._sampler_spec(batch), vec,
+            jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
+    return self._build(("prefill", batch, bucket, greedy), fn, 1, args)
+
+  def step_fn(self, batch: int = 1, greedy: bool | str = True) -> Callable:
+    """Compiled decode_step(weights, state) -> state, the state donated.
+
+    greedy: True (every row greedy, no penalties: the fused path's argmax head), "penalized" (every row
+    greedy, some with penalties), "sampled" (sampling, no penalties) or False (sampling with penalties), as
+    greedy_mode says.
+    """
+    return self._build(("step", batch, greedy), *self.decode_program(batch, greedy, 1))
+
+  def steps_fn(self, batch: int, greedy: bool | str, k: int) -> Callable:
+    """Compiled decode_steps(weights, state, block [k, B]) -> (state, block): k steps per call, the state
+    and the token block donated."""
+    return self._build(("steps", batch, greedy, k, self.device_loop), *self.decode_program(batch, greedy, k))
+
+  def decode_program(self, batch: int, greedy: bool | str, k: int) -> tuple[Callable, int | tuple, tuple]:
+    """(function, donated arguments, abstract arguments) of the decode executable of k steps per call:
+    decode_step for k = 1, decode_steps with its [k, B] token block otherwise."""
+    flags = _step_flags(greedy)
+    if k == 1:
+      return (functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1,
+              (self.weights, self._state_spec(batch)))
+    return (functools.partial(decode_steps, self.config, kernels=self.kernels, loop=self.device_loop, **flags), (1, 2),
+            (self.weights, self._state_spec(batch), jax.ShapeDtypeStruct((k, batch), jnp.int32)))
+
+  def tokens_per_call_for(self, batch: int) -> int:
+    """Decode steps per executable call at this batch size: the engine's tokens_per_call, or by default
+    GPU_TOKENS_PER_CALL where the GPU runs the fused step (there the host's ~0.3 ms dispatch and ~0.4 ms
+    read would otherwise set the pace, docs/results/2026-12-01-h200-step.md), CPU_TOKENS_PER_CALL on the CPU
+    with the while loop (a call's launch, the token's copy and read, and the host thread waking beside the
+    two compute threads cost 15-25% of a step of one token a call), else 1 (the GPU's unfused step and
+    unrolled CPU steps compile for tens of seconds at K > 1)."""
+    if self.tokens_per_call is not None:
+      return self.tokens_per_call
+    if jax.default_backend() != "gpu":
+      return CPU_TOKENS_PER_CALL if self.device_loop == "while" else 1
+    if use_fused(self.config, self.weights, self._cache_spec(batch), batch, self.kernels):
+      return GPU_TOKENS_PER_CALL
+    return 1
+
+  def advance_fn(self, batch: int, greedy: bool | str) -> Callable:
+    """advance(state, block) -> (state, block, tokens): one executable call of tokens_per_call_for(batch)
+    steps; tokens [B] (one step) or [K, B] (the block), the call's tokens on the device."""
+    k = self.tokens_per_call_for(batch)
+    if k == 1:
+      step = self.step_fn(batch, greedy)
+
+      def advance(state, block):
+        state = step(self.weights, state)
+        return state, block, state.tokens
+      return advance
+    steps = self.steps_fn(batch, greedy, k)
+
+    def advance(state, block):
+      if block is None:
+        block = jnp.zeros((k, batch), jnp.int32)
+      state, block = steps(self.weights, state, block)
+      return state, block, block
+    return advance
+
+  def executables(self) -> list[tuple]:
+    """Keys of the executables compiled so far (one per kind, batch size and chunk size)."""
+    return sorted(self._exe, key=str)
+
+  def _chunks(self, n: int) -> list[int]:
+    """Chunk sizes (padded) for n new tokens: full chunks, then the last padded to a bucket."""
+    full, rest = divmod(max(n, 1), self.prefill_chunk)
+    if rest == 0:
+      full, rest = full - 1, self.prefill_chunk
+    return [self.prefill_chunk] * full + [prompt_bucket(rest, self.prefill_chunk)]
