@@ -12,7 +12,7 @@ whole LM head, Qwen2.5-0.5B's LM head and down projection. Rates on weights far 
 bounded by what the memory delivers; those that fit (the first) show the compute ceiling.
 
 --prefill M... times the low-bit and Q6_K kernels at M rows of x (a prefill chunk) against the reference they
-fall back to past ffi.lowbit_max_m() rows (XLA's dot on the layer dequantized in the call), each the layer
+fall back to past linear.lowbit_max_m() rows (XLA's dot on the layer dequantized in the call), each the layer
 shapes of --shapes, one layer, best of three batches; GFLOP/s = 2 M N K / time.
 
 --chain L times what a decode step sees instead: L stacked copies of each shape (SmolLM2-135M's four layer
@@ -123,6 +123,7 @@ def prefill(ms, kinds, shapes: str) -> int:
   import jax.numpy as jnp
   import numpy as np
   from jaxllm.bench import best_seconds
+  from jaxllm.kernels import linear_reference
   rng = np.random.default_rng(0)
   print("| weights | K | N | M | kernel us | reference us | kernel / reference | kernel GFLOP/s |\n"
         "|---|---|---|---|---|---|---|---|")
@@ -132,8 +133,8 @@ def prefill(ms, kinds, shapes: str) -> int:
     for m in ms:
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
       calls = max(3, int(2e9 / (m * n * k)))
-      t = [best_seconds(jax.jit(lambda x, lin, r=r: matmul(x, lin, 0, max_rows=r)), x, lin, calls=calls, batches=3)
-           for r in (1 << 30, 0)]
+      t = [best_seconds(jax.jit(lambda x, lin, f=f: f(x, lin, 0)), x, lin, calls=calls, batches=3)
+           for f in (matmul, linear_reference)]
       print(f"| {kind} | {k} | {n} | {m} | {t[0] * 1e6:.0f} | {t[1] * 1e6:.0f} | {t[0] / t[1]:.2f} | "
             f"{2 * m * n * k / t[0] / 1e9:.1f} |")
   return 0

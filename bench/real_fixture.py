@@ -34,7 +34,9 @@ def make(path: str) -> None:
   import jax.numpy as jnp
   import jaxllm
   from jaxllm.kernels import linear_reference, prefill_attention_reference
-  from jaxllm.model import apply_rope, embed, rms_norm, rope_angles
+  from jaxllm.model import embed
+  from jaxllm.norm import rms_norm
+  from jaxllm.rope import apply_rope, rope_angles
   out = {}
   for name, layers in MODELS.items():
     config, wf, tok = jaxllm.load(name, quant="none", dtype=jnp.float32, progress=False)

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
   from jaxllm.bench import environment, load_model
   from jaxllm.cache import create_cache
   from jaxllm.kernels import fused
-  from jaxllm.model import forward_decode_fused, rope_inv_freq, rope_position_scale
+  from jaxllm.model import forward_decode_fused
+  from jaxllm.rope import rope_inv_freq, rope_position_scale
   if jax.default_backend() != "gpu":
     print("step_breakdown: needs a GPU (the stages are the CUDA fused kernels)")
     return 0

@@ -8,6 +8,7 @@ the decode-attention kernel). The layer loop is a Python loop, unrolled into the
 `lax.scan` over layers defeats XLA's command buffers (DESIGN.md); only the CPU's prefill scans
 (forward(layers="scan")). The residual stream is float32; matmul inputs use the activation dtype
 (`cache.compute_dtype`: bf16 on GPU, f32 on CPU), the KV cache its own dtype (by default the same).
+RMSNorm is in jaxllm/norm.py, RoPE in jaxllm/rope.py (shared with the fused kernels).
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import jax.numpy as jnp
 
 from jaxllm.cache import KVCache
 from jaxllm.config import Config
-from jaxllm.kernels import decode_attention, fused, linear, prefill_attention
+from jaxllm.kernels import decode_attention, fused, linear, prefill_attention, select
+from jaxllm.norm import rms_norm
 from jaxllm.quant import Linear, Mixed
+from jaxllm.rope import apply_rope, rope_angles, rope_inv_freq, rope_position_scale
 
 
 @jax.tree_util.register_dataclass
@@ -41,51 +44,6 @@ class Weights:
   q_norm: jax.Array | None = None  # [L, Dh] f32 (qwen3)
   k_norm: jax.Array | None = None  # [L, Dh] f32 (qwen3)
   rope_freqs: jax.Array | None = None  # [Dh/2] f32 divisors (llama3 scaling)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-  """x [..., D] * rsqrt(mean(x^2) + eps) * w [D], computed in f32."""
-  x = x.astype(jnp.float32)
-  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def rope_inv_freq(config: Config, rope_freqs: jax.Array | None) -> jax.Array:
-  """[Dh/2] f32 frequencies: position p (divided by rope_scale under linear scaling) turns by p * inv_freq."""
-  half = config.head_dim // 2
-  inv_freq = config.rope_base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / config.head_dim)
-  return inv_freq if rope_freqs is None else inv_freq / rope_freqs
-
-
-def rope_position_scale(config: Config) -> float:
-  """What positions are divided by before they turn (linear RoPE scaling; 1 for none)."""
-  return config.rope_scale if config.rope_scaling == "linear" else 1.0
-
-
-def rope_angles(config: Config, positions: jax.Array, rope_freqs: jax.Array | None) -> jax.Array:
-  """Rotation angles [..., Dh/2] for integer positions [...]."""
-  inv_freq = rope_inv_freq(config, rope_freqs)
-  pos = positions.astype(jnp.float32)
-  if config.rope_scaling == "linear":
-    pos = pos / rope_position_scale(config)
-  return pos[..., None] * inv_freq
-
-
-def apply_rope(x: jax.Array, angles: jax.Array, style: str) -> jax.Array:
-  """Rotates x [B, T, N, Dh] by angles [B, T, Dh/2].
-
-  "normal" rotates adjacent pairs (x[2i], x[2i+1]) (llama's GGUF layout); "neox" rotates
-  (x[i], x[i + Dh/2]) (qwen2/qwen3).
-  """
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
-  xf = x.astype(jnp.float32)
-  if style == "neox":
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  else:
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
-  return out.astype(x.dtype)
 
 
 def embed(weights: Weights, tokens: jax.Array) -> jax.Array:
@@ -196,11 +154,8 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
   return rms_norm(x, weights.out_norm, config.rms_eps), cache
 
 
-
-
 def use_fused(config: Config, weights: Weights, cache: KVCache, batch: int, kernels: str) -> bool:
   """Whether the decode step runs through the fused kernels (kernels "ffi", supported model and batch)."""
-  from jaxllm.kernels import select
   return (kernels == "ffi" and "fused" in select.ffi_ops()
           and fused.fused_decode_reason(config, weights, cache, batch) is None)
 

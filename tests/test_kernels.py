@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels import decode_attention_reference, ffi, linear_reference, prefill_attention_reference
+from jaxllm.kernels import decode_attention_reference, ffi, linear, linear_reference, prefill_attention_reference
+from jaxllm.kernels.linear import max_m
 from jaxllm.quant import Linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None,
@@ -89,18 +90,21 @@ def test_w8a16_unstacked_and_leading_dims():
 
 
 def test_w8a16_large_m_falls_back_to_xla():
+  """linear() hands more than max_m() rows to XLA's dot; the binding itself always calls its kernel."""
   rng = np.random.default_rng(2)
   lin = _quantized(rng, 1, 64, 128)
-  x = jnp.asarray(rng.standard_normal((ffi.max_m() + 1, 128)), jnp.float32)
-  text = jax.jit(lambda x: ffi.w8a16_matmul(x, lin, 0)).lower(x).as_text()
+  x = jnp.asarray(rng.standard_normal((max_m() + 1, 128)), jnp.float32)
+  text = jax.jit(lambda x: linear(x, lin, 0, kernels="ffi")).lower(x).as_text()
   assert "jaxllm_w8a16" not in text
-  assert _rel(ffi.w8a16_matmul(x, lin, 0), linear_reference(x, lin, 0)) < 2e-5
+  assert _rel(linear(x, lin, 0, kernels="ffi"), linear_reference(x, lin, 0)) < 2e-5
+  assert "jaxllm_w8a16" in jax.jit(lambda x: linear(x[:max_m()], lin, 0, kernels="ffi")).lower(x).as_text()
+  assert "jaxllm_w8a16" in jax.jit(lambda x: ffi.w8a16_matmul(x, lin, 0)).lower(x).as_text()
 
 
 def test_w8a16_under_vmap_folds_into_m():
   rng = np.random.default_rng(3)
   lin = _quantized(rng, 3, 200, 192)
-  xs = jnp.asarray(rng.standard_normal((2, 2, 192)), jnp.float32)   # M = 4 <= ffi.max_m() everywhere
+  xs = jnp.asarray(rng.standard_normal((2, 2, 192)), jnp.float32)   # M = 4 <= linear.max_m() everywhere
   fn = jax.vmap(lambda x: ffi.w8a16_matmul(x, lin, 2))
   assert _rel(fn(xs), jax.vmap(lambda x: linear_reference(x, lin, 2))(xs)) < 2e-5
   assert jax.jit(fn).lower(xs).as_text().count("jaxllm_w8a16") == 1   # one call for the whole batch

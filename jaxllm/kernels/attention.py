@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import ffi, select
+
 PREFILL_KEY_BLOCK = 512   # keys per step of the blocked (flash) prefill attention on the XLA path
 
 
@@ -111,7 +113,6 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
 
   Geometries the FFI kernel is not built for (see ffi.attention_supported) run the reference.
   """
-  from jaxllm.kernels import ffi, select
   lengths = _visible_lengths(lengths, k_cache.shape[3])
   if (select.uses_ffi(kernels) and "attention" in select.ffi_ops()
       and ffi.attention_supported(q.shape[-1], q.shape[1], k_cache.shape[2])):
@@ -123,7 +124,6 @@ def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, laye
                       *, kernels: str = "xla") -> jax.Array:
   """Prefill attention through the selected implementation: the CUDA flash kernel on the GPU where it is
   built for the geometry, else the blocked jnp form (which the CPU runs on both paths)."""
-  from jaxllm.kernels import ffi, select
   if (select.uses_ffi(kernels) and "attention" in select.ffi_ops()
       and ffi.prefill_attention_supported(q.shape[-1], q.shape[2], k_cache.shape[2], q.dtype)):
     return ffi.prefill_attention(q, k_cache, v_cache, layer, start)

@@ -1,8 +1,11 @@
-"""jaxllm's own kernels through the XLA FFI: registration and the thin wrappers the model calls.
+"""jaxllm's own kernels through the XLA FFI: registration and one thin binding per kernel.
 
 The extension (`jaxllm._ffi`, built from ffi/ by the package build) exposes CPU handlers always and
-CUDA handlers when it was built with a CUDA compiler. Each wrapper validates its inputs up front,
-declares its outputs with jax.ShapeDtypeStruct and passes attributes as numpy scalars.
+CUDA handlers when it was built with a CUDA compiler. Each binding validates its inputs up front,
+declares its outputs with jax.ShapeDtypeStruct, passes attributes as numpy scalars and always calls its
+kernel: no fallbacks here. When a kernel runs instead of its reference is decided in one place per op
+(kernels/linear.py, kernels/attention.py, kernels/fused.py), from what the *_supported functions here say
+the kernels are built for.
 
 Under `jax.vmap`: the matmul folds a batched activation into M (one kernel call; weights must not be
 batched, else it maps sequentially); attention maps sequentially.
@@ -17,15 +20,6 @@ import numpy as np
 
 from jaxllm.quant import Q6K, Linear, LowBit
 
-# Rows of x the matmul kernel takes per backend; larger M (prefill, big batches) uses XLA's dot on
-# dequantized weights. GPU: measured on the H200 (Qwen2.5-0.5B shape, docs/embedding.md), batch 4 ran
-# faster on the kernel (2782 vs 2645 tok/s), batch 16 slower (6275 vs 10279): its M > 1 path re-reads
-# the weights per 8-row tile. CPU (SmolLM2 shapes, 2 cores): 30-40% faster than XLA's dot at M = 32, even
-# at 64, 1.8-2.2x slower at 128.
-MAX_M = {"gpu": 4, "cpu": 32}
-# The low-bit and Q6_K CPU kernels (the file's own blocks) against XLA's dot on the layer dequantized per
-# call: set from bench/cpu_gemv.py --prefill (docs/results/2026-12-02-cpu-prefill.md).
-LOWBIT_MAX_M = {"cpu": 32}
 ATTN_MAX_SPLITS = 256    # kMaxSplits in cuda_kernels.cu
 ATTN_TARGET_BLOCKS = 512 # split blocks wanted across the GPU (one (sequence, kv head, split) each): about
                          # 4 per SM of the H200, as many as fit at once (128 threads, <= 128 registers)
@@ -33,11 +27,6 @@ CANDIDATE_BLOCK = 128    # kBlock in sampling_cuda.cu (jaxllm.sampling.CANDIDATE
 MAX_CANDIDATES = 128     # kMaxK there
 MAX_CANDIDATE_BLOCKS = 8192   # kMaxBlocks there: V <= 1M
 _DTYPES = (jnp.float32, jnp.bfloat16)
-
-
-def max_m() -> int:
-  """Rows of x the FFI matmul takes on the default backend."""
-  return MAX_M.get(jax.default_backend(), 16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,15 +98,12 @@ def _matmul_call(target: str, layer: int):
   return call
 
 
-def _matmul(target: str, x: jax.Array, weights: tuple, layer: int, poison, reference,
-            max_rows: int | None = None) -> jax.Array:
+def _matmul(target: str, x: jax.Array, weights: tuple, layer: int, poison) -> jax.Array:
   """x [..., K] through the FFI matmul `target` on the stacked weight arrays (each [L, N, ...]) -> [..., N];
-  reference() where M exceeds max_rows (default max_m()); into `poison` (the test variant) when given."""
+  into `poison` (the test variant) when given."""
   k, n = x.shape[-1], weights[0].shape[1]
   lead = x.shape[:-1]
   m = int(np.prod(lead)) if lead else 1
-  if m > (max_m() if max_rows is None else max_rows) and poison is None:
-    return reference()
   if poison is not None:
     name, kw = _target(target, poison, 1 + len(weights))
     y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((m, n), x.dtype), **kw)(x.reshape(m, k), *weights, poison,
@@ -129,12 +115,11 @@ def _matmul(target: str, x: jax.Array, weights: tuple, layer: int, poison, refer
 
 def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
                  poison: jax.Array | None = None) -> jax.Array:
-  """x [..., K] @ dequantize(lin)[layer].T -> [..., N] with jaxllm's kernel (M <= max_m() rows).
+  """x [..., K] @ dequantize(lin)[layer].T -> [..., N] with jaxllm's kernel, whatever M (linear.linear runs
+  the reference past linear.max_m() rows, where XLA's dot is faster).
 
-  Larger M falls back to the reference (XLA's dot on dequantized weights), which is faster there.
   `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
   """
-  from jaxllm.kernels.linear import linear_reference
   _ensure_registered()
   if not lin.quantized:
     raise ValueError("w8a16_matmul needs int8 weights with scales (quant='w8a16')")
@@ -153,8 +138,7 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
   if k < 1 or w.shape[1] < 1 or k % scale.shape[-1] or (k // scale.shape[-1]) % 16:
     raise ValueError(f"expected K >= 1 and N >= 1 with K a multiple of the scale groups (each a multiple of "
                      f"16 inputs); got w {w.shape}, scale {scale.shape}")
-  return _matmul("jaxllm_w8a16", x, (w, scale.astype(jnp.float32)), layer, poison,
-                 lambda: linear_reference(x, Linear(w=w, scale=scale), layer))
+  return _matmul("jaxllm_w8a16", x, (w, scale.astype(jnp.float32)), layer, poison)
 
 
 def lowbit_supported() -> bool:
@@ -163,41 +147,31 @@ def lowbit_supported() -> bool:
   return jax.default_backend() == "cpu" and unavailable_reason() is None
 
 
-def lowbit_max_m() -> int:
-  """Rows of x the low-bit and Q6_K kernels take on the default backend (LOWBIT_MAX_M)."""
-  return LOWBIT_MAX_M.get(jax.default_backend(), max_m())
-
-
 def lowbit_matmul(x: jax.Array, lin: LowBit, layer: int | None = None, *,
-                  poison: jax.Array | None = None, max_rows: int | None = None) -> jax.Array:
-  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's low-bit kernel (M <= max_rows rows,
-  default lowbit_max_m(); larger M runs the reference, XLA's dot on the dequantized layer).
+                  poison: jax.Array | None = None) -> jax.Array:
+  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's low-bit kernel, whatever M (linear.linear
+  runs the reference past linear.lowbit_max_m() rows).
 
   `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
   """
-  from jaxllm.kernels.linear import linear_reference
   _ensure_registered()
   _check_dtype("x", x)
   arrays = (lin.q, lin.high, lin.scale, lin.min)
   if lin.q.ndim == 2:
     arrays, layer = tuple(a[None] for a in arrays), 0
-  q, high, scale, minv = arrays
+  q = arrays[0]
   if layer is None or not 0 <= layer < q.shape[0]:
     raise ValueError(f"layer must index the {q.shape[0]} stacked weights, got {layer!r}")
   k = x.shape[-1]
   if k != 2 * q.shape[2]:
     raise ValueError(f"x has K={k} but the weight has K={2 * q.shape[2]}")
-  return _matmul("jaxllm_lowbit", x, arrays, layer, poison,
-                 lambda: linear_reference(x, LowBit(q=q, high=high, scale=scale, min=minv), layer),
-                 lowbit_max_m() if max_rows is None else max_rows)
+  return _matmul("jaxllm_lowbit", x, arrays, layer, poison)
 
 
-def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.Array | None = None,
-               max_rows: int | None = None) -> jax.Array:
-  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's Q6_K kernel (M <= max_rows rows,
-  default lowbit_max_m(); larger M runs the reference). `poison` (tests only): an [M, N] buffer the kernel
+def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.Array | None = None) -> jax.Array:
+  """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's Q6_K kernel, whatever M (linear.linear
+  runs the reference past linear.lowbit_max_m() rows). `poison` (tests only): an [M, N] buffer the kernel
   writes into."""
-  from jaxllm.kernels.linear import linear_reference
   _ensure_registered()
   _check_dtype("x", x)
   arrays = (lin.ql, lin.qh, lin.sc, lin.d)
@@ -208,8 +182,7 @@ def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.
   k = x.shape[-1]
   if k != 2 * arrays[0].shape[2]:
     raise ValueError(f"x has K={k} but the weight has K={2 * arrays[0].shape[2]}")
-  return _matmul("jaxllm_q6k", x, arrays, layer, poison, lambda: linear_reference(x, Q6K(*arrays), layer),
-                 lowbit_max_m() if max_rows is None else max_rows)
+  return _matmul("jaxllm_q6k", x, arrays, layer, poison)
 
 
 def _check_caches(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_layout: str) -> tuple[int, ...]:

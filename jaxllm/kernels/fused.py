@@ -25,8 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import lab
-from jaxllm.kernels.linear import linear_reference
+from jaxllm.kernels import ffi
+from jaxllm.kernels.linear import linear_reference, max_m
+from jaxllm.norm import rms_norm
 from jaxllm.quant import Linear
+from jaxllm.rope import apply_rope
 
 MODES = {"none": 0, "swiglu": 1, "argmax": 2, "residual": 3}   # FusedMode in ffi/common.h
 GPU_MAX_M = 4                 # rows the CUDA fused kernels take (tiles of 4 rows of x)
@@ -38,11 +41,6 @@ GPU_MAX_NORM_K = 6144         # K of the norm prologue: 4 rows of bf16 in 48 KB 
 MERGE_MAX_SPLITS = 256        # attn1::kMaxSplits in attention_cuda.cuh
 
 
-def _rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-  from jaxllm.model import rms_norm   # (model imports this module)
-  return rms_norm(x, w, eps)
-
-
 def _row(a: jax.Array, layer: int | None) -> jax.Array:
   return a if layer is None or a.ndim == 1 else a[layer]
 
@@ -52,7 +50,7 @@ def _row(a: jax.Array, layer: int | None) -> jax.Array:
 def norm_linear_reference(x, norm_w, eps, lin: Linear, layer=None, *, dtype, norm_layer=None,
                           epilogue: str = "none") -> jax.Array:
   """T(rms_norm(x) ) @ W^T in dtype; "swiglu": W = [gate; up] -> T(silu(gate) * up) [..., N / 2]."""
-  h = _rms(x, _row(norm_w, layer if norm_layer is None else norm_layer), eps).astype(dtype)
+  h = rms_norm(x, _row(norm_w, layer if norm_layer is None else norm_layer), eps).astype(dtype)
   y = linear_reference(h, lin, layer)
   if epilogue == "swiglu":
     gate, up = jnp.split(y, 2, axis=-1)
@@ -72,8 +70,7 @@ def linear_residual_reference(a, lin: Linear, layer, res) -> jax.Array:
 
 
 def rope_pairs(x: jax.Array, angles: jax.Array, neox: bool) -> jax.Array:
-  """x [B, N, Dh] rotated by angles [B, Dh/2]: model.apply_rope for one token."""
-  from jaxllm.model import apply_rope
+  """x [B, N, Dh] rotated by angles [B, Dh/2]: rope.apply_rope for one token."""
   return apply_rope(x[:, None], angles[:, None], "neox" if neox else "normal")[:, 0]
 
 
@@ -88,8 +85,8 @@ def qkv_epilogue_reference(qkv, bias, q_norm, k_norm, inv_freq, layer: int, pos,
   q, k, v = jnp.split(qkv, [n_heads * dh, (n_heads + n_kv_heads) * dh], axis=-1)
   q, k, v = (a.reshape(b, -1, dh) for a in (q, k, v))
   if q_norm is not None:
-    q = _rms(q, q_norm[layer], eps).astype(dtype)
-    k = _rms(k, k_norm[layer], eps).astype(dtype)
+    q = rms_norm(q, q_norm[layer], eps).astype(dtype)
+    k = rms_norm(k, k_norm[layer], eps).astype(dtype)
   angles = (pos.astype(jnp.float32) / pos_scale)[:, None] * inv_freq
   q, k = rope_pairs(q, angles, neox), rope_pairs(k, angles, neox)
   bi = jnp.arange(b)
@@ -102,7 +99,6 @@ def qkv_epilogue_reference(qkv, bias, q_norm, k_norm, inv_freq, layer: int, pos,
 
 def _fused_call(x, lin: Linear, aux, layer: int, norm_layer: int, mode: str, bf16: bool, eps: float, out,
                 poison=None):
-  from jaxllm.kernels import ffi
   ffi._ensure_registered()
   name, kw = ffi._target("jaxllm_w8a16_fused", poison, 4)
   args = (x, lin.w, lin.scale.astype(jnp.float32), aux) + ((poison,) if poison is not None else ())
@@ -127,7 +123,6 @@ def merged_splits(b: int, k_cache) -> int:
   (sequence, kv head, split) blocks, at most MERGE_MAX_SPLITS. A block per tile keeps the short lengths of
   decode at one tile of latency; the kernel merges up to 8 splits in a thread-block cluster (sm_90) and only
   longer ones through global memory."""
-  from jaxllm.kernels import ffi
   _, _, g, s, dh = k_cache.shape
   tiles = -(-s // merged_tile(k_cache.dtype.itemsize, dh))
   return max(1, min(tiles, MERGE_MAX_SPLITS, -(-ffi.ATTN_TARGET_BLOCKS // (b * g))))
@@ -181,7 +176,6 @@ def qkv_epilogue(qkv, bias, q_norm, k_norm, inv_freq, layer: int, pos, writes, k
                  n_heads: int, n_kv_heads: int, neox: bool, pos_scale: float, eps: float):
   """qkv_epilogue_reference through the kernel, the caches updated in place (aliased), plus the zeroed
   counters [B, G] int32 the one-kernel attention takes."""
-  from jaxllm.kernels import ffi
   ffi._ensure_registered()
   b, dh = qkv.shape[0], k_cache.shape[-1]
   outs = (jax.ShapeDtypeStruct((b, n_heads, dh), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
@@ -200,7 +194,6 @@ def decode_attention_merged(q, k_cache, v_cache, layer: int, lengths, counters, 
   """Decode attention (attention.decode_attention_reference's contract) in one kernel; counters [B, G]
   int32 zero (qkv_epilogue's; the kernel leaves them zero). splits: the split count (default: enough
   blocks to fill the GPU, at most 256). with_counters: also return the counters (to pass on)."""
-  from jaxllm.kernels import ffi
   b, h, dh = q.shape
   if splits is None:
     splits = merged_splits(b, k_cache)
@@ -234,7 +227,6 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale:
   the final norm and the LM head as the call's last kernel (norm_argmax's or norm_linear's).
   x [B, D] f32 -> (x [B, D] f32, caches updated in place, the head's output: packed argmax uint32 [B, 4],
   logits [B, V] in the activation dtype, or None)."""
-  from jaxllm.kernels import ffi
   ffi._ensure_registered()
   c, w = config, weights
   b = x.shape[0]
@@ -287,7 +279,6 @@ def cpu_fused() -> bool:
 def fused_decode_reason(config, weights, cache, batch: int) -> str | None:
   """None when the fused decode step can run for this model, cache and batch on the default backend (with
   the FFI kernels registered); else why not (then the unfused FFI path runs)."""
-  from jaxllm.kernels import ffi
   reason = ffi.unavailable_reason()
   if reason is not None:
     return reason
@@ -312,6 +303,6 @@ def fused_decode_reason(config, weights, cache, batch: int) -> str | None:
       # Measured on the 2-core CPU (smollm2-135m, docs/kernels.md): the fused step ran slower than the
       # unfused one (14.9-17.7 against 11.9-13.2 ms), so the CPU keeps the unfused path unless asked.
       return "the CPU runs the unfused step unless JAXLLM_FUSED_CPU=1 (the fusions do not pay there yet)"
-    if batch > ffi.max_m():
-      return f"batch {batch} > {ffi.max_m()}"
+    if batch > max_m():
+      return f"batch {batch} > {max_m()}"
   return None

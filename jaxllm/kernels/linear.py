@@ -4,13 +4,38 @@ file's own blocks (jaxllm.quant.LowBit: 4/5-bit; jaxllm.quant.Q6K).
 The weight may be one layer of a stacked [L, N, K] array; `layer` (a Python int) picks it, so the FFI
 kernel can address the layer inside the stacked buffer without XLA copying it out. A stack whose layers are
 held in different ways (jaxllm.quant.Mixed) runs a layer's pieces one after another.
+
+linear() is where the matmul's path is chosen: the FFI kernel (jaxllm/kernels/ffi.py, bindings only) for
+the weights it takes and up to max_m() / lowbit_max_m() rows of x, the reference otherwise.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxllm.kernels import ffi, select
 from jaxllm.quant import Q6K, Linear, LowBit, Mixed, MixedAt
+
+# Rows of x the matmul kernel takes per backend; larger M (prefill, big batches) uses XLA's dot on
+# dequantized weights. GPU: measured on the H200 (Qwen2.5-0.5B shape, docs/embedding.md), batch 4 ran
+# faster on the kernel (2782 vs 2645 tok/s), batch 16 slower (6275 vs 10279): its M > 1 path re-reads
+# the weights per 8-row tile. CPU (SmolLM2 shapes, 2 cores): 30-40% faster than XLA's dot at M = 32, even
+# at 64, 1.8-2.2x slower at 128.
+MAX_M = {"gpu": 4, "cpu": 32}
+# The low-bit and Q6_K CPU kernels (the file's own blocks) against XLA's dot on the layer dequantized per
+# call: set from bench/cpu_gemv.py --prefill (docs/results/2026-12-02-cpu-prefill.md).
+LOWBIT_MAX_M = {"cpu": 32}
+
+
+def max_m() -> int:
+  """Rows of x the FFI matmul takes on the default backend."""
+  return MAX_M.get(jax.default_backend(), 16)
+
+
+def lowbit_max_m() -> int:
+  """Rows of x the low-bit and Q6_K kernels take on the default backend (LOWBIT_MAX_M)."""
+  return LOWBIT_MAX_M.get(jax.default_backend(), max_m())
 
 
 def _mixed(x: jax.Array, lin: Mixed | MixedAt, layer: int | None, one) -> jax.Array:
@@ -62,16 +87,18 @@ def linear_reference(x: jax.Array, lin: Linear | LowBit | Q6K | Mixed | MixedAt,
 def linear(x: jax.Array, lin: Linear | LowBit | Q6K | Mixed | MixedAt, layer: int | None = None, *,
            kernels: str = "xla") -> jax.Array:
   """Quantized matmul through the selected implementation (see jaxllm.kernels): the FFI kernels where
-  they take the weight (LowBit and Q6K: the CPU's), the reference otherwise; a Mixed stack piece by piece."""
-  from jaxllm.kernels import ffi, select
+  they take the weight (LowBit and Q6K: the CPU's) and M (the rows of x) is at most max_m() (lowbit_max_m()),
+  the reference otherwise (XLA's dot on dequantized weights, faster there); a Mixed stack piece by piece."""
   if isinstance(lin, (Mixed, MixedAt)):
     return _mixed(x, lin, layer, lambda x, part, j: linear(x, part, j, kernels=kernels))
   if not select.uses_ffi(kernels) or "matmul" not in select.ffi_ops():
     return linear_reference(x, lin, layer)
-  if isinstance(lin, LowBit):
-    return ffi.lowbit_matmul(x, lin, layer) if ffi.lowbit_supported() else linear_reference(x, lin, layer)
-  if isinstance(lin, Q6K):
-    return ffi.q6k_matmul(x, lin, layer) if ffi.lowbit_supported() else linear_reference(x, lin, layer)
-  if lin.quantized:
+  m = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
+  if isinstance(lin, (LowBit, Q6K)):
+    if not ffi.lowbit_supported() or m > lowbit_max_m():
+      return linear_reference(x, lin, layer)
+    matmul = ffi.lowbit_matmul if isinstance(lin, LowBit) else ffi.q6k_matmul
+    return matmul(x, lin, layer)
+  if lin.quantized and m <= max_m():
     return ffi.w8a16_matmul(x, lin, layer)
   return linear_reference(x, lin, layer)

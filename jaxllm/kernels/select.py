@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 from jaxllm import lab
+from jaxllm.kernels import ffi
 
 KERNEL_CHOICES = ("auto", "ffi", "ffi-unfused", "xla")
 FFI_PATHS = ("ffi", "ffi-unfused")
@@ -42,7 +43,6 @@ def resolve_kernels(kernels: str) -> str:
     raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
   if kernels == "xla":
     return "xla"
-  from jaxllm.kernels import ffi
   reason = ffi.unavailable_reason()
   if reason is None:
     return "ffi" if kernels == "auto" else kernels
