@@ -6,7 +6,7 @@ running without end, allocating without end or failing with any Python exception
 rendering such a template (ChatTemplate) and bounds what the sandbox does not:
 
 - Time: a trace function (sys.settrace; per thread, so a server may render on its worker threads) checks a
-  deadline at the Python calls and lines of the template's code while it compiles and runs, so a loop with
+  deadline in the thread's CPU time at the Python calls and lines of the template's code while it compiles and runs, so a loop with
   an empty body stops too, and counts how deep calls nest (a macro calling itself). The thread's previous
   trace function (a debugger, coverage) is put back afterwards; it does not see the rendering.
 - Memory: what the template builds is sized: the operators `+ - * ** %` (the sandbox's intercepted binops),
@@ -46,7 +46,7 @@ from jinja2.runtime import Macro, Namespace
 # Limits of one render. Real templates (Qwen2.5's, SmolLM2's, Llama 3's and 3.1's) render a short chat in
 # under a millisecond (compiling them once takes 5-40 ms), nest calls 5-12 deep and build a few times
 # their output.
-MAX_SECONDS = 1.0            # rendering, and compiling on first use, each at most this long
+MAX_SECONDS = 1.0            # rendering, and compiling on first use, each at most this much CPU time
 MAX_DEPTH = 200              # Python calls nested in the render: about 40 levels of macros calling macros
 MAX_SIZE = 2 * 2**20         # any one value: 2 Mi characters hold ~500k tokens, 4x a 128k-token context
 MAX_OUTPUT = MAX_SIZE        # the rendered prompt, in characters
@@ -66,6 +66,7 @@ _RAISE_IN = ("<template>",                                   # jinja2's name for
              os.path.dirname(markupsafe.Markup.striptags.__code__.co_filename) + os.sep, _THIS_FILE)
 _RAISE_IN_COMPILER = _RAISE_IN + (os.path.dirname(jinja2.Environment.compile.__code__.co_filename) + os.sep,)
 _GENERATOR = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+_clock = time.thread_time    # the thread's CPU time: a busy machine neither cuts a render short nor moves its limits
 _state = threading.local()   # .guard: the _Guard of the render running on this thread
 
 
@@ -85,26 +86,24 @@ class _Guard:
   """One render's budget on one thread: the deadline, how deep calls nest, what has been built so far."""
 
   def __init__(self):
-    self.deadline = time.perf_counter() + MAX_SECONDS
-    self.compiling = False
-    self.depth = 0
-    self.built = 0
+    self.deadline = _clock() + MAX_SECONDS
+    self.compiling, self.depth, self.built = False, 0, 0
     self.frame_tracer = self._frame       # made once: a bound method per event would be garbage per event
 
   def trace(self, frame, event, arg):
     """sys.settrace's function, called as each Python frame starts; returns the frame's own tracer."""
     code = frame.f_code
     if self.compiling:                     # jinja2's compiler: its loops are bounded by the source's length
-      if (time.perf_counter() > self.deadline and not code.co_flags & _GENERATOR
+      if (_clock() > self.deadline and not code.co_flags & _GENERATOR
           and code.co_filename.startswith(_RAISE_IN_COMPILER)):
         raise self._limit()
       return None
     if code.co_filename == _THIS_FILE:     # the checks: their loops are bounded, their calls shallow
-      if time.perf_counter() > self.deadline:
+      if _clock() > self.deadline:
         raise self._limit()
       return None                          # no events from inside: faster, and no depth to count
     self.depth += 1
-    if ((self.depth > MAX_DEPTH or time.perf_counter() > self.deadline) and not code.co_flags & _GENERATOR
+    if ((self.depth > MAX_DEPTH or _clock() > self.deadline) and not code.co_flags & _GENERATOR
         and code.co_filename.startswith(_RAISE_IN)):
       raise self._limit()
     return self.frame_tracer
@@ -113,7 +112,7 @@ class _Guard:
     """A frame's tracer: each line (a loop with an empty body runs lines too) checks the limits again."""
     if event == "return":
       self.depth -= 1
-    elif (event == "line" and (self.depth > MAX_DEPTH or time.perf_counter() > self.deadline)
+    elif (event == "line" and (self.depth > MAX_DEPTH or _clock() > self.deadline)
           and frame.f_code.co_filename.startswith(_RAISE_IN)):
       raise self._limit()
     return self.frame_tracer
