@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite on a GPU machine in one command: build the FFI extension for this GPU, then run the tests.
 #
-#   TESTS=all bash bench/gpu_check.sh                       # every test (the whole suite, about 6 min on an H200)
+#   JAXLLM_TEST_OFFLINE=1 TESTS=all bash bench/gpu_check.sh   # every test (the whole suite)
 #   TESTS="tests/test_fused.py tests/test_graphs.py" bash bench/gpu_check.sh
 #   STAGES="parity replay" TESTS= bash bench/gpu_check.sh   # bench/suite.py stages only
 #
@@ -57,8 +57,8 @@ TESTS=${TESTS-}
 if [ -n "$TESTS" ]; then
   # Several test processes share the GPU: no preallocation, so each takes only what it uses.
   t0=$(date +%s)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_TESTS:-420}" python3 -m pytest -q -rfEs -n "${WORKERS:-12}" \
-    -p no:cacheprovider --durations=25 $TESTS > "$DIR/tests.log" 2>&1
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_TESTS:-420}" python3 -m pytest -v -rfEs -n "${WORKERS:-12}" \
+    --dist worksteal -p no:cacheprovider --durations=25 $TESTS > "$DIR/tests.log" 2>&1
   rc=$?
   echo "tests: exit $rc in $(( $(date +%s) - t0 )) s"
   grep -E "^(FAILED|ERROR)" "$DIR/tests.log" | head -40

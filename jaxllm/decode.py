@@ -20,8 +20,8 @@ from jaxllm.cache import KVCache
 from jaxllm.config import Config
 from jaxllm.model import Weights, forward, forward_decode_fused_head, logits, use_fused
 from jaxllm.sampling import NONFINITE, Sampler, sample
+from jaxllm.tokenizer import MAX_EOG  # end-of-generation ids a state holds per sequence (checked at load)
 
-MAX_EOG = 16     # end-of-generation ids a state holds per sequence
 NO_EOG = -2      # padding of the eog table (never a token: sampled ids are >= 0 or NONFINITE)
 
 
