@@ -6,9 +6,11 @@
 # LAB=1 (set before sourcing) builds the lab extension, which reads the lab switches (JAXLLM_LAYERS_SKIP,
 # JAXLLM_PDL_EARLY, ...; docs/benchmarks.md): a script that sets one needs it, or the switch is ignored.
 set -u
-R=$OUT/r; mkdir -p $R
+R="$OUT/r"
+[ -e "$R" ] && { echo "bench/device_call.sh: $R exists already; move it away first (only what this makes is deleted)"; exit 1; }
+mkdir -p "$R"
 export PYTHONUNBUFFERED=1
-pack() { tar czf $OUT/g.tgz -C $OUT r && rm -rf $R; }
+pack() { tar czf "$OUT/g.tgz" -C "$OUT" r && rm -rf "$R"; }
 trap pack EXIT
 T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $R/stamps.txt; }
 DEADLINE=${DEADLINE:-560}

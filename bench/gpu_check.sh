@@ -63,4 +63,5 @@ if [ -n "$TESTS" ]; then
   echo "tests: exit $rc in $(( $(date +%s) - t0 )) s"
   grep -E "^(FAILED|ERROR)" "$DIR/tests.log" | head -40
   tail -3 "$DIR/tests.log"
+  exit $rc                       # the tests' verdict is the script's (the exit trap still packs the folder)
 fi

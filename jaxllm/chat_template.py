@@ -46,7 +46,7 @@ from jinja2.runtime import Macro, Namespace
 # Limits of one render. Real templates (Qwen2.5's, SmolLM2's, Llama 3's and 3.1's) render a short chat in
 # under a millisecond (compiling them once takes 5-40 ms), nest calls 5-12 deep and build a few times
 # their output.
-MAX_SECONDS = 1.0            # rendering, and compiling on first use, each at most this much CPU time
+MAX_SECONDS = 1.0            # one render (its first compiles the template too), at most this much CPU time
 MAX_DEPTH = 200              # Python calls nested in the render: about 40 levels of macros calling macros
 MAX_SIZE = 2 * 2**20         # any one value: 2 Mi characters hold ~500k tokens, 4x a 128k-token context
 MAX_OUTPUT = MAX_SIZE        # the rendered prompt, in characters

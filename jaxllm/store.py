@@ -175,14 +175,16 @@ def private_dir(d: Path, what: str) -> Path | None:
 
 def _writer_gone(tmp: Path) -> bool | None:
   """Whether the writer of a temporary entry has died (True: its lock is free), lives (False), or cannot be
-  told (None: no lock file, or a file system without locks)."""
+  told (None: no lock file, one that is not a regular file (a FIFO would block the open), or no locks)."""
   if fcntl is None:
     return None
   try:
-    fd = os.open(tmp / _LOCK, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(tmp / _LOCK, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
   except OSError:
     return None
   try:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      return None
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return True
   except BlockingIOError:

@@ -93,8 +93,12 @@ class Tokenizer:
     types = metadata.get("tokenizer.ggml.token_type")
     if types is None:
       types = [1] * len(tokens)
-    if isinstance(types, np.ndarray) and types.ndim == 1 and np.issubdtype(types.dtype, np.integer):
-      types = types.tolist()           # GGUFFile's numeric arrays are numpy arrays (as many as tokens here)
+    if isinstance(types, np.ndarray):  # GGUFFile's numeric arrays: checked before becoming a list of ints
+      if types.ndim != 1 or not np.issubdtype(types.dtype, np.integer):
+        raise ValueError(f"tokenizer.ggml.token_type must be a list of integers, got {types.dtype} values")
+      if len(types) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries, but there are {len(tokens)} tokens")
+      types = types.tolist()
     if not isinstance(types, list) or not all(isinstance(t, int) for t in types):
       raise ValueError("tokenizer.ggml.token_type must be a list of integers")
     if len(types) != len(tokens):
@@ -109,10 +113,16 @@ class Tokenizer:
         raise ValueError(f"tokenizer.ggml.merges: merge {i} ({m[:40]!r}) is not two tokens separated by a space")
       merges.append(pair)
     pre = metadata.get("tokenizer.ggml.pre", "default")
+    if not isinstance(pre, str):
+      raise ValueError(f"tokenizer.ggml.pre must be a string, got {type(pre).__name__} {str(pre)[:40]}")
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", False)
+    if not isinstance(add_bos, (bool, int)):
+      raise ValueError(f"tokenizer.ggml.add_bos_token must be a boolean, got {type(add_bos).__name__} "
+                       f"{str(add_bos)[:40]}")
     self.vocab_size = len(tokens)
     self.bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens))
     self.eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens))
-    self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    self.add_bos = bool(add_bos)
     template = metadata.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
       raise ValueError(f"tokenizer.chat_template must be a string, got {type(template).__name__}")

@@ -245,6 +245,21 @@ def test_a_killed_conversion_leaves_nothing_behind_for_long(cache, tmp_path):
   assert store.load("live")[2]["x"].shape == (10,)
 
 
+def test_a_fifo_as_a_lock_file_does_not_block_the_cleaning(cache):
+  """A FIFO planted where a temporary's lock file goes: opening it for writing would block forever; it is
+  treated as no lock (an old temporary goes, a fresh one stays), at once."""
+  d = store.models_dir()
+  d.mkdir(parents=True, exist_ok=True)
+  for name in (".planted.abc", ".fresh.abc"):
+    (d / name).mkdir()
+    os.mkfifo(d / name / store._LOCK)
+  _age(d / ".planted.abc", 2 * store.STALE_SECONDS)
+  t0 = time.perf_counter()
+  assert store.load("some-key") is None
+  assert time.perf_counter() - t0 < 1.0
+  assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == [".fresh.abc"]
+
+
 def test_stale_executable_temporaries_are_removed(cache):
   store.save_executable("first", _compiled())
   d = store.executables_dir()

@@ -208,3 +208,20 @@ def test_cli_summary_says_what_is_true_about_graphs(tmp_path, capsys):
   err = capsys.readouterr().err
   want = "graphs=n/a (cpu)" if jax.default_backend() == "cpu" else "graphs=on"
   assert want in err, err
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("tokenizer.ggml.pre", np.array([1, 2], np.int32), r"tokenizer.ggml.pre must be a string, got ndarray"),
+    ("tokenizer.ggml.add_bos_token", np.array([1, 0], np.uint8),
+     r"tokenizer.ggml.add_bos_token must be a boolean, got ndarray"),
+    ("tokenizer.ggml.token_type", np.ones(1 << 20, np.int32), r"token_type has 1048576 entries, but there are"),
+    ("tokenizer.ggml.token_type", np.ones(3, np.float32), r"token_type must be a list of integers, got float32"),
+])
+def test_numeric_metadata_arrays_where_the_tokenizer_wants_other_values(tmp_path, key, value, says):
+  """GGUFFile gives a numeric metadata array as a numpy array: where the tokenizer expects a string, a flag or
+  as many types as tokens, the error names the key (an array in a boolean test raised numpy's "truth value
+  of an array is ambiguous", naming nothing)."""
+  metadata = dict(GGUFFile(write_tiny_model(tmp_path / "m.gguf", "llama")).metadata)
+  metadata[key] = value
+  with pytest.raises(ValueError, match=says):
+    Tokenizer(metadata)

@@ -250,20 +250,6 @@ def test_non_finite_logits_are_reported_not_sampled():
     assert 0 <= int(got[2]) < 50
 
 
-def test_settings_at_their_bounds_keep_finite_logits_finite():
-  """The most extreme settings allowed on large finite logits: every row still draws a token (before the
-  bounds, repeat_penalty 1e-38 made a logit inf, then NaN, which argmax picked)."""
-  rng = np.random.default_rng(3)
-  logits = (rng.standard_normal((4, 300)) * 60).astype(np.float32)
-  history = [list(rng.integers(0, 300, 64))] * 4
-  rows = [SamplingParams(repeat_penalty=0.01), SamplingParams(repeat_penalty=100.0, frequency_penalty=-100.0),
-          SamplingParams(temperature=1e-3, presence_penalty=100.0, frequency_penalty=100.0),
-          SamplingParams(temperature=1e-3, top_p=0.5, repeat_penalty=0.01, presence_penalty=-100.0)]
-  sampler = Sampler.create(rows, 4, history=history, vocab_size=300)
-  got, _ = sample(jnp.asarray(logits), sampler)
-  assert all(0 <= t < 300 for t in np.asarray(got).tolist()), got
-
-
 def test_one_compiled_sampler_serves_every_setting():
   """Settings are arrays: a jitted sample() compiles once for any temperature, top-k, top-p or seed."""
   def draw(logits, sampler):      # a function of its own: jit's cache then holds this test's entries only
