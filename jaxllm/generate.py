@@ -4,12 +4,17 @@ MODEL is a .gguf path or a demo-model name (default smollm2-135m). Text streams 
 generated; one line per start-up stage and a closing line with TTFT, TPOT and decode tok/s go to stderr
 (-q keeps them quiet). -i starts an interactive chat that keeps the KV cache of earlier turns. The first
 run of a model converts it and caches the conversion and the compiled steps; later runs start in seconds.
+llama.cpp's common flags (-s, -t, -e, -r, -cnv, -ngl, --n-predict, --repeat-last-n) are taken as it takes
+them, or refused with the reason. Ctrl-C ends a run with `interrupted` and exit status 130.
 See docs/usage.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import secrets
 import sys
 import time
 
@@ -19,23 +24,26 @@ from jaxllm.weights import QUANT_CHOICES, resolve_quant
 
 CONTEXT_ROUND = 256
 CHAT_CONTEXT = 4096     # default context of an interactive chat (capped at the model's)
+PENALTY_WINDOW = 64     # jaxllm.sampling.PENALTY_WINDOW (the device sampler's fixed window; sampling imports jax)
+INTERRUPTED = 130       # exit status after Ctrl-C (128 + SIGINT), as shells report it
 VERSION = "0.1.0"
 
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m jaxllm.generate", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
   p.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"a .gguf path or one of {sorted(DEMO_MODELS)}")
   p.add_argument("--model", "-m", help="same as MODEL")
   p.add_argument("--prompt", "-p", action="append", default=[],
                  help="the prompt text; repeat for a batch generated together")
-  p.add_argument("--file", "-f", help="read one prompt from this file (UTF-8)")
+  p.add_argument("--file", "-f", help="read one prompt from this file (UTF-8); - reads standard input")
   p.add_argument("--prompts-file", help="a file with one prompt per line (added to --prompt)")
-  p.add_argument("--interactive", "-i", action="store_true",
-                 help="chat: read turns from the terminal (/exit to leave, /reset to forget, Ctrl-C stops an answer)")
+  p.add_argument("--interactive", "-i", "--conversation", "-cnv", dest="interactive", action="store_true",
+                 help="chat: read turns from the terminal or standard input (/exit to leave, /reset to forget, "
+                      "Ctrl-C stops an answer, Ctrl-C at the prompt exits)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
   p.add_argument("--system", help="system message for --chat and -i (else the template's default)")
-  p.add_argument("--max-tokens", "-n", type=int, default=None,
+  p.add_argument("--max-tokens", "--n-predict", "-n", dest="max_tokens", type=int, default=None,
                  help="new tokens at most (default 64; -i: until the end of the answer or 1024)")
   p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
   p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
@@ -44,10 +52,23 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--min-p", type=float, default=0.0, help="0 = off: drop tokens below min_p x the best one's probability")
   p.add_argument("--repeat-penalty", type=float, default=1.0,
                  help="1 = off: divide (or, if negative, multiply) the logits of the last 64 tokens")
+  p.add_argument("--repeat-last-n", type=int, default=PENALTY_WINDOW, metavar="N",
+                 help=f"tokens the penalties look at: the device sampler's window is fixed at {PENALTY_WINDOW}, "
+                      f"so {PENALTY_WINDOW} (default) or 0 = penalties off; other values are refused")
   p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from tokens in the last 64")
   p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence in the last 64")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+  p.add_argument("--seed", "-s", type=int, default=-1,
+                 help="sampling seed in [0, 2^63); -1 (default) = a random one, printed in the summary and in "
+                      "--json so the run can be replayed with --seed N")
+  p.add_argument("--stop", "--reverse-prompt", "-r", dest="stop", action="append", default=[],
+                 help="stop string (repeatable); the text is cut before it")
+  p.add_argument("--escape", "-e", action="store_true",
+                 help="process the escapes \\n, \\t and \\\\ in the prompt and stop strings (as llama.cpp's -e)")
+  p.add_argument("--threads", "-t", type=int, default=None, metavar="N",
+                 help="threads the CPU kernels run on (JAXLLM_CPU_THREADS; default: the CPUs this process may use); "
+                      "applies to the CPU only")
+  p.add_argument("--n-gpu-layers", "--gpu-layers", "-ngl", dest="n_gpu_layers", type=int, default=None, metavar="N",
+                 help="accepted for llama.cpp's sake: every layer runs on the GPU (on the CPU where there is none)")
   p.add_argument("--quant", choices=QUANT_CHOICES, default="auto",
                  help="auto = gguf on the CPU, w8a16 on the GPU; gguf = the file's own Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K "
                       "blocks, layer by layer, W8A16 for other types; w8a16 = int8 re-quantized; none = float (reference)")
@@ -97,20 +118,47 @@ def _read_text(path: str, what: str) -> str:
                      f"offset {e.start}") from None
 
 
+def _read_stdin(what: str) -> str:
+  data = sys.stdin.buffer.read()
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise SystemExit(f"error: {what} (standard input) is not UTF-8 text: byte {data[e.start:e.start + 1]!r} at "
+                     f"offset {e.start}") from None
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+  """llama.cpp's -e: \\n, \\t and \\\\ become a newline, a tab and a backslash; other backslashes stay."""
+  return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
 def _check_args(args) -> list[str]:
   """Argument errors before anything heavy is imported; returns the prompt texts."""
   if args.model and args.model_pos and args.model != args.model_pos:
     raise SystemExit(f"error: model given twice ({args.model_pos!r} and --model {args.model!r})")
   if args.max_tokens is not None and args.max_tokens < 1:
     raise SystemExit(f"error: --max-tokens must be >= 1, got {args.max_tokens}")
+  if args.seed == -1:
+    args.seed = secrets.randbits(63)
   if not 0 <= args.seed < 2 ** 63:
-    raise SystemExit(f"error: --seed must be in [0, 2^63), got {args.seed}")
+    raise SystemExit(f"error: --seed must be in [0, 2^63) or -1 (random), got {args.seed}")
+  if args.repeat_last_n not in (0, PENALTY_WINDOW):
+    raise SystemExit(f"error: --repeat-last-n: the device sampler's penalty window is fixed at {PENALTY_WINDOW} "
+                     f"tokens (at most {PENALTY_WINDOW}; {PENALTY_WINDOW} or 0 = penalties off), "
+                     f"got {args.repeat_last_n}")
+  if args.threads is not None and args.threads < 1:
+    raise SystemExit(f"error: --threads must be >= 1, got {args.threads}")
   if args.system and not (args.chat or args.interactive):
     raise SystemExit("error: --system needs --chat or -i")
   if args.max_context is not None and args.max_context < 2:
     raise SystemExit(f"error: --max-context must be >= 2, got {args.max_context}")
   texts = list(args.prompt)
-  if args.file:
+  if args.file == "-":
+    texts.append(_read_stdin("--file -"))
+  elif args.file:
     texts.append(_read_text(args.file, "--file"))
   if args.prompts_file:
     texts += [line for line in _read_text(args.prompts_file, "--prompts-file").splitlines() if line.strip()]
@@ -118,11 +166,25 @@ def _check_args(args) -> list[str]:
     raise SystemExit("error: -i reads its prompts from the terminal: drop --prompt / --file / --prompts-file")
   if not texts and not args.interactive:
     raise SystemExit("error: give a prompt (--prompt TEXT, repeatable, -f FILE, --prompts-file FILE) or -i")
+  if args.escape:
+    texts = [unescape(t) for t in texts]
+    args.stop = [unescape(t) for t in args.stop]
   return texts
 
 
 def main(argv=None) -> int:
+  """The CLI; Ctrl-C at any stage ends with one line `interrupted` on stderr and status 130."""
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
+def _main(argv) -> int:
   args = build_parser().parse_args(argv)
+  if args.threads is not None:
+    os.environ["JAXLLM_CPU_THREADS"] = str(args.threads)   # read by the CPU kernels when they first run
   if args.clear_cache:
     from jaxllm import store
     removed = store.clear()
@@ -135,6 +197,8 @@ def main(argv=None) -> int:
   from jaxllm.progress import Stages  # imports jax: after argument errors
   from jaxllm.sampling import SamplingParams
   stages = Stages(quiet=args.quiet)
+  if args.repeat_last_n == 0:
+    args.repeat_penalty, args.presence_penalty, args.frequency_penalty = 1.0, 0.0, 0.0
   try:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
@@ -150,6 +214,10 @@ def main(argv=None) -> int:
     config, weights, tok = load(model, quant=args.quant, progress=stages, cache=not args.no_cache)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise SystemExit(f"error: {e}") from None
+  if args.n_gpu_layers is not None:
+    import jax
+    where = "the GPU" if jax.default_backend() == "gpu" else f"the {jax.default_backend().upper()} (no GPU here)"
+    stages.line(f"-ngl {args.n_gpu_layers}: ignored, every layer runs on {where}")
 
   chat = args.chat or args.interactive
   system = [{"role": "system", "content": args.system}] if args.system else []
@@ -201,6 +269,17 @@ class _Run:
     self.max_tokens, self.max_context, self.stages, self.graph_state = max_tokens, max_context, stages, graph_state
     self.t_start = t_start
 
+  def _read_turn(self, on_terminal: bool) -> str:
+    """One line of the chat. The prompt `> ` is shown only on a terminal, on stderr with --json (stdout
+    holds only JSON lines); off a terminal nothing is echoed, so each answer starts on its own line."""
+    if not on_terminal:
+      return input()
+    if self.args.json:
+      sys.stderr.write("> ")
+      sys.stderr.flush()
+      return input()
+    return input("> ")
+
   @staticmethod
   def show(piece: str) -> None:
     sys.stdout.write(piece)
@@ -211,12 +290,13 @@ class _Run:
     reused = f", {result.reused_tokens} reused" if result.reused_tokens else ""
     return (f"[jaxllm] {self.model} quant={self.args.quant} kernels={e.kernels} graphs={_graphs_word(e)} | "
             f"prompt {prompt_len} tok{reused}, {len(result.ids)} new ({result.finish_reason}) | "
-            f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms, decode {result.tok_per_s:.1f} tok/s")
+            f"TTFT {result.ttft_ms:.1f} ms, TPOT {result.tpot_ms:.2f} ms, decode {result.tok_per_s:.1f} tok/s | "
+            f"seed {self.args.seed}")
 
   def _record(self) -> dict:
     import resource
     e = self.engine
-    return {"model": self.model, "quant": self.args.quant, "kernels": e.kernels, "graphs": e.graphs_active,
+    return {"model": self.model, "seed": self.args.seed, "quant": self.args.quant, "kernels": e.kernels, "graphs": e.graphs_active,
             "graphs_fallback": e.graphs_fallback, "graph_state": self.graph_state, "max_context": self.max_context,
             "stage_s": self.stages.times, "compile_s": self.stages.times.get("compile and warm up", 0.0),
             "load_s": sum(v for k, v in self.stages.times.items() if k != "compile and warm up"),
@@ -264,7 +344,7 @@ class _Run:
           print(f"prompt ids: {r.prompt_ids}\nnew ids:    {r.ids}")
     if not a.quiet:
       print(f"[jaxllm] {self.model} batch {len(results)} kernels={e.kernels} graphs={_graphs_word(e)}"
-            f" | {total} new tokens, {rate:.1f} tok/s in total", file=sys.stderr)
+            f" | {total} new tokens, {rate:.1f} tok/s in total | seed {a.seed}", file=sys.stderr)
     return 0
 
   def interactive(self, system: list[dict]) -> int:
@@ -273,12 +353,18 @@ class _Run:
     a, tok = self.args, self.engine.tokenizer
     history: list[dict] = []
     self.stages.line(f"chat with {self.model}: /exit to leave, /reset to start over, Ctrl-C stops an answer")
+    on_terminal = sys.stdin.isatty()
     while True:
       try:
-        line = input("> ")
-      except (EOFError, KeyboardInterrupt):
-        print(file=sys.stderr)
+        line = self._read_turn(on_terminal)
+      except EOFError:
+        if on_terminal:
+          print(file=sys.stderr)
         return 0
+      except KeyboardInterrupt:
+        if on_terminal:
+          print(file=sys.stderr)   # off the prompt's line; main() prints `interrupted`
+        raise
       if line.strip() in ("/exit", "/quit"):
         return 0
       if line.strip() == "/reset":
