@@ -138,8 +138,8 @@ def test_cli_rejects_hostile_text_inputs(tmp_path, capsys):
     cli_main([str(tmp_path), "-p", "hi"])
   with pytest.raises(SystemExit, match="-i reads its prompts from the terminal"):
     cli_main([path, "-i", "-p", "hi"])
-  with pytest.raises(SystemExit, match=r"--seed must be in \[0, 2\^63\)"):
-    cli_main([path, "-p", "hi", "--seed", "-1"])
+  with pytest.raises(SystemExit, match=r"--seed must be in \[0, 2\^63\) or -1 \(random\), got -2"):
+    cli_main([path, "-p", "hi", "--seed", "-2"])                 # -1 is llama.cpp's "random"
 
 
 def test_a_broken_chat_template_is_a_clear_error(tmp_path):
