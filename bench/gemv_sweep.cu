@@ -6,7 +6,10 @@
 // shape is timed the same way beside it.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep [-DWITH_CUBLAS -lcublas]
-//   /tmp/gemv_sweep [out.jsonl [shape,shape,...]]
+//   /tmp/gemv_sweep [out.jsonl [shape,shape,...]]     (GEMV_MS=1,2,4: the rows of x timed; default all three)
+//
+// Shapes: the Qwen2.5-0.5B matmuls (qkv, o, gate_up, down, lm_head) and those of the larger presets, named
+// <matmul>_<preset> (qkv_7b: Qwen2.5-7B's fused q/k/v weights, ...).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #ifdef WITH_CUBLAS
@@ -231,8 +234,20 @@ int main(int argc, char** argv) {
   cudaStream_t st;
   CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const int kGroup = 64;
-  const Shape shapes[] = {{"qkv", 1152, 896}, {"o", 896, 896}, {"gate_up", 9728, 896}, {"down", 896, 4864},
-                          {"lm_head", 151936, 896}};
+  const Shape shapes[] = {
+      {"qkv", 1152, 896}, {"o", 896, 896}, {"gate_up", 9728, 896}, {"down", 896, 4864}, {"lm_head", 151936, 896},
+      // llama-3.2-1b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, llama-3.1-8b, qwen2.5-14b (N = outputs, K = inputs).
+      {"qkv_1b", 3072, 2048}, {"o_1b", 2048, 2048}, {"gate_up_1b", 16384, 2048}, {"down_1b", 2048, 8192},
+      {"lm_head_1b", 128256, 2048},
+      {"qkv_1.5b", 2048, 1536}, {"gate_up_1.5b", 17920, 1536}, {"down_1.5b", 1536, 8960},
+      {"lm_head_1.5b", 151936, 1536},
+      {"qkv_3b", 2560, 2048}, {"gate_up_3b", 22016, 2048}, {"down_3b", 2048, 11008},
+      {"qkv_7b", 4608, 3584}, {"o_7b", 3584, 3584}, {"gate_up_7b", 37888, 3584}, {"down_7b", 3584, 18944},
+      {"lm_head_7b", 151936, 3584},
+      {"qkv_8b", 6144, 4096}, {"o_8b", 4096, 4096}, {"gate_up_8b", 28672, 4096}, {"down_8b", 4096, 14336},
+      {"lm_head_8b", 128256, 4096},
+      {"qkv_14b", 7168, 5120}, {"o_14b", 5120, 5120}, {"gate_up_14b", 27648, 5120}, {"down_14b", 5120, 13824},
+      {"lm_head_14b", 152064, 5120}};
   constexpr w::Conv kI2F = w::Conv::kI2F, kMagic = w::Conv::kMagic, kInt16 = w::Conv::kInt16;
   constexpr unsigned kH = w::kHint, kS = w::kStageX, kA = w::kXFirst, kB = w::kBalance;
   std::vector<Config> configs = {
@@ -279,8 +294,30 @@ int main(int argc, char** argv) {
       Make<2, 16, 2, 4, kInt16, kH | kS | kA | kB>(), Make<4, 32, 2, 2, kInt16, kH | kS | kA>(),
       Make<4, 32, 4, 2, kInt16, kH | kS | kA>(), Make<4, 32, 2, 2, kInt16, kH | kS | kA | kB>(),
       Make<4, 16, 2, 4, kInt16, kH | kS | kA | kB>(),
+      // Long K (the 1-14B shapes: K 1536-5120, and 8192-18944 for down), x staged as int16 chunks.
+      Make<1, 32, 1, 4, kInt16, kH | kS>(), Make<1, 32, 2, 4, kInt16, kH | kS>(), Make<1, 32, 1, 8, kInt16, kH | kS>(),
+      Make<1, 32, 2, 8, kInt16, kH | kS>(), Make<1, 32, 4, 4, kInt16, kH | kS>(), Make<1, 64, 2, 4, kInt16, kH | kS>(),
+      Make<1, 64, 1, 4, kInt16, kH | kS>(), Make<1, 64, 4, 2, kInt16, kH | kS>(), Make<1, 128, 2, 2, kInt16, kH | kS>(),
+      Make<1, 128, 2, 4, kInt16, kH | kS>(), Make<1, 256, 2, 2, kInt16, kH | kS>(),
+      Make<1, 32, 2, 4, kInt16, kH | kS | kA | kB>(), Make<1, 32, 4, 4, kInt16, kH | kS | kA | kB>(),
+      Make<1, 64, 2, 4, kInt16, kH | kS | kA | kB>(), Make<1, 16, 2, 8, kInt16, kH | kS | kA | kB>(),
+      Make<1, 128, 2, 4, kInt16, kH | kS | kB>(), Make<1, 128, 4, 2, kInt16, kH | kS | kB>(),
+      Make<1, 256, 4, 2, kInt16, kH | kB>(), Make<1, 256, 2, 2, kInt16, kH | kB>(), Make<1, 256, 4, 4, kInt16, kH | kB>(),
+      Make<1, 256, 8, 2, kInt16, kH | kB>(), Make<1, 256, 2, 4, kInt16, kH | kS | kB>(),
+      MakeStream<1, 8, true, 1, kInt16>(), MakeStream<2, 8, true, 1, kInt16>(), MakeStream<1, 4, true, 1, kInt16>(),
+      Make<2, 32, 2, 4, kInt16, kH | kS | kA>(), Make<2, 64, 2, 4, kInt16, kH | kS | kA>(),
+      Make<2, 128, 2, 2, kInt16, kH | kS>(), Make<4, 32, 2, 4, kInt16, kH | kS | kA>(),
+      Make<4, 64, 2, 4, kInt16, kH | kS | kA>(), Make<4, 128, 2, 2, kInt16, kH | kS>(),
   };
-  const int ms[] = {1, 2, 4};
+  std::vector<int> ms = {1, 2, 4};
+  if (const char* e = std::getenv("GEMV_MS")) {
+    ms.clear();
+    for (const char* p = e; *p;) {
+      ms.push_back(std::atoi(p));
+      while (*p && *p != ',') ++p;
+      if (*p) ++p;
+    }
+  }
 #ifdef WITH_CUBLAS
   cublasHandle_t handle;
   if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) { std::fprintf(stderr, "cublasCreate failed\n"); return 1; }
@@ -309,6 +346,7 @@ int main(int argc, char** argv) {
     FillBf16<<<64, 256, 0, st>>>(x, size_t(16) * sh.k, 3, -1.f, 1.f);
     CHECK(cudaGetLastError());
     for (int m : ms) {
+      if (m < 1 || m > 16) continue;
       Reference<<<(m * sh.n + 255) / 256, 256, 0, st>>>(x, q, s, ref, m, sh.n, sh.k, int(groups));
       CHECK(cudaGetLastError());
       std::vector<float> r(size_t(m) * sh.n);

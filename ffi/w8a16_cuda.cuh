@@ -906,7 +906,7 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
   const void* x = xp;
   void* y = yp;
   const int m = int(s.m), n = int(s.n), k = int(s.k), g = int(s.groups);
-  const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768;
+  const bool long_k = k / 16 > 128, many_rows = n >= 4096, huge_n = n >= 32768, big = n >= 1536 && k >= 2048;
   const int mt = m == 1 ? 1 : m == 2 ? 2 : 4;
   const bool stage_fits = sizeof(T) == 2 && XStageBytes(mt, k) <= kMaxXStageBytes;   // x as staged int16 chunks
   const bool int16 = many_rows && stage_fits;
@@ -921,6 +921,16 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
         return StreamFits<2>(k) ? LaunchHead<T, 4, 2, kArg>(st, xf, w, sc, y, n, k, g, fu)
                                 : LaunchHead<T, 1, 4, kArg>(st, xf, w, sc, y, n, k, g, fu);
       }
+    }
+    // The 1B-14B shapes (N >= 1536, K >= 2048; bench/gemv_sweep.cu's *_1b ... *_14b shapes on the H200,
+    // docs/results/2026-12-04-h200-scaling.md): a warp per 2 or 4 rows with x staged as int16 chunks once a block,
+    // 1.0-2.0x faster there than the short-K and long-K rules below, which were chosen on Qwen2.5-0.5B's shapes.
+    if (big && stage_fits) {
+      if (huge_n) return Launch<T, 1, 32, 4, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);   // gate/up 7B, heads
+      if (many_rows && k < 8192)   // q/k/v and gate/up
+        return Launch<T, 1, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);
+      // O, down, and the 1B-3B q/k/v: rows shared evenly between the SMs
+      return Launch<T, 1, 32, 2, 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
     }
     // The down projection (a residual epilogue at long K): 4 rows a block, rows shared evenly between the SMs (two
     // blocks an SM), each thread's chunks of x turned into int16 once for its 4 rows: a quarter of the blocks, each

@@ -19,6 +19,25 @@ PRESETS = {
     "llama-3.2-1b": Config(arch="llama", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, head_dim=64,
                            d_ff=8192, vocab_size=128256, rms_eps=1e-5, rope_base=5e5, rope_style="normal",
                            context_length=131072, tied_embeddings=True),
+    # The sizes people rent an H200 for (W8A16: 14B fits one H200), with their real shapes.
+    "qwen2.5-1.5b": Config(arch="qwen2", n_layers=28, d_model=1536, n_heads=12, n_kv_heads=2, head_dim=128,
+                           d_ff=8960, vocab_size=151936, rms_eps=1e-6, rope_base=1e6, rope_style="neox",
+                           context_length=32768, tied_embeddings=True, qkv_bias=True),
+    "qwen2.5-3b": Config(arch="qwen2", n_layers=36, d_model=2048, n_heads=16, n_kv_heads=2, head_dim=128,
+                         d_ff=11008, vocab_size=151936, rms_eps=1e-6, rope_base=1e6, rope_style="neox",
+                         context_length=32768, tied_embeddings=True, qkv_bias=True),
+    "qwen2.5-7b": Config(arch="qwen2", n_layers=28, d_model=3584, n_heads=28, n_kv_heads=4, head_dim=128,
+                         d_ff=18944, vocab_size=152064, rms_eps=1e-6, rope_base=1e6, rope_style="neox",
+                         context_length=32768, tied_embeddings=False, qkv_bias=True),
+    "llama-3.1-8b": Config(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+                           d_ff=14336, vocab_size=128256, rms_eps=1e-5, rope_base=5e5, rope_style="normal",
+                           rope_scaling="llama3", context_length=131072, tied_embeddings=False),
+    "qwen3-8b": Config(arch="qwen3", n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+                       d_ff=12288, vocab_size=151936, rms_eps=1e-6, rope_base=1e6, rope_style="neox",
+                       context_length=40960, tied_embeddings=False, qk_norm=True),
+    "qwen2.5-14b": Config(arch="qwen2", n_layers=48, d_model=5120, n_heads=40, n_kv_heads=8, head_dim=128,
+                          d_ff=13824, vocab_size=152064, rms_eps=1e-5, rope_base=1e6, rope_style="neox",
+                          context_length=32768, tied_embeddings=False, qkv_bias=True),
 }
 # A two-layer model for smoke runs of the bench and its multi-process modes (seconds, not minutes).
 PRESETS["tiny"] = PRESETS["smollm2-135m"].replace(n_layers=2, vocab_size=512)

@@ -19,6 +19,20 @@ def rope_inv_freq(config: Config, rope_freqs: jax.Array | None) -> jax.Array:
   return inv_freq if rope_freqs is None else inv_freq / rope_freqs
 
 
+def llama3_rope_freqs(config: Config, factor: float = 8.0, low_freq_factor: float = 1.0,
+                      high_freq_factor: float = 4.0, original_context: int = 8192) -> jax.Array:
+  """[Dh/2] f32 divisors of Llama 3.1's RoPE scaling, as a GGUF's rope_freqs.weight holds them (llama.cpp's
+  convert_hf_to_gguf.py computes the same from the model's rope_scaling): 1 for the high frequencies, `factor`
+  for wavelengths beyond original_context / low_freq_factor, a smooth blend between."""
+  half = config.head_dim // 2
+  freq = config.rope_base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / config.head_dim)
+  wavelen = 2 * jnp.pi / freq
+  smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  blend = 1.0 / ((1 - smooth) / factor + smooth)
+  return jnp.where(wavelen < original_context / high_freq_factor, 1.0,
+                   jnp.where(wavelen > original_context / low_freq_factor, factor, blend)).astype(jnp.float32)
+
+
 def rope_position_scale(config: Config) -> float:
   """What positions are divided by before they turn (linear RoPE scaling; 1 for none)."""
   return config.rope_scale if config.rope_scaling == "linear" else 1.0

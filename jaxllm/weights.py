@@ -28,6 +28,7 @@ from jaxllm.gguf import GGUFFile
 from jaxllm.model import Weights
 from jaxllm.quant import (GROUP, LOWBIT_BITS, LOWBIT_GROUP, Q6K, Linear, LowBit, Mixed, implicit_min_stack,
                           lowbit_bits, lowbit_from_blocks, q6k_from_blocks, quantize_int8)
+from jaxllm.rope import llama3_rope_freqs
 
 QUANT_CHOICES = ("auto", "w8a16", "gguf", "none")
 ROW_BLOCK = 8192   # rows of the embedding / head converted at a time
@@ -306,4 +307,5 @@ def random_weights(config: Config, seed: int = 0, quant: str = "w8a16", dtype=jn
       bqkv=0.02 * jax.random.normal(next(keys), (L, qkv), jnp.float32) if c.qkv_bias else None,
       q_norm=jnp.ones((L, c.head_dim), jnp.float32) if c.qk_norm else None,
       k_norm=jnp.ones((L, c.head_dim), jnp.float32) if c.qk_norm else None,
+      rope_freqs=llama3_rope_freqs(c) if c.rope_scaling == "llama3" else None,
   )

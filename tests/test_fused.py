@@ -69,6 +69,8 @@ def _residual_stream(rng, m, k):
 # (K, N): Qwen2.5-0.5B qkv, gate+up, SmolLM2-135M qkv, odd sizes; widths whose RMS takes the GPU block more than
 # one batch of loads a thread (w8a16::NormRows: K = 2048 at M >= 3, K = 4608 at every M).
 NORM_SHAPES = [(896, 1152), (896, 9728), (576, 960), (64, 7), (320, 258), (192, 1000), (2048, 320), (4608, 96)]
+if ON_GPU:   # the 1B-14B configurations: rows shared evenly (N < 4096), a warp per 2 rows (N >= 4096)
+  NORM_SHAPES += [(3584, 3072), (3584, 4608), (2048, 16384)]
 
 
 @pytest.mark.parametrize("k, n", NORM_SHAPES)
@@ -95,7 +97,8 @@ def test_norm_linear(k, n, dtype, epilogue):
     assert _rel(got, y) < TOL[dtype], (m, _rel(got, y))
 
 
-@pytest.mark.parametrize("k, n", [(896, 896), (4864, 896), (1536, 576), (64, 5), (320, 257)])
+@pytest.mark.parametrize("k, n", [(896, 896), (4864, 896), (1536, 576), (64, 5), (320, 257)]
+                         + ([(3584, 3584), (18944, 2048)] if ON_GPU else []))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_residual(k, n, dtype):
   rng = np.random.default_rng(k + n)
@@ -162,7 +165,7 @@ def _head64(w, s) -> np.ndarray:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003)])
+@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003), (3584, 152064)])
 @pytest.mark.parametrize("copies", ["early and last", "last only"])
 def test_norm_argmax_at_vocabulary_size(k, n, copies):
   """The greedy head at batch 1 over a real vocabulary (Qwen2.5-0.5B's, SmolLM2's, and K past 1024 with an
@@ -195,7 +198,7 @@ def test_norm_argmax_at_vocabulary_size(k, n, copies):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003)])
+@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003), (3584, 152064)])
 def test_norm_linear_at_vocabulary_size(k, n):
   """The sampled step's LM head at batch 1 over a real vocabulary: on the GPU it runs on the blocks resident at
   once, each walking row groups, so every logit must be written (poisoned output), the last rows of an odd tail
@@ -327,6 +330,8 @@ def _synthetic(name):
 
 
 SYNTHETIC = ["qwen2.5-0.5b", "qwen3-0.6b", "smollm2-135m"]
+# The GPU also runs the step at the widths of the large presets (their kernel configurations: 1B-14B shapes).
+SYNTHETIC_STEP = SYNTHETIC + (["qwen2.5-7b", "llama-3.1-8b", "qwen2.5-1.5b"] if ON_GPU else [])
 
 
 def test_step_runs_the_fused_kernels_and_the_argmax_head(monkeypatch):
@@ -354,7 +359,7 @@ def test_step_runs_the_fused_kernels_and_the_argmax_head(monkeypatch):
   assert "jaxllm_w8a16_fused" not in hlo(greedy_only=True, penalties=False, kernels="ffi-unfused")
 
 
-@pytest.mark.parametrize("name", SYNTHETIC)
+@pytest.mark.parametrize("name", SYNTHETIC_STEP)
 def test_fused_step_logits_match_unfused(name):
   """Teacher-forced: 20 decode steps of a batch of two (one row inactive for a while) through the fused
   step and the unfused FFI step, fed the same tokens: logits and caches agree to the activation dtype's
@@ -406,7 +411,7 @@ def _cache(config, batch=2, max_len=48):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [3, 1])
-@pytest.mark.parametrize("name", SYNTHETIC)
+@pytest.mark.parametrize("name", SYNTHETIC_STEP)
 def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name, batch):
   """On the GPU the fused step runs every layer from one FFI call: the per-op kernels with the QKV epilogue
   folded into the attention (whose block holding the write position appends the new key and value), with

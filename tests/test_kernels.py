@@ -80,6 +80,34 @@ def test_w8a16_other_group_sizes(group):
     assert _rel(got, linear_reference(x, lin, 1)) < TOL[jnp.float32]
 
 
+def _preset_matmul_shapes():
+  """(K, N) of every matmul of every preset not in MATMUL_SHAPES: q/k/v, O, gate+up, down, the LM head."""
+  from jaxllm.presets import PRESETS
+  shapes = set()
+  for c in PRESETS.values():
+    shapes |= {(c.d_model, c.q_dim + 2 * c.kv_dim), (c.q_dim, c.d_model), (c.d_model, 2 * c.d_ff),
+               (c.d_ff, c.d_model), (c.d_model, c.vocab_size)}
+  return sorted(shapes - set(MATMUL_SHAPES))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the CUDA dispatch's shapes (the CPU's kernel has one configuration)")
+@pytest.mark.parametrize("k, n", _preset_matmul_shapes())
+def test_w8a16_matches_reference_at_preset_shapes(k, n):
+  """The configurations the CUDA dispatch picks for the 1B-14B presets' shapes (weights made on the device:
+  a 14B LM head is 780M weights)."""
+  kw, ks, kx = jax.random.split(jax.random.PRNGKey(k * 7919 + n), 3)
+  lin = Linear(w=jax.random.randint(kw, (2, n, k), -127, 128, jnp.int32).astype(jnp.int8),
+               scale=jax.random.uniform(ks, (2, n, k // 64), jnp.float32, 1e-3, 1e-2))
+  call = jax.jit(lambda x, lin, p: ffi.w8a16_matmul(x, lin, 1, poison=p))
+  for dtype, ms in ((jnp.bfloat16, (1, 2, 3, 4, 16)), (jnp.float32, (1,))):
+    for m in ms:
+      x = jax.random.normal(jax.random.fold_in(kx, m), (m, k), jnp.float32).astype(dtype)
+      got = call(x, lin, jnp.full((m, n), jnp.nan, dtype))
+      ref = linear_reference(x.astype(jnp.float32), lin, 1)
+      assert not np.isnan(np.asarray(got, np.float32)).any(), f"unwritten outputs at M={m}"
+      assert _rel(got, ref) < TOL[dtype], (dtype, m, _rel(got, ref))
+
+
 def test_w8a16_unstacked_and_leading_dims():
   rng = np.random.default_rng(1)
   lin = _quantized(rng, 1, 96, 128)
