@@ -165,7 +165,7 @@ def _head64(w, s) -> np.ndarray:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003), (3584, 152064)])
+@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003)])
 @pytest.mark.parametrize("copies", ["early and last", "last only"])
 def test_norm_argmax_at_vocabulary_size(k, n, copies):
   """The greedy head at batch 1 over a real vocabulary (Qwen2.5-0.5B's, SmolLM2's, and K past 1024 with an
@@ -198,7 +198,7 @@ def test_norm_argmax_at_vocabulary_size(k, n, copies):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003), (3584, 152064)])
+@pytest.mark.parametrize("k, n", [(896, 151936), (576, 49157), (1536, 40003)])
 def test_norm_linear_at_vocabulary_size(k, n):
   """The sampled step's LM head at batch 1 over a real vocabulary: on the GPU it runs on the blocks resident at
   once, each walking row groups, so every logit must be written (poisoned output), the last rows of an odd tail
@@ -331,7 +331,7 @@ def _synthetic(name):
 
 SYNTHETIC = ["qwen2.5-0.5b", "qwen3-0.6b", "smollm2-135m"]
 # The GPU also runs the step at the widths of the large presets (their kernel configurations: 1B-14B shapes).
-SYNTHETIC_STEP = SYNTHETIC + (["qwen2.5-7b", "llama-3.1-8b", "qwen2.5-1.5b"] if ON_GPU else [])
+SYNTHETIC_STEP = SYNTHETIC + (["qwen2.5-7b", "llama-3.1-8b"] if ON_GPU else [])
 
 
 def test_step_runs_the_fused_kernels_and_the_argmax_head(monkeypatch):
