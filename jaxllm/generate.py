@@ -194,7 +194,7 @@ def _main(argv) -> int:
   model = args.model or args.model_pos or DEFAULT_MODEL
   t_start = time.perf_counter()
 
-  from jaxllm.progress import Stages  # imports jax: after argument errors
+  from jaxllm.progress import Stages, compile_line  # imports jax: after argument errors
   from jaxllm.sampling import SamplingParams
   stages = Stages(quiet=args.quiet)
   if args.repeat_last_n == 0:
@@ -247,8 +247,9 @@ def _main(argv) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
-  with stages.stage("compile and warm up", "compiled steps cached" if not args.no_compile_cache else ""):
+  with stages.stage("compile and warm up") as info:
     engine.warmup(longest, params, batch=max(1, len(all_ids)), trial=True)
+    info["line"] = compile_line(engine.built, engine.cache_executables)
   greedy = greedy_mode(params)
   graph_state = graphs.graph_state(engine, greedy) if args.show_graph_state else None
   if graph_state is not None:

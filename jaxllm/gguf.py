@@ -297,6 +297,10 @@ class GGUFFile:
   def tensor_shape(self, name: str) -> tuple[int, ...]:
     return self._tensors[name].shape
 
+  def tensor_nbytes(self, name: str) -> int:
+    """The bytes the file stores the tensor in."""
+    return self._tensors[name].nbytes
+
   def tensor(self, name: str) -> np.ndarray:
     """The tensor dequantized to float32, in numpy dim order (outermost first)."""
     t = self._tensors[name]

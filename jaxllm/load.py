@@ -6,8 +6,6 @@ mapped from disk and copied to the device, the config and tokenizer read back; t
 """
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +15,7 @@ from jaxllm.gguf import GGUFError, GGUFFile
 from jaxllm.model import Weights
 from jaxllm.models import resolve_model
 from jaxllm.progress import Stages
+from jaxllm.quant import LOWBIT_BITS
 from jaxllm.tokenizer import Tokenizer
 from jaxllm.weights import assemble, convert, progress_total, resolve_quant
 
@@ -39,6 +38,44 @@ def read_model(path) -> tuple[GGUFFile, Tokenizer]:
   return gf, tokenizer
 
 
+def conversion_line(gf: GGUFFile, quant: str, dtype) -> str:
+  """What converting the file's layer matrices does, in words: e.g. "convert Q4_1 blocks for the CPU kernels"."""
+  types = sorted({gf.tensor_type(n) for n in gf.tensor_names()
+                  if n.startswith("blk.") and len(gf.tensor_shape(n)) == 2})
+  kept = [t for t in types if t in LOWBIT_BITS or t == "Q6_K"]
+  rest = [t for t in types if t not in kept]
+  kernels = f"the {jax.default_backend().upper()} kernels"
+  if quant == "none":
+    return f"dequantize {'/'.join(types)} weights to {jnp.dtype(dtype).name}"
+  if quant == "gguf" and kept:
+    return f"convert {'/'.join(kept)} blocks for {kernels}" + (f" ({'/'.join(rest)} as W8A16)" if rest else "")
+  return f"re-quantize {'/'.join(types)} weights to W8A16 for {kernels}"
+
+
+class _UnitBytes:
+  """convert()'s progress units (jaxllm.weights.progress_total: layers of each stacked array, then rows of the
+  embedding and of the head) as bytes of the file's tensors, so a bar's time left follows the bytes left:
+  the layer units share the layers' bytes, the rows their tensor's."""
+
+  def __init__(self, gf: GGUFFile, units: int):
+    c, names = gf.config, gf.tensor_names()
+    heads = ["token_embd.weight"] + ([] if c.tied_embeddings else ["output.weight"])
+    layers = sum(gf.tensor_nbytes(n) for n in names if n.startswith("blk."))
+    self.segments = [[units - c.vocab_size * len(heads), layers]]
+    self.segments += [[c.vocab_size, gf.tensor_nbytes(n)] for n in heads]
+    self.total = sum(b for _, b in self.segments)
+
+  def take(self, n: int) -> float:
+    """The bytes of the next n units."""
+    got = 0.0
+    for seg in self.segments:
+      k = min(n, seg[0])
+      if k:
+        share = seg[1] * k / seg[0]
+        got, seg[0], seg[1], n = got + share, seg[0] - k, seg[1] - share, n - k
+    return got
+
+
 def load(model: str, quant: str = "auto", dtype=None, progress: bool | Stages = True,
          cache: bool = True) -> tuple[Config, Weights, Tokenizer]:
   """Loads a GGUF model.
@@ -57,10 +94,8 @@ def load(model: str, quant: str = "auto", dtype=None, progress: bool | Stages = 
   stages = progress if isinstance(progress, Stages) else Stages(quiet=not progress)
   dtype = dtype or default_dtype()
   quant = resolve_quant(quant)
-  t0 = time.perf_counter()
-  path = resolve_model(model)
-  took = time.perf_counter() - t0
-  stages.line(f"download: {took:.1f} s ({path})" if took > 0.5 else f"model: {path}")
+  path = resolve_model(model, stages)
+  stages.line(f"model: {path}")
   key = store.model_key(path, quant, jnp.dtype(dtype).name) if cache else None
   hit = store.load(key) if cache else None
   if hit is not None:
@@ -75,13 +110,15 @@ def load(model: str, quant: str = "auto", dtype=None, progress: bool | Stages = 
   entry = store.Entry(key) if cache else None
   c = gf.config
   try:
-    with stages.stage(f"convert to {quant} on the device", "cached for the next run" if cache else ""), \
-        stages.bar(progress_total(c), f"convert {c.arch}") as bar:
+    what = conversion_line(gf, quant, dtype)
+    units = _UnitBytes(gf, progress_total(c))
+    with stages.stage("convert") as info, stages.bar(units.total, what) as bar:
+      info["line"] = f"{what}: {{s:.2f}} s" + (" (saved for the next run)" if cache else "")
       def sink(name, array):
         if entry is not None:
           entry.add(name, array)
         return jnp.asarray(array)
-      weights = assemble(convert(gf, quant, dtype, bar.update, sink))
+      weights = assemble(convert(gf, quant, dtype, lambda n: bar.update(units.take(n)), sink))
       jax.block_until_ready(weights)
     if entry is not None:
       entry.commit(c, tokenizer.to_state())

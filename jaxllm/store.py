@@ -38,6 +38,7 @@ versions) are removed once they are STALE_SECONDS old.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -258,11 +259,9 @@ def remove_stale(d: Path, prefix: str | None = None) -> list[str]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(name)
     elif old:
-      try:
+      with contextlib.suppress(OSError):
         p.unlink()
         removed.append(name)
-      except OSError:
-        pass
   return removed
 
 
@@ -358,25 +357,23 @@ def load_executable(key: str):
     payload, in_tree, out_tree = pickle.loads(blob)
     return deserialize_and_load(payload, in_tree, out_tree)
   except Exception:  # a damaged or foreign file: compile again
-    try:
+    with contextlib.suppress(OSError):
       path.unlink(missing_ok=True)
-    except OSError:
-      pass
     return None
 
 
-def save_executable(key: str, compiled) -> None:
-  """Saves a compiled executable (atomically: a private file renamed into place). Where the cache cannot
-  be written, warns once and keeps nothing."""
+def save_executable(key: str, compiled) -> bool:
+  """Saves a compiled executable (atomically: a private file renamed into place); True if it did. Where the
+  cache cannot be written, warns once and keeps nothing."""
   import pickle
   from jax.experimental.serialize_executable import serialize
   try:
     blob = pickle.dumps(serialize(compiled))
   except Exception:  # an executable XLA cannot serialize: it is simply not cached
-    return
+    return False
   d = private_dir(executables_dir(), "compiled executables")
   if d is None:
-    return
+    return False
   remove_stale(d)
   tmp = None
   try:
@@ -384,11 +381,13 @@ def save_executable(key: str, compiled) -> None:
     with os.fdopen(fd, "wb") as f:
       f.write(blob)
     os.replace(tmp, d / f"{key}.bin")
+    return True
   except OSError as e:
     if tmp is not None:
       Path(tmp).unlink(missing_ok=True)
     warn_once("unwritable", d, f"jaxllm: cannot write compiled executables to {d} ({e}); running without keeping "
                                "them (free space, set JAXLLM_CACHE to a writable directory, or JAXLLM_COMPILE_CACHE=0)")
+    return False
 
 
 def model_key(path: str | os.PathLike, quant: str, dtype_name: str) -> str:

@@ -292,7 +292,7 @@ def test_a_demo_model_in_a_shared_directory_is_checked_before_use(cache, monkeyp
   monkeypatch.setitem(models.DEMO_MODELS, "tiny", spec)
   downloads = []
 
-  def download(spec, target):
+  def download(spec, target, stages):
     downloads.append(target)
     target.write_bytes(good)
     return target

@@ -118,8 +118,7 @@ def test_cli_stages_quiet_and_json(tmp_path, capsys):
   path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
   assert cli_main([path, "-p", "the", "-n", "3", "--ignore-eos", "--json"]) == 0
   err = capsys.readouterr().err
-  from jaxllm.weights import resolve_quant
-  for stage in ("model: ", "read model: ", f"convert to {resolve_quant('auto')}", "compile and warm up: "):
+  for stage in ("model: ", "read model: ", "re-quantize F32 weights to W8A16 for the ", "compiled and warmed up in "):
     assert stage in err, err
   assert "\r" not in err                                              # not a terminal: no bar frames
   assert cli_main([path, "-p", "the", "-n", "3", "--ignore-eos", "--json", "-q"]) == 0
