@@ -50,7 +50,7 @@ def stages(target: str, d: str, pairs: int, model: str) -> dict[str, tuple[int, 
   if target == "cpu":
     common = ["--prompt-len", "64", "--loop", "pipelined", "--repeat", "2", "--out", j("cpu.jsonl")]
     return {"cpu": (3000, [_bench(model, "--decode-len", "64", "--kernels", "ffi", *common),
-                           _bench(model, "--decode-len", "16", "--kernels", "xla", *common),
+                           _bench(model, "--decode-len", "26", "--kernels", "xla", *common),
                            _script("peers/llamacpp_bench.py", model, "--prompt-len", "64", "--decode-len", "64",
                                    "--repeat", "2", "--out", j("cpu.jsonl"))], ["cpu.jsonl"])}
   return {
@@ -162,16 +162,23 @@ def _weight_note(r: dict) -> str:
   return f"{wb / 1e6:.0f} MB" if wb else "-"
 
 
+def _step_ms(r: dict, q: str) -> str:
+  """A record's TPOT percentile per step (schema 2). A schema-1 record has the gaps between tokens, which are
+  steps only where a call ran one step (else "-")."""
+  v = r.get(f"tpot_step_ms_{q}", r.get(f"tpot_ms_{q}") if r.get("tokens_per_call", 1) == 1 else None)
+  return "-" if v is None else f"{v:.3f}"
+
+
 def section_compare(records: list[dict], d: str, png: str, title: str, intro: str) -> list[str]:
   out = [title, "", intro, "",
-         "| engine / path | graphs | loop | TTFT (ms) | TPOT mean / p50 / p90 (ms) | decode tok/s | weights read per token | byte floor (ms) |",
+         "| engine / path | graphs | loop | TTFT (ms) | TPOT mean / per step p50 / p90 (ms) | decode tok/s | weights read per token | byte floor (ms) |",
          "|---|---|---|---|---|---|---|---|"]
   for r in records:
     on_gpu = r["env"].get("platform") == "gpu"
     graphs = {True: "on", False: "off"}.get(r.get("graphs_requested"), "-") if on_gpu else "-"
     floor = f"{r['byte_floor_ms']:.3f}" if r.get("byte_floor_ms") else "-"
     out.append(f"| {_name(r)} | {graphs} | {r['loop']} | {r['ttft_ms']:.2f} | "
-               f"{r['tpot_ms_mean']:.3f} / {r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | {r['decode_tok_s']:.1f} | "
+               f"{r['tpot_ms_mean']:.3f} / {_step_ms(r, 'p50')} / {_step_ms(r, 'p90')} | {r['decode_tok_s']:.1f} | "
                f"{_weight_note(r)} | {floor} |")
   plt = _plt()
   fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(records)), 4))
@@ -189,11 +196,11 @@ def section_batch(records: list[dict], d: str, png: str) -> list[str]:
   out = ["## Batched decode", "",
          f"`python -m jaxllm.bench {records[0]['model']} --batch B --kernels both --loop pipelined --repeat 3` for B in "
          f"{', '.join(map(str, BATCHES))} (`batch.jsonl`): B random prompts of 128 tokens, 128 new tokens each.", "",
-         "| batch | kernels | TTFT (ms) | TPOT mean / p90 (ms) | tok/s per sequence | tok/s total |",
+         "| batch | kernels | TTFT (ms) | TPOT mean / per step p90 (ms) | tok/s per sequence | tok/s total |",
          "|---|---|---|---|---|---|"]
   for r in sorted(records, key=lambda r: (r["kernels"], r["batch"])):
     out.append(f"| {r['batch']} | {r['kernels']} | {r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} / "
-               f"{r['tpot_ms_p90']:.3f} | {r['decode_tok_s']:.1f} | {r['decode_tok_s_total']:.0f} |")
+               f"{_step_ms(r, 'p90')} | {r['decode_tok_s']:.1f} | {r['decode_tok_s_total']:.0f} |")
   plt = _plt()
   fig, ax = plt.subplots(figsize=(6, 4))
   for k in sorted({r["kernels"] for r in records}):

@@ -2,8 +2,12 @@
 
 MODEL is a .gguf path, a demo-model name, or a synthetic preset (synthetic:qwen2.5-0.5b, ...) with the
 real shapes and random weights. Compile and warm-up runs are excluded; TTFT and TPOT come from the same
-request. `--ab graphs` runs paired processes (graphs on, off, on, off, ...) and reports per-pair ratios;
-`--sweep` runs each XLA flag set in its own process. Both end with a markdown table and a PNG plot.
+request. Tokens after the first arrive a call of K decode steps at a time (--tokens-per-call): TPOT is
+reported per token as the host receives them and per step as the device runs them, and rates and
+bandwidths come from whole calls only, so a run needs at least MIN_CALLS whole calls after its first
+token. `--ab graphs` runs paired processes (graphs on, off, on, off, ...) and reports per-pair ratios;
+`--sweep` runs each XLA flag set in its own process. Both end with a markdown table and a PNG plot; both
+refuse to compare CUDA graph settings on a backend without command buffers (XLA's are GPU-only).
 """
 from __future__ import annotations
 
@@ -12,12 +16,15 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import time
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+MIN_CALLS = 2      # whole calls after the first token a timed request needs
+GRAPH_FLAGS = re.compile(r"command_buffer|xla_gpu_graph_")   # XLA flags of CUDA graphs (command buffers)
 
 
 def _percentile(xs, q):
@@ -123,15 +130,52 @@ def load_model(model: str, quant: str, seed: int):
   return config, weights, tok, False
 
 
-def timing_stats(requests: list[list[float]]) -> dict:
-  """The schema's timing fields from each timed request's token arrival times (seconds since submission):
-  TTFT (median), TPOT over all gaps between consecutive tokens (mean, p50, p90), decode tok/s (median)."""
+def timed_calls(tokens: int, tokens_per_call: int, pipelined: bool) -> int:
+  """The calls of a request of `tokens` tokens whose time counts: the whole calls of tokens_per_call steps
+  after its first token (the prefill's), less its last call when pipelined (no call was queued behind that
+  one, so the host may find its tokens ready as soon as it has read the call before)."""
+  whole, calls = (tokens - 1) // tokens_per_call, -(-(tokens - 1) // tokens_per_call)
+  return min(whole, calls - 1) if pipelined else whole
+
+
+def check_length(decode_len: int, tokens_per_call: int, pipelined: bool) -> None:
+  """Refuses a request too short to time: fewer than MIN_CALLS timed calls (timed_calls)."""
+  k = tokens_per_call
+  calls = timed_calls(decode_len, k, pipelined)
+  if calls < MIN_CALLS:
+    enough = next(n for n in range(decode_len, decode_len + (MIN_CALLS + 2) * k)
+                  if timed_calls(n, k, pipelined) >= MIN_CALLS)
+    fewer = max([j for j in range(1, k) if timed_calls(decode_len, j, pipelined) >= MIN_CALLS], default=None)
+    raise SystemExit(f"error: --decode-len {decode_len} is too short for {k} tokens per call: rates come from whole "
+                     f"calls after the first token{' (less the last, pipelined)' if pipelined else ''}, and it gives "
+                     f"{calls} of the {MIN_CALLS} needed; give --decode-len {enough} or more"
+                     + (f", or --tokens-per-call {fewer} or fewer" if fewer else ""))
+
+
+def timing_stats(requests: list[list[float]], tokens_per_call: int = 1, pipelined: bool = False) -> dict:
+  """The schema's timing fields from each timed request's token arrival times (seconds since submission).
+
+  The first token is the prefill's; the others arrive a call of tokens_per_call steps at a time (a last call
+  may be cut short). TTFT: median. Per token as the host receives them: the gaps between consecutive tokens
+  (tpot_token_ms_*: ~0 inside a call, a whole call's time between calls). Per step as the device runs them:
+  each timed call's time (timed_calls) since the previous call's tokens arrived (the first call's: since the
+  first token), over its steps (tpot_step_ms_*). From the timed calls only: tpot_ms_mean (their time over
+  their steps, all requests) and decode_tok_s (each request's steps over their time; median).
+  """
+  k = tokens_per_call
+  n_calls = [timed_calls(len(times), k, pipelined) for times in requests]
+  if min(n_calls) < MIN_CALLS:
+    raise ValueError(f"a timed request needs {MIN_CALLS} timed calls of {k} tokens after its first token, got "
+                     f"{min(n_calls)} (tokens per request: {sorted({len(t) for t in requests})})")
   ttfts = [times[0] * 1e3 for times in requests]
   gaps = [(b - a) * 1e3 for times in requests for a, b in zip(times, times[1:])]
-  rates = [(len(times) - 1) / (times[-1] - times[0]) for times in requests]
-  return {"ttft_ms": statistics.median(ttfts), "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(gaps),
-          "tpot_ms_p50": _percentile(gaps, 50), "tpot_ms_p90": _percentile(gaps, 90),
-          "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates}
+  arrivals = [[times[0]] + [times[1 + j * k] for j in range(n)] for times, n in zip(requests, n_calls)]
+  steps = [(b - a) * 1e3 / k for arr in arrivals for a, b in zip(arr, arr[1:])]
+  rates = [n * k / (arr[-1] - arr[0]) for arr, n in zip(arrivals, n_calls)]
+  return {"ttft_ms": statistics.median(ttfts), "ttft_ms_all": ttfts, "tpot_ms_mean": statistics.mean(steps),
+          "tpot_step_ms_p50": _percentile(steps, 50), "tpot_step_ms_p90": _percentile(steps, 90),
+          "tpot_token_ms_p50": _percentile(gaps, 50), "tpot_token_ms_p90": _percentile(gaps, 90),
+          "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates, "calls_timed": sum(n_calls)}
 
 
 def write_records(records: list[dict], out: str | None) -> None:
@@ -152,7 +196,7 @@ def measure(engine, prompts, decode_len: int, repeat: int, warmup: int, pipeline
               for i in range(warmup + repeat)][warmup:]
   from jaxllm.timing import burst_step_ms
   burst = burst_step_ms(engine, prompts[0], min(decode_len, 64)) if len(prompts) == 1 and params.greedy else None
-  return {"step_ms_burst": burst, **timing_stats(requests)}
+  return {"step_ms_burst": burst, **timing_stats(requests, engine.tokens_per_call_for(len(prompts)), pipelined)}
 
 
 def run(args) -> list[dict]:
@@ -179,10 +223,13 @@ def run(args) -> list[dict]:
   params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           repeat_penalty=args.repeat_penalty)
   records = []
+  loops = ["pipelined", "streaming"] if args.loop == "both" else [args.loop]
   for kernels in kernel_list(args.kernels):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
                     prefill_chunk=args.prefill_chunk, tokens_per_call=args.tokens_per_call,
                     device_loop=None if args.device_loop == "auto" else args.device_loop)
+    for loop in loops:
+      check_length(args.decode_len, engine.tokens_per_call_for(args.batch), loop == "pipelined")
     t0 = time.perf_counter()
     engine.warmup(args.prompt_len, params, batch=args.batch)
     compile_s = time.perf_counter() - t0
@@ -196,7 +243,7 @@ def run(args) -> list[dict]:
             f"{host['serial_step_ms']:.3f}; snapshot {host['snapshot_ms']:.3f}; calls of {host['tokens_per_call']}: "
             f"dispatch {host['call_dispatch_ms']:.3f}, read {host['call_read_ms']:.3f}, back to back "
             f"{host['call_device_ms']:.3f}", file=sys.stderr)
-    for loop in (["pipelined", "streaming"] if args.loop == "both" else [args.loop]):
+    for loop in loops:
       m = measure(engine, prompts, args.decode_len, args.repeat, args.warmup, loop == "pipelined", params)
       m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch
       peak = _peak_memory()                  # before the bandwidth probe below allocates its own buffer
@@ -208,7 +255,7 @@ def run(args) -> list[dict]:
              "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
              "repeat": args.repeat, "load_s": load_s, "compile_s": compile_s, **m, "host_timings": host,
              "weight_bytes_per_token": wbytes,
-             "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,   # one weight pass per step, whatever the batch
+             "weight_gb_s": wbytes * m["decode_tok_s"] / 1e9,   # a weight pass per step (whole calls), any batch
              "peak_memory_bytes": peak, "peak_rss_bytes": _peak_rss(), "weights_bytes": all_weight_bytes,
              "cache_bytes": cache_bytes(config, args.batch, max_context, engine.cache_dtype),
              "prefill_chunk": engine.prefill_chunk, "tokens_per_call": engine.tokens_per_call_for(args.batch),
@@ -220,15 +267,23 @@ def run(args) -> list[dict]:
   for rec in records:
     rec["copy_gb_s"] = bandwidth
     rec["byte_floor_ms"] = wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None
-    print(f"[bench] {args.model} kernels={rec['kernels']} K={rec['tokens_per_call']} graphs={'on' if rec['graphs_requested'] else 'off'}"
-          f"({rec['graph_state'].get('state')}) loop={rec['loop']}: TTFT {rec['ttft_ms']:.2f} ms, "
-          f"TPOT {rec['tpot_ms_mean']:.3f} ms (p50 {rec['tpot_ms_p50']:.3f}, p90 {rec['tpot_ms_p90']:.3f}), "
+    print(f"[bench] {args.model} kernels={rec['kernels']} K={rec['tokens_per_call']} graphs={_graphs_word(rec)} "
+          f"loop={rec['loop']}: TTFT {rec['ttft_ms']:.2f} ms, TPOT {rec['tpot_ms_mean']:.3f} ms (per step p50 "
+          f"{rec['tpot_step_ms_p50']:.3f}, p90 {rec['tpot_step_ms_p90']:.3f}; per token received p50 "
+          f"{rec['tpot_token_ms_p50']:.3f}, p90 {rec['tpot_token_ms_p90']:.3f}; {rec['calls_timed']} whole calls), "
           f"burst step {rec['step_ms_burst'] or 0:.3f} ms, batch {args.batch}: {rec['decode_tok_s']:.1f} tok/s per "
           f"sequence, {rec['decode_tok_s_total']:.1f} total, weights {rec['weight_gb_s']:.0f} GB/s of "
           f"{bandwidth:.0f}, floor {rec['byte_floor_ms']:.3f} ms, peak device {_gb(rec['peak_memory_bytes'])} GB "
           f"(beyond weights and cache {_gb(rec.get('peak_beyond_weights_and_cache_bytes'))}), "
           f"peak RSS {_gb(rec['peak_rss_bytes'])} GB", file=sys.stderr)
   return records
+
+
+def _graphs_word(rec: dict) -> str:
+  """graphs on/off as requested, with the state seen; n/a where the backend has no command buffers."""
+  if rec["env"]["platform"] != "gpu":
+    return f"n/a ({rec['env']['platform']})"
+  return f"{'on' if rec['graphs_requested'] else 'off'}({rec['graph_state'].get('state')})"
 
 
 def kernel_list(value: str) -> list[str]:
@@ -256,9 +311,33 @@ def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
   cmd += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p)]
   if args.graph_state:
     cmd.append("--graph-state")
-  subprocess.run(cmd, check=True, env={**os.environ, **env_extra})
+  proc = subprocess.run(cmd, env={**os.environ, **env_extra})
+  if proc.returncode:
+    raise SystemExit(proc.returncode)      # the child has said why on stderr
   with open(out) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def _backend() -> str:
+  """The default backend as a child process sees it (this process leaves the devices to its children)."""
+  proc = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True,
+                        text=True)
+  return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
+def check_graph_comparison(args) -> None:
+  """Refuses to compare CUDA graph settings (--ab graphs, a --sweep of command-buffer flags) where the backend
+  has none: every process would run the same program, and a ratio would measure only noise."""
+  flags = [f for f in sweep_flag_sets(args.sweep or []) if GRAPH_FLAGS.search(f)]
+  if not (args.ab or flags):
+    return
+  backend = _backend()
+  if backend == "gpu":
+    return
+  what = "--ab graphs compares CUDA graphs on and off" if args.ab else \
+      f"--sweep sets CUDA graph flags ({'; '.join(flags)})"
+  raise SystemExit(f"error: {what}, but the {backend} backend has no command buffers (XLA's CUDA graphs are "
+                   "GPU-only): every run would be the same program, so there is nothing to compare")
 
 
 def ab_graphs(args) -> list[dict]:
@@ -333,15 +412,16 @@ def ab_table(records: list[dict]) -> str:
 
 
 def runs_table(records: list[dict]) -> str:
-  lines = ["| label | kernels | graphs | state | thunks/call | K | loop | TTFT (ms) | TPOT mean/p50/p90 (ms) | "
-           "tok/s | weight GB/s | floor (ms) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| label | kernels | graphs | state | thunks/call | K | loop | TTFT (ms) | TPOT mean (ms) | per step "
+           "p50/p90 (ms) | per token received p50/p90 (ms) | tok/s | weight GB/s | floor (ms) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     lines.append(f"| {r.get('label') or ''} | {r['kernels']} | {'on' if r['graphs_requested'] else 'off'} | "
                  f"{r['graph_state'].get('state')} | {r['graph_state'].get('work_thunks', '')} | "
                  f"{r.get('tokens_per_call', 1)}{' while' if r.get('device_loop') == 'while' else ''} | {r['loop']} | "
-                 f"{r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} / "
-                 f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | {r['decode_tok_s']:.1f} | "
+                 f"{r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} | {r['tpot_step_ms_p50']:.3f} / "
+                 f"{r['tpot_step_ms_p90']:.3f} | {r['tpot_token_ms_p50']:.3f} / {r['tpot_token_ms_p90']:.3f} | "
+                 f"{r['decode_tok_s']:.1f} | "
                  f"{r['weight_gb_s']:.0f} | {r['byte_floor_ms']:.3f} |")
   return "\n".join(lines)
 
@@ -410,8 +490,13 @@ def build_parser():
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  if args.prompt_len < 1 or args.decode_len < 2 or args.repeat < 1 or args.batch < 1:
-    raise SystemExit("error: need --prompt-len >= 1, --decode-len >= 2, --repeat >= 1, --batch >= 1")
+  if args.prompt_len < 1 or args.decode_len < 3 or args.repeat < 1 or args.batch < 1:
+    raise SystemExit(f"error: need --prompt-len >= 1, --decode-len >= 3, --repeat >= 1, --batch >= 1; got "
+                     f"{args.prompt_len}, {args.decode_len}, {args.repeat}, {args.batch}")
+  if args.tokens_per_call:
+    for loop in ("pipelined", "streaming") if args.loop == "both" else (args.loop,):
+      check_length(args.decode_len, args.tokens_per_call, loop == "pipelined")
+  check_graph_comparison(args)
   if args.ab:
     records = ab_graphs(args)
     table = ab_table(records)

@@ -7,7 +7,8 @@ from jaxllm.bench import SCHEMA_VERSION, main
 
 FIELDS = {"schema_version", "label", "model", "synthetic", "arch", "quant", "kernels", "graphs_requested",
           "graph_state", "compiler_options", "loop", "batch", "prompt_len", "decode_len", "max_context",
-          "repeat", "load_s", "compile_s", "ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p90", "decode_tok_s",
+          "repeat", "load_s", "compile_s", "ttft_ms", "tpot_ms_mean", "tpot_step_ms_p50", "tpot_step_ms_p90",
+          "tpot_token_ms_p50", "tpot_token_ms_p90", "calls_timed", "decode_tok_s",
           "decode_tok_s_total", "step_ms_burst", "weight_bytes_per_token", "weight_gb_s", "byte_floor_ms",
           "copy_gb_s", "peak_memory_bytes", "peak_rss_bytes", "weights_bytes", "cache_bytes", "prefill_chunk",
           "env"}
@@ -18,12 +19,12 @@ def test_bench_smoke_schema(tmp_path, monkeypatch):
   tiny = presets.PRESETS["smollm2-135m"].replace(n_layers=2, vocab_size=512)
   monkeypatch.setitem(presets.PRESETS, "tiny-test", tiny)
   out, report = tmp_path / "r.jsonl", tmp_path / "r.md"
-  assert main(["synthetic:tiny-test", "--prompt-len", "8", "--decode-len", "4", "--repeat", "1",
+  assert main(["synthetic:tiny-test", "--prompt-len", "8", "--decode-len", "18", "--repeat", "1",
                "--kernels", "both", "--loop", "both", "--graph-state", "--out", str(out),
                "--report", str(report)]) == 0
-  assert main(["synthetic:tiny-test", "--prompt-len", "5", "--decode-len", "3", "--repeat", "1", "--batch", "3",
+  assert main(["synthetic:tiny-test", "--prompt-len", "5", "--decode-len", "18", "--repeat", "1", "--batch", "3",
                "--loop", "pipelined", "--out", str(out)]) == 0
-  assert main(["synthetic:tiny-test", "--prompt-len", "5", "--decode-len", "6", "--repeat", "1", "--loop", "both",
+  assert main(["synthetic:tiny-test", "--prompt-len", "5", "--decode-len", "10", "--repeat", "1", "--loop", "both",
                "--tokens-per-call", "4", "--host-timings", "--out", str(out)]) == 0
   records = [json.loads(line) for line in out.read_text().splitlines()]
   k4 = records[5:]
@@ -64,14 +65,22 @@ def test_sweep_flag_sets(tmp_path):
 
 
 def test_ab_and_sweep_run_each_setting_in_its_own_process(tmp_path):
-  """--ab graphs and --sweep end with a table and a PNG, one process per setting (CPU: tiny preset)."""
-  common = ["synthetic:tiny", "--prompt-len", "8", "--decode-len", "3", "--repeat", "1", "--loop", "pipelined",
+  """--ab graphs and --sweep end with a table and a PNG, one process per setting (tiny preset); on a backend
+  without command buffers --ab graphs says so and runs nothing."""
+  import jax
+  common = ["synthetic:tiny", "--prompt-len", "8", "--decode-len", "18", "--repeat", "1", "--loop", "pipelined",
             "--kernels", "ffi"]
   ab_out, ab_report = tmp_path / "ab.jsonl", tmp_path / "ab.md"
-  assert main([*common, "--ab", "graphs", "--pairs", "1", "--out", str(ab_out), "--report", str(ab_report)]) == 0
-  ab = [json.loads(line) for line in ab_out.read_text().splitlines()]
-  assert [(r["pair"], r["graphs_requested"]) for r in ab] == [(0, True), (0, False)]
-  assert "| ffi | pipelined | **median** |" in ab_report.read_text() and ab_report.with_suffix(".png").exists()
+  if jax.default_backend() == "gpu":
+    assert main([*common, "--ab", "graphs", "--pairs", "1", "--out", str(ab_out), "--report", str(ab_report)]) == 0
+    ab = [json.loads(line) for line in ab_out.read_text().splitlines()]
+    assert [(r["pair"], r["graphs_requested"]) for r in ab] == [(0, True), (0, False)]
+    assert "| ffi | pipelined | **median** |" in ab_report.read_text() and ab_report.with_suffix(".png").exists()
+  else:
+    with pytest.raises(SystemExit, match=r"^error: --ab graphs compares CUDA graphs on and off, but the cpu backend "
+                                         r"has no command buffers .*nothing to compare$"):
+      main([*common, "--ab", "graphs", "--pairs", "1", "--out", str(ab_out)])
+    assert not ab_out.exists()
   sw_out, sw_report = tmp_path / "sw.jsonl", tmp_path / "sw.md"
   assert main([*common, "--sweep", "default", "xla_cpu_enable_fast_math=false", "--out", str(sw_out),
                "--report", str(sw_report)]) == 0
@@ -113,3 +122,64 @@ def test_suite_renders_the_committed_h200_results(tmp_path):
     assert heading in text
   assert "| ffi | pipelined | **median** | 1.099 | 2.891 | **2.64x** |" in text
   assert (d / "ab.png").exists() and (d / "batch.png").exists()
+
+
+def _run(tmp_path, *args) -> list[dict]:
+  out = tmp_path / "run.jsonl"
+  out.unlink(missing_ok=True)
+  assert main(["synthetic:tiny", "--prompt-len", "16", "--repeat", "2", "--out", str(out), *args]) == 0
+  return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_no_bandwidth_beyond_the_copy_bandwidth(tmp_path):
+  """Rates and bandwidths from whole calls only (issue 37, item 6): --decode-len 8 at 8 tokens a call once
+  reported a weight bandwidth above the measured copy bandwidth (the call's tokens arrived at once, ready
+  before the first token was read); it is refused now, and the shortest run taken reports none above it."""
+  with pytest.raises(SystemExit, match=r"--decode-len 8 is too short for 8 tokens per call.* give --decode-len 18 "
+                                       r"or more, or --tokens-per-call 3 or fewer$"):
+    _run(tmp_path, "--decode-len", "8", "--tokens-per-call", "8", "--loop", "pipelined")
+  for r in _run(tmp_path, "--decode-len", "18", "--tokens-per-call", "8", "--loop", "both"):
+    rates = {k: v for k, v in r.items() if k.endswith("_gb_s") and k != "copy_gb_s"}
+    assert rates and all(v <= 1.1 * r["copy_gb_s"] for v in rates.values()), (r["loop"], rates, r["copy_gb_s"])
+    assert r["calls_timed"] == 2 * 2 and r["tpot_step_ms_p50"] > 0          # 2 requests, 2 timed calls each
+    assert r["tpot_token_ms_p50"] < r["tpot_step_ms_p50"]                   # 7 of 8 tokens arrive together
+
+
+def test_the_default_calls_decide_the_shortest_run(tmp_path):
+  """Without --tokens-per-call the engine's own K (8 on the CPU) decides, before anything compiles."""
+  import jax
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU's default tokens per call")
+  with pytest.raises(SystemExit, match=r"--decode-len 17 is too short for 8 tokens per call: .*\(less the last, "
+                                       r"pipelined\), and it gives 1 of the 2 needed; give --decode-len 18 or more"):
+    _run(tmp_path, "--decode-len", "17", "--loop", "pipelined")
+  (r,) = _run(tmp_path, "--decode-len", "17", "--loop", "streaming")
+  assert r["tokens_per_call"] == 8 and r["calls_timed"] == 2 * 2
+
+
+def test_timing_stats_per_token_and_per_step():
+  """The two TPOTs, named, from arrival times: a request's first token, then calls of 4 tokens arriving
+  together every 8 ms, then a last call whose tokens were ready 0.1 ms after the previous call's (pipelined:
+  not counted)."""
+  from jaxllm.bench import timing_stats
+  calls = [0.010 + 0.008 * j for j in range(1, 4)] + [0.010 + 0.008 * 3 + 0.0001]
+  times = [0.010] + [t for t in calls for _ in range(4)]
+  s = timing_stats([times], tokens_per_call=4, pipelined=True)
+  assert s["ttft_ms"] == pytest.approx(10.0) and s["calls_timed"] == 3
+  assert s["tpot_step_ms_p50"] == pytest.approx(2.0) and s["tpot_ms_mean"] == pytest.approx(2.0)
+  assert s["decode_tok_s"] == pytest.approx(500.0)                        # not 16 tokens over 24.1 ms
+  assert s["tpot_token_ms_p50"] == pytest.approx(0.0) and s["tpot_token_ms_p90"] == pytest.approx(8.0)
+  assert timing_stats([times], tokens_per_call=4)["calls_timed"] == 4       # streaming: every whole call
+  with pytest.raises(ValueError, match="needs 2 timed calls of 4 tokens"):
+    timing_stats([times[:6]], tokens_per_call=4, pipelined=True)
+
+
+def test_graph_flag_sweeps_say_the_backend_has_none(tmp_path, monkeypatch):
+  from jaxllm import bench
+  monkeypatch.setattr(bench, "_backend", lambda: "cpu")
+  with pytest.raises(SystemExit, match=r"^error: --sweep sets CUDA graph flags \(--xla_gpu_enable_command_buffer=\), "
+                                       r"but the cpu backend has no command buffers"):
+    main(["synthetic:tiny", "--sweep", "default", "xla_gpu_enable_command_buffer=", "--out", str(tmp_path / "x")])
+  assert not (tmp_path / "x").exists()
+  assert bench.GRAPH_FLAGS.search("--xla_gpu_graph_min_graph_size=2")
+  assert not bench.GRAPH_FLAGS.search("--xla_cpu_enable_fast_math=false")

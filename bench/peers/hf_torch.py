@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from jaxllm.bench import SCHEMA_VERSION, environment, timing_stats, write_records
+from jaxllm.bench import SCHEMA_VERSION, check_length, environment, timing_stats, write_records
 
 
 def _hf_config(cfg):
@@ -140,6 +140,7 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out")
   args = p.parse_args(argv)
+  check_length(args.decode_len, 1, pipelined=False)                 # one token a call, each read
   if args.mode == "graph" and args.device != "cuda":
     raise SystemExit("--mode graph captures a CUDA graph: it needs --device cuda")
   rec = run(args)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from jaxllm.bench import SCHEMA_VERSION, _peak_rss, environment, timing_stats, write_records
+from jaxllm.bench import SCHEMA_VERSION, _peak_rss, check_length, environment, timing_stats, write_records
 from jaxllm.models import resolve_model
 
 
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out")
   args = p.parse_args(argv)
+  check_length(args.decode_len, 1, pipelined=False)                 # one token a call, each read
   try:
     import llama_cpp
   except ImportError:
