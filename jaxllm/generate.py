@@ -348,6 +348,19 @@ class _Run:
             f" | {total} new tokens, {rate:.1f} tok/s in total | seed {a.seed}", file=sys.stderr)
     return 0
 
+  def _fit(self, system: list[dict], turn: list[dict]) -> tuple[list[dict], list[int], int]:
+    """The turn's messages and prompt ids, the oldest messages dropped (a question and its answer at a time;
+    the system prompt and the new question kept) until the prompt leaves room for an answer of
+    min(max tokens, half the context); and how many messages were dropped."""
+    tok = self.engine.tokenizer
+    room = min(self.max_tokens, self.max_context // 2)
+    dropped = 0
+    while True:
+      ids = tok.encode(tok.apply_chat_template(system + turn))
+      if len(ids) + room <= self.max_context or len(turn) <= 1:
+        return turn, ids, dropped
+      turn, dropped = turn[2:], dropped + 2
+
   def interactive(self, system: list[dict]) -> int:
     """A multi-turn chat: each turn's prompt is the whole history in the chat template, and the engine
     reuses the KV cache of what the previous turns already ran."""
@@ -375,11 +388,14 @@ class _Run:
         continue
       turn = history + [{"role": "user", "content": line}]
       try:
-        ids = tok.encode(tok.apply_chat_template(system + turn))
+        turn, ids, dropped = self._fit(system, turn)
         self.engine.check_prompt(ids)
       except ValueError as e:
         print(f"[jaxllm] error: {e} (/reset starts a new chat)", file=sys.stderr)
         continue
+      if dropped:
+        print(f"[jaxllm] context full ({self.max_context} tokens): dropped the oldest {dropped} messages "
+              f"(the system prompt kept), {len(ids)} tokens left", file=sys.stderr)
       pieces: list[str] = []
 
       def collect(piece: str) -> None:

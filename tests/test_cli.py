@@ -218,3 +218,26 @@ def test_ngl_note_and_threads_env(path, capsys, monkeypatch):
   assert "-ngl 99: ignored, every layer runs on the" in capsys.readouterr().err
   with pytest.raises(SystemExit, match="--threads must be >= 1"):
     cli_main([path, "-p", "x", "-t", "0"])
+
+
+def test_chat_full_context_drops_the_oldest_turns(path, capsys, monkeypatch):
+  """In -i, a history too long for the context loses its oldest turns (the system prompt stays), the chat
+  goes on answering, and stderr says so (it stopped with an error at every later turn before)."""
+  from jaxllm.engine import Engine
+  prompts = []
+  real = Engine.generate
+
+  def spy(self, ids, *args, **kwargs):
+    prompts.append(self.tokenizer.decode(ids))
+    return real(self, ids, *args, **kwargs)
+  monkeypatch.setattr(Engine, "generate", spy)
+  turns = [f"turn number {i} with a few more words" for i in range(8)]
+  monkeypatch.setattr(sys, "stdin", _Stdin("\n".join(turns) + "\n"))
+  assert cli_main([path, "-i", "-c", "96", "-n", "8", "--ignore-eos", "--json", "--kernels", "xla",
+                   "--system", "SYSTEM RULES"]) == 0
+  captured = capsys.readouterr()
+  records = _json_lines(captured.out)
+  assert len(records) == len(turns) and all(r["finish_reason"] == "length" for r in records)
+  assert "error" not in captured.err and "context full (96 tokens): dropped the oldest" in captured.err
+  assert all("SYSTEM RULES" in p for p in prompts) and "turn number 7" in prompts[-1]
+  assert "turn number 0" not in prompts[-1]
