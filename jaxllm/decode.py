@@ -80,7 +80,7 @@ def _last_hidden(hidden: jax.Array, lengths: jax.Array, last: jax.Array | None) 
 
 def extend(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
            start: jax.Array, last: jax.Array | None = None, *, kernels: str = "xla",
-           layers: str = "unrolled") -> tuple[KVCache, jax.Array]:
+           layers: str | None = None) -> tuple[KVCache, jax.Array]:
   """Runs each row's first lengths[b] tokens from cache position start[b]; samples nothing.
 
   The building block of chunked prefill: the cache keeps what it held before start (an earlier chunk or
@@ -88,7 +88,7 @@ def extend(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, 
   Args:
     tokens: [B, T] int32, right-padded; lengths: [B] int32 in [0, T]; start: [B] int32.
     last: [B, D] f32 carried for rows with lengths 0 (their last token was in an earlier chunk).
-    layers: "unrolled" or "scan" (see model.forward).
+    layers: "unrolled", "scan" or None (the backend's default: "scan" on the CPU; see model.forward).
   Returns:
     the cache and each row's final hidden state [B, D] f32 at its last new token.
   """
@@ -111,7 +111,7 @@ def finish_prefill(config: Config, weights: Weights, cache: KVCache, hidden: jax
 def prefill(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
             sampler: Sampler, *, start: jax.Array | None = None, limit: jax.Array | None = None,
             eog: jax.Array | None = None, last: jax.Array | None = None, greedy_only: bool = False,
-            kernels: str = "xla") -> DecodeState:
+            kernels: str = "xla", layers: str | None = None) -> DecodeState:
   """Runs the prompts (from cache position start, default 0) and samples each sequence's first new token.
 
   Args:
@@ -122,6 +122,7 @@ def prefill(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
     limit: [B] int32, the position at which each sequence stops (default: the cache length).
     eog: [B, MAX_EOG] int32 ids that end a sequence (default: none; see eog_table).
     last: [B, D] f32 hidden state carried from an earlier chunk for rows with lengths 0.
+    layers: how the layers run (model.forward): None, the backend's default, scans them on the CPU.
   Returns:
     DecodeState ready for decode_step: tokens = first sampled tokens, pos = start + lengths.
   """
@@ -129,13 +130,13 @@ def prefill(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
   start = jnp.zeros((b,), jnp.int32) if start is None else start.astype(jnp.int32)
   limit = jnp.full((b,), cache.max_len, jnp.int32) if limit is None else jnp.minimum(limit, cache.max_len)
   eog = jnp.full((b, MAX_EOG), NO_EOG, jnp.int32) if eog is None else eog
-  cache, hidden = extend(config, weights, cache, tokens, lengths, start, last, kernels=kernels)
+  cache, hidden = extend(config, weights, cache, tokens, lengths, start, last, kernels=kernels, layers=layers)
   return finish_prefill(config, weights, cache, hidden, start + lengths.astype(jnp.int32), sampler, limit,
                         eog, greedy_only=greedy_only, kernels=kernels)
 
 
 def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_only: bool = False,
-                penalties: bool = True, kernels: str = "xla") -> DecodeState:
+                penalties: bool = True, kernels: str = "xla", layers: str | None = None) -> DecodeState:
   """Runs each active sequence's last token and samples the next one; done sequences stay as they are.
 
   greedy_only (static): compile only the argmax, for states whose every row is greedy.
@@ -143,6 +144,7 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
     skipped); with greedy_only the fused path takes the token from the LM-head kernel's argmax and never
     writes the logits.
   kernels "ffi" runs the fused kernels where they take the model and batch (model.use_fused).
+  layers (static): "unrolled", "scan" or None, the backend's default ("scan" on the CPU; model.forward).
   """
   active = ~state.done
   b = state.tokens.shape[0]
@@ -157,7 +159,7 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
       new, sampler = sample(out, state.sampler, greedy_only=greedy_only, penalties=penalties, kernels=kernels)
   else:
     hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, active[:, None],
-                            kernels=kernels)
+                            kernels=kernels, layers=layers)
     step_logits = logits(weights, hidden[:, 0], cache.compute_dtype, kernels=kernels)        # [B, V]
     new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only, penalties=penalties,
                           kernels=kernels)
@@ -199,7 +201,9 @@ def decode_steps(config: Config, weights: Weights, state: DecodeState, block: ja
 
 
 def sequence_logits(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
-                    start: jax.Array, *, kernels: str = "xla") -> tuple[jax.Array, KVCache]:
-  """Logits [B, T, V] f32 of every position of tokens [B, T] written from cache position start [B]."""
-  hidden, cache = forward(config, weights, cache, tokens, start, kernels=kernels)
+                    start: jax.Array, *, kernels: str = "xla",
+                    layers: str | None = None) -> tuple[jax.Array, KVCache]:
+  """Logits [B, T, V] f32 of every position of tokens [B, T] written from cache position start [B]
+  (layers as model.forward's)."""
+  hidden, cache = forward(config, weights, cache, tokens, start, kernels=kernels, layers=layers)
   return logits(weights, hidden, cache.compute_dtype, kernels=kernels), cache

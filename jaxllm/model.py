@@ -4,9 +4,10 @@ Notation: B batch, T new tokens, D model width, H query heads, G key/value heads
 F feed-forward width, V vocabulary, L layers, S cache length.
 
 One forward serves prefill (T > 1: causal attention over the cache, written first) and decode (T = 1:
-the decode-attention kernel). The layer loop is a Python loop, unrolled into the compiled program:
-`lax.scan` over layers defeats XLA's command buffers (DESIGN.md); only the CPU's prefill scans
-(forward(layers="scan")). The residual stream is float32; matmul inputs use the activation dtype
+the decode-attention kernel). On the GPU the layer loop is a Python loop, unrolled into the compiled program:
+`lax.scan` over layers defeats XLA's command buffers (DESIGN.md). On the CPU the layers run under `lax.scan`
+by default (LAYERS, forward(layers="scan")): a program one layer long compiles in a fraction of the time
+(the functional API's first call: seconds instead of a minute) and holds one layer's working set. The residual stream is float32; matmul inputs use the activation dtype
 (`cache.compute_dtype`: bf16 on GPU, f32 on CPU), the KV cache its own dtype (by default the same).
 RMSNorm is in jaxllm/norm.py, RoPE in jaxllm/rope.py (shared with the fused kernels).
 """
@@ -70,7 +71,7 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
     writes: [B, T] int32 cache positions the new keys/values go to (S for tokens not to be written).
     angles: [B, T, Dh/2] RoPE angles of the new tokens' positions.
     cache_layer: the layer's index into the cache when it differs from i (a traced index under
-      forward(layers="scan"), T > 1 only); default i.
+      forward(layers="scan")); default i.
   Returns:
     x [B, T, D] and the cache with this layer's new keys/values written.
   """
@@ -92,8 +93,11 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
   q = apply_rope(q, angles, c.rope_style)
   k = apply_rope(k, angles, c.rope_style)
   cache = dataclasses.replace(cache, k=_write_cache(cache.k, li, k, writes), v=_write_cache(cache.v, li, v, writes))
-  if t == 1:
+  if t == 1 and isinstance(li, int):
     attn = decode_attention(q[:, 0], cache.k, cache.v, li, start + 1, kernels=kernels)[:, None]
+  elif t == 1:   # a traced layer (under scan): the decode-attention kernel takes a static one, so it reads the slice
+    kl, vl = (jax.lax.dynamic_slice_in_dim(a, li, 1) for a in (cache.k, cache.v))          # [1, B, G, S, Dh]
+    attn = decode_attention(q[:, 0], kl, vl, 0, start + 1, kernels=kernels)[:, None]
   else:
     attn = prefill_attention(q, cache.k, cache.v, li, start, kernels=kernels)
   x = x + linear(attn.reshape(b, t, c.q_dim), weights.wo, i, kernels=kernels).astype(jnp.float32)
@@ -102,6 +106,16 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
   act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
   x = x + linear(act, weights.w_down, i, kernels=kernels).astype(jnp.float32)
   return x, cache
+
+
+# How forward runs the layers by default, per backend: "scan" on the CPU, "unrolled" elsewhere.
+LAYERS = {"cpu": "scan"}
+LAYER_MODES = ("unrolled", "scan")
+
+
+def default_layers() -> str:
+  """forward's layer loop on the default backend (LAYERS): "scan" on the CPU, "unrolled" on the GPU."""
+  return LAYERS.get(jax.default_backend(), "unrolled")
 
 
 LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm")
@@ -116,12 +130,13 @@ def _layer_slices(weights: Weights) -> dict:
 
 def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
             valid: jax.Array | None = None, *, kernels: str = "xla",
-            layers: str = "unrolled") -> tuple[jax.Array, KVCache]:
+            layers: str | None = None) -> tuple[jax.Array, KVCache]:
   """Runs T new tokens per sequence, written to the cache from position start[b].
 
   layers: "unrolled" (a Python loop: every layer in the program, which XLA's command buffers need) or
-  "scan" (lax.scan over the layers, T > 1 only: a program a layer long, whose working set is one layer's:
-  XLA then never holds every layer's dequantized weights at once; what the CPU's prefill uses).
+  "scan" (lax.scan over the layers: a program a layer long, compiled in a fraction of the time, whose working
+  set is one layer's: XLA then never holds every layer's dequantized weights at once); None: default_layers(),
+  "scan" on the CPU. The two compute the same (tests/test_model.py compares them).
   Args:
     tokens: [B, T] int32 (ids outside [0, V) read row 0 or V - 1).
     start: [B] int32 cache position of each sequence's first new token.
@@ -130,12 +145,15 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
   Returns:
     hidden [B, T, D] f32 after the final norm, and the updated cache.
   """
+  layers = default_layers() if layers is None else layers
+  if layers not in LAYER_MODES:
+    raise ValueError(f"layers must be one of {LAYER_MODES} or None, got {layers!r}")
   positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
   s = cache.max_len
   writes = positions if valid is None else jnp.where(valid, positions, s)
   angles = rope_angles(config, positions, weights.rope_freqs)
   x = embed(weights, jnp.clip(tokens, 0, config.vocab_size - 1))
-  if layers == "scan" and tokens.shape[1] > 1:
+  if layers == "scan":
     def body(carry, xs):
       x, k, v, li = carry
       # This layer's weights as a one-layer stack [1, ...] (a reshape inside the loop: no copy of the

@@ -26,7 +26,7 @@ from jaxllm.cache import KVCache
 from jaxllm.config import Config
 from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
 from jaxllm.kernels import fused, resolve_kernels, select
-from jaxllm.model import Weights, use_fused
+from jaxllm.model import Weights, default_layers, use_fused
 from jaxllm.sampling import Sampler, SamplingParams, candidates_kernel, rows_of
 
 MIN_BUCKET = 16
@@ -35,7 +35,6 @@ MIN_BUCKET = 16
 # memory beyond weights and cache 0.85 / 0.92 / 1.06 GB: 4096 keeps most of the gain. The CPU's matmuls gain
 # nothing past a few hundred rows, and each chunk's intermediates grow with it.
 PREFILL_CHUNK = {"gpu": 4096, "cpu": 512}
-PREFILL_LAYERS = {"cpu": "scan"}            # how prefill runs the layers per backend (model.forward)
 
 
 def prompt_bucket(length: int, cap: int) -> int:
@@ -141,7 +140,8 @@ class Programs:
     self.prefill_chunk = chunk
     # The CPU's prefill scans over the layers (a working set of one layer, and a program that compiles in a
     # fraction of the time); the GPU's is unrolled, like the decode step, for its kernels and command buffers.
-    self.prefill_layers = PREFILL_LAYERS.get(jax.default_backend(), "unrolled")
+    self.prefill_layers = default_layers()
+    self.decode_layers = "unrolled"
     self._exe: dict[tuple, Callable] = {}
     self.compile_seconds = 0.0
     # Executables built so far: loaded from the disk cache, compiled, and of those compiled, saved to it.
@@ -246,7 +246,7 @@ class Programs:
   def decode_program(self, batch: int, greedy: bool | str, k: int) -> tuple[Callable, int | tuple, tuple]:
     """(function, donated arguments, abstract arguments) of the decode executable of k steps per call:
     decode_step for k = 1, decode_steps with its [k, B] token block otherwise."""
-    flags = _step_flags(greedy)
+    flags = dict(_step_flags(greedy), layers=self.decode_layers)
     if k == 1:
       return (functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1,
               (self.weights, self._state_spec(batch)))

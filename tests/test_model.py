@@ -89,3 +89,48 @@ def test_config_from_metadata(tiny_models):
     assert c.qkv_bias == (arch == "qwen2") and c.qk_norm == (arch == "qwen3")
     assert c.rope_style == ("normal" if arch == "llama" else "neox")
     assert Tokenizer(GGUFFile(path).metadata).eog_ids >= {c.eos_id}
+
+
+def _run_layers(config, weights, layers, kernels, prompt=12):
+  """Logits of a prefill of TOKENS[:prompt] (T > 1), then of each later token decoded alone (T = 1)."""
+  cache = create_cache(config, 1, 32, jnp.float32)
+  run = jax.jit(lambda c, t, p: sequence_logits(config, weights, c, t, p, kernels=kernels, layers=layers))
+  full, cache = run(cache, jnp.asarray([TOKENS[:prompt]], jnp.int32), jnp.zeros((1,), jnp.int32))
+  rows = []
+  for i in range(prompt, len(TOKENS)):
+    out, cache = run(cache, jnp.asarray([[TOKENS[i]]], jnp.int32), jnp.asarray([i], jnp.int32))
+    rows.append(np.asarray(out[0, 0]))
+  return np.asarray(full[0]), np.stack(rows), np.asarray(cache.k)
+
+
+@pytest.mark.parametrize("quant, kernels", [("none", "xla"), ("w8a16", "xla"), ("w8a16", "ffi")])
+def test_scanned_layers_match_unrolled(tiny_path, quant, kernels):
+  """The layers under lax.scan (the CPU's default) compute what the unrolled loop does, in prefill and in
+  decode (a traced layer index into the cache): the same logits to f32 rounding, the same cache."""
+  config, weights = _load(tiny_path, quant)
+  scanned, unrolled = _run_layers(config, weights, "scan", kernels), _run_layers(config, weights, "unrolled", kernels)
+  for a, b in zip(scanned, unrolled):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_default_scans_the_layers(tiny_models):
+  """On the CPU the functional API's prefill and decode step run their layers under one lax.scan (they
+  compile in a fraction of the unrolled time); layers="unrolled" keeps the Python loop (as the GPU does)."""
+  from jaxllm import Sampler, SamplingParams, decode_step, prefill
+  config, weights = _load(tiny_models["llama"])
+  cache = create_cache(config, 1, 32, jnp.float32)
+  sampler = Sampler.create(SamplingParams(), batch=1)
+
+  def scans(**kw):
+    state = jax.eval_shape(lambda c: prefill(config, weights, c, jnp.ones((1, 8), jnp.int32),
+                                             jnp.asarray([8], jnp.int32), sampler, **kw), cache)
+    pre = str(jax.make_jaxpr(lambda c: prefill(config, weights, c, jnp.ones((1, 8), jnp.int32),
+                                               jnp.asarray([8], jnp.int32), sampler, **kw))(cache))
+    step = str(jax.make_jaxpr(lambda s: decode_step(config, weights, s, **kw))(state))
+    return pre.count(" scan["), step.count(" scan[")
+  if jax.default_backend() == "cpu":
+    assert scans() == (1, 1)
+  assert scans(layers="scan") == (1, 1)
+  assert scans(layers="unrolled") == (0, 0)
+  with pytest.raises(ValueError, match="layers must be one of"):
+    scans(layers="rolled")
