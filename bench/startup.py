@@ -8,13 +8,16 @@ Each run is `python -m jaxllm.generate MODEL --prompt ... --max-tokens 16` in a 
 first token is from starting the process to the first byte of generated text on its stdout (unbuffered),
 and the child's peak RSS comes from the kernel's accounting of the finished process (wait4). Then one
 process runs two requests back to back after the CLI's warm-up and reports both TTFTs (the first request
-against a later one). The GGUF is linked, not copied, into the fresh cache directory.
+against a later one). The GGUF is linked, not copied, into the fresh cache directory. The JSON records when
+and where it ran (date, host, CPUs, commit); the figures in README.md and docs/benchmarks.md come from it.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -60,22 +63,45 @@ print(json.dumps({{"first_ttft_ms": a.ttft_ms, "second_ttft_ms": b.ttft_ms}}))
   return json.loads(out.strip().splitlines()[-1])
 
 
+def where() -> dict:
+  """When and on what the figures were measured (without starting a device in this process)."""
+  from jaxllm.bench import _git_commit
+  cpu = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+  except OSError:
+    pass
+  return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "host": platform.node(), "cpu": cpu or platform.machine(), "cpus": len(os.sched_getaffinity(0)),
+          "load_avg_1m": os.getloadavg()[0], "git_commit": _git_commit()}
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("models", nargs="+")
-  p.add_argument("--runs", type=int, default=3, help="runs after the first")
+  p.add_argument("models", nargs="+", help="demo-model names or .gguf paths")
+  p.add_argument("--runs", type=int, default=3, help="runs after the first (at least 1)")
   p.add_argument("--json", help="write the results here")
   args = p.parse_args(argv)
+  if args.runs < 1:
+    raise SystemExit(f"error: --runs must be >= 1 (the runs after the first), got {args.runs}")
   from jaxllm.models import resolve_model
+  ggufs = {}
+  for model in args.models:
+    try:
+      ggufs[model] = resolve_model(model)          # downloaded into the user's cache if needed (a stage line)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+      raise SystemExit(f"error: {e}") from None
+  env = where()
   results = []
   for model in args.models:
-    gguf = resolve_model(model)                          # downloaded into the user's cache if needed
+    gguf = ggufs[model]
     with tempfile.TemporaryDirectory(prefix="jaxllm-startup-") as cache:
       os.symlink(gguf, os.path.join(cache, os.path.basename(gguf)))
       first = run_cli(model, cache, [])
       later = [run_cli(model, cache, []) for _ in range(args.runs)]
       requests = two_requests(model, cache)
-    rec = {"model": model, "first_run": first, "later_runs": later,
+    rec = {"model": model, "env": env, "first_run": first, "later_runs": later,
            "later_first_token_s_median": statistics.median(r["first_token_s"] for r in later),
            "later_peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in later), **requests,
            "first_over_second_ttft": requests["first_ttft_ms"] / requests["second_ttft_ms"]}

@@ -189,3 +189,31 @@ def test_interactive_chat_reuses_the_cache_and_matches_a_one_shot_run(tmp_path):
   assert turns[1]["prompt_ids"] == ids
   one_shot = jaxllm.Engine(config, weights, tok, max_context=config.context_length, kernels="xla")
   assert one_shot.generate(ids, 6, ignore_eos=True).ids == turns[1]["ids"]
+
+
+def _startup_script(*args):
+  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "startup.py")
+  return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.network
+def test_the_startup_scripts_smallest_case(tmp_path):
+  """bench/startup.py, whose figures README.md and docs/benchmarks.md quote, on its smallest case: smollm2-135m,
+  a first run on empty caches and one run after it, each a new process timed to its first byte of text."""
+  out = tmp_path / "startup.json"
+  proc = _startup_script("smollm2-135m", "--runs", "1", "--json", str(out))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (rec,) = json.loads(out.read_text())
+  first, (later,) = rec["first_run"], rec["later_runs"]
+  assert rec["model"] == "smollm2-135m" and later["text"].strip()
+  assert 0 < later["first_token_s"] < first["first_token_s"]        # the first run converted and compiled
+  assert rec["first_ttft_ms"] > 0 and rec["second_ttft_ms"] > 0 and later["peak_rss_bytes"] > 0
+  assert {"date", "cpu", "cpus", "load_avg_1m", "git_commit"} <= set(rec["env"])     # when and where
+  assert "[startup] smollm2-135m: first run " in proc.stderr
+
+
+def test_the_startup_script_refuses_bad_input_in_one_line():
+  for args, said in ((["smollm2-135m", "--runs", "0"], "error: --runs must be >= 1 (the runs after the first), got 0"),
+                     (["llama-9000"], "error: unknown demo model 'llama-9000': choose one of ")):
+    proc = _startup_script(*args)
+    assert proc.returncode == 1 and proc.stderr.startswith(said) and len(proc.stderr.splitlines()) == 1, proc.stderr
