@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import sys
@@ -58,6 +59,20 @@ def pytest_sessionfinish(session):
   root = session.config.stash.get(_CACHE_ROOT, "")
   if root:
     shutil.rmtree(root, ignore_errors=True)
+
+
+def pytest_runtest_logreport(report):
+  """With JAXLLM_TEST_TIMES=FILE, each test phase over a second, and every failure with its report, is appended
+  to FILE as a JSON line as it ends: a run cut off at its time limit (bench/gpu_check.sh) still says where its
+  time went and why a test failed (pytest prints both only at the end)."""
+  path = os.environ.get("JAXLLM_TEST_TIMES")
+  if not path or (report.duration < 1.0 and not report.failed):
+    return
+  line = {"test": report.nodeid, "phase": report.when, "s": round(report.duration, 2), "outcome": report.outcome}
+  if report.failed:
+    line["report"] = str(report.longrepr)[-4000:]
+  with open(path, "a") as f:
+    f.write(json.dumps(line) + "\n")
 
 
 @pytest.fixture

@@ -219,6 +219,7 @@ VARIABLES = dict(add_generation_prompt=True, bos_token="<|begin_of_text|>", eos_
 SECONDS = 2.0                 # a hostile template ends within this much of its thread's CPU time (the limit is
                               # chat_template.MAX_SECONDS, in the same clock: the load of the machine does not count)
 PEAK_BYTES = 64 << 20         # and allocates at most this much meanwhile (the largest take ~6 MB)
+TRACED_SECONDS = 30.0        # the time limit while tracemalloc counts the allocations (it slows them)
 
 
 def _plain(source: str, **variables) -> str:
@@ -347,19 +348,27 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_a_hostile_template_is_a_clean_bounded_error(name):
+def test_a_hostile_template_is_a_clean_bounded_error(name, monkeypatch):
+  """Each ends in its own clean error within SECONDS of CPU time; and, rendered again under tracemalloc, by
+  the same limit with at most PEAK_BYTES allocated. tracemalloc slows allocation-heavy renders several times
+  over (up to 15x on Python 3.12: 0.14 s -> 2.2 s), so that pass gets a time limit of TRACED_SECONDS, and
+  which limit fires there is still the one the case is about."""
   source, says = HOSTILE[name]
-  tracemalloc.start()
   t0 = time.thread_time()
-  try:
-    with pytest.raises(ChatTemplateError, match=says) as info:
-      _render(source)
-  finally:
-    elapsed = time.thread_time() - t0
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+  with pytest.raises(ChatTemplateError, match=says) as info:
+    _render(source)
+  elapsed = time.thread_time() - t0
   assert str(info.value).startswith("'/models/evil.gguf': the model's chat template failed: ")
   assert elapsed < SECONDS, f"{elapsed:.2f} s"
+  if "rendering took longer" not in says:
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", TRACED_SECONDS)
+  tracemalloc.start()
+  try:
+    with pytest.raises(ChatTemplateError, match=says):
+      _render(source)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
   assert peak < PEAK_BYTES, f"{peak >> 20} MB"
 
 
