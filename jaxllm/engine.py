@@ -131,6 +131,12 @@ class Engine(Programs):
       self.generate_batch([[0] * n] * batch, 2, params, ignore_eos=True)
       self._history = None
 
+  def compile_program(self, key: tuple, fn: Callable, donate: int | tuple[int, ...], args) -> Callable:
+    """Compiles fn(*args) (abstract arguments, `donate` donated) once per key, as the engine's own programs are:
+    with its compiler options, command-buffer fallback and disk cache, counted in `built`. For programs
+    built outside the engine over its weights (jaxllm.serve's slot programs); key's first item names them."""
+    return self._build(key, fn, donate, args)
+
   # ---- generation ----------------------------------------------------------------------------
 
   def check_prompt(self, prompt_ids: Sequence[int]) -> None:

@@ -1,0 +1,317 @@
+"""The scheduler: one thread that owns the slots and the batch, fed by a bounded queue of requests.
+
+Requests arrive from any thread (Scheduler.submit; the HTTP layer's event loop); the engine thread alone runs
+device programs. Each turn of its loop:
+
+  1. takes new requests from the inbox (a full queue refuses them at submit: QueueFull), drops cancelled ones;
+  2. gives free slots to waiting requests, first come first served; a request takes the free slot whose cache
+     holds the longest prefix of its prompt (the same system prompt, the earlier turns of a chat), and only the
+     rest is prefilled (prefix reuse);
+  3. runs prefill chunks (slots.SlotPrograms.prefill_step), about one chunk's tokens a turn, so a long prompt
+     joins over several turns while the other slots keep decoding; a request whose last chunk ran has its
+     first token and decodes from the next call on;
+  4. runs one decode call (K steps) for all slots and hands each request its tokens; a request that ends
+     (end of generation, its token limit, a stop string, non-finite logits) or whose client has gone frees
+     its slot at once.
+
+What a request receives (its `emit` callback, on the engine thread): Delta events with the text that became
+final and the token ids, then one Done event with the finish reason and token counts. The engine below knows
+nothing of HTTP.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxllm.sampling import SamplingParams
+from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.slots import FULL, GREEDY, Prefill, SlotPrograms
+from jaxllm.text import SequenceOutput
+
+
+class QueueFull(RuntimeError):
+  """The scheduler's waiting queue is full: retry after `retry_after` seconds."""
+
+  def __init__(self, waiting: int, retry_after: int):
+    super().__init__(f"the server is busy: {waiting} requests are already waiting for a slot; retry later")
+    self.retry_after = retry_after
+
+
+@dataclasses.dataclass
+class Delta:
+  """New output of a request: the text that became final (may be empty) and the new token ids."""
+  text: str
+  ids: list[int]
+
+
+@dataclasses.dataclass
+class Done:
+  """A request's end. finish_reason: "stop" (end of generation or a stop string), "length" (max_tokens or the
+  context), "error" (non-finite logits or a failure: `error` says which), "cancelled" (client gone or shutdown)."""
+  finish_reason: str
+  prompt_tokens: int
+  completion_tokens: int
+  reused_tokens: int = 0
+  error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One sequence to generate: a prompt's ids and how to sample and stop. `emit` receives Delta and Done events
+  on the engine thread and must not block."""
+  prompt: list[int]
+  max_tokens: int
+  emit: Callable[[Delta | Done], None]
+  params: SamplingParams = SamplingParams()
+  seed: int = 0
+  stop: Sequence[str] = ()
+  ignore_eos: bool = False
+  id: int = dataclasses.field(default_factory=itertools.count().__next__)
+  submitted: float = dataclasses.field(default_factory=time.perf_counter)
+  cancelled: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _Running:
+  """A request in a slot: prefilling (job set) or decoding."""
+  request: Request
+  output: SequenceOutput
+  job: Prefill | None
+  reused: int
+  generated: list[int] = dataclasses.field(default_factory=list)   # every token sampled, the last EOS included
+  first: float | None = None
+
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "error": "error"}
+
+
+class Scheduler:
+  """Continuous batching over SlotPrograms: `slots` requests decode together; up to `max_waiting` wait.
+
+  Args:
+    engine: a loaded jaxllm Engine (its max_context is each slot's context).
+    slots: N, requests decoded at once (the batch of the one decode step).
+    max_waiting: requests queued beyond the slots before submit refuses (QueueFull).
+    prefix_reuse: continue from a free slot's cache when it holds the start of the prompt.
+  """
+
+  def __init__(self, engine, slots: int = 4, max_waiting: int = 64, prefix_reuse: bool = True,
+               metrics: Metrics | None = None):
+    if not isinstance(max_waiting, int) or max_waiting < 0:
+      raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+    self.engine, self.max_waiting, self.prefix_reuse = engine, max_waiting, prefix_reuse
+    self.programs = SlotPrograms(engine, slots)
+    self.slots = slots
+    self.metrics = metrics or Metrics()
+    self.metrics.slots_total = slots
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self._queued = 0                       # submitted and not yet in a slot (inbox + waiting)
+    self._lock = threading.Lock()
+    self._waiting: collections.deque[Request] = collections.deque()
+    self._running: list[_Running | None] = [None] * slots
+    self._history: list[list[int]] = [[] for _ in range(slots)]    # per slot: the tokens its cache holds
+    self._used: list[float] = [0.0] * slots                         # per slot: when it was last freed
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self.tokenizer = engine.tokenizer
+
+  # ---- any thread ----------------------------------------------------------------------------
+
+  def start(self) -> None:
+    """Compiles every program serving runs, then starts the engine thread."""
+    self.programs.warmup()
+    self._thread = threading.Thread(target=self._loop, name="jaxllm-scheduler", daemon=True)
+    self._thread.start()
+
+  def submit(self, request: Request) -> None:
+    """Queues a request; raises QueueFull when max_waiting requests already wait for a slot."""
+    if self._stop.is_set():
+      raise RuntimeError("the server is shutting down")
+    with self._lock:
+      if self._queued >= self.max_waiting + self._free_slots():
+        raise QueueFull(self._queued, retry_after=max(1, self._queued // max(self.slots, 1)))
+      self._queued += 1
+    self.metrics.waiting = self._queued
+    self._inbox.put(request)
+
+  def cancel(self, request: Request) -> None:
+    """Ends a request (its client has gone): its slot is freed at the engine thread's next turn."""
+    request.cancelled = True
+    self._inbox.put(None)
+
+  def stop(self, timeout: float = 30.0) -> None:
+    """Cancels every request in flight (each gets Done "cancelled") and ends the engine thread."""
+    self._stop.set()
+    self._inbox.put(None)
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  def _free_slots(self) -> int:
+    return sum(r is None for r in self._running)
+
+  # ---- the engine thread ---------------------------------------------------------------------
+
+  def _loop(self) -> None:
+    while not self._stop.is_set():
+      busy = any(r is not None for r in self._running) or self._waiting
+      self._take_inbox(block=not busy)
+      if self._stop.is_set():
+        break
+      try:
+        self._turn()
+      except Exception as e:  # a failed program: its requests end with the error, the server goes on
+        traceback.print_exc(file=sys.stderr)
+        self._fail_all(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+    self._fail_all("the server is shutting down", reason="cancelled")
+    while True:
+      try:
+        item = self._inbox.get_nowait()
+      except queue.Empty:
+        break
+      if item is not None:
+        item.emit(Done("cancelled", len(item.prompt), 0, error="the server is shutting down"))
+
+  def _take_inbox(self, block: bool) -> None:
+    try:
+      item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+      while True:
+        if item is not None:
+          self._waiting.append(item)
+        item = self._inbox.get_nowait()
+    except queue.Empty:
+      pass
+
+  def _turn(self) -> None:
+    self._drop_cancelled()
+    self._admit()
+    self._prefill()
+    if any(r is not None and r.job is None for r in self._running):
+      self._decode()
+    self._update_gauges()
+
+  def _update_gauges(self) -> None:
+    m = self.metrics
+    m.running = sum(r is not None for r in self._running)
+    m.slots_used = m.running
+    m.waiting = self._queued
+
+  def _dequeue(self, request: Request) -> None:
+    with self._lock:
+      self._queued -= 1
+
+  def _drop_cancelled(self) -> None:
+    for request in [r for r in self._waiting if r.cancelled]:
+      self._waiting.remove(request)
+      self._dequeue(request)
+      self._finish_request(request, Done("cancelled", len(request.prompt), 0))
+    for slot, run in enumerate(self._running):
+      if run is not None and run.request.cancelled:
+        self._release(slot, Done("cancelled", len(run.request.prompt), len(run.generated), run.reused))
+
+  def _reusable(self, slot: int, prompt: Sequence[int]) -> int:
+    n = 0
+    for a, b in zip(self._history[slot], prompt):
+      if a != b:
+        break
+      n += 1
+    return min(n, len(prompt) - 1)
+
+  def _admit(self) -> None:
+    while self._waiting and self._free_slots():
+      request = self._waiting.popleft()
+      self._dequeue(request)
+      free = [s for s, r in enumerate(self._running) if r is None]
+      reuse = {s: self._reusable(s, request.prompt) if self.prefix_reuse else 0 for s in free}
+      slot = max(free, key=lambda s: (reuse[s], -self._used[s]))
+      start = reuse[slot]
+      self._history[slot] = []                        # being rewritten
+      p = request.prompt
+      limit = min(self.engine.max_context, len(p) + request.max_tokens - 1)
+      eog = () if request.ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
+      job = self.programs.plan(slot, p, start, request.params, request.seed, limit, eog)
+      out = SequenceOutput(list(p), min(request.max_tokens, self.engine.max_context - len(p) + 1),
+                           request.max_tokens, self.tokenizer, request.stop, frozenset(eog))
+      self._running[slot] = _Running(request, out, job, start)
+      self.metrics.prompt_tokens += len(p)
+      self.metrics.reused_tokens += start
+
+  def _prefill(self) -> None:
+    """Runs prefill chunks, first come first served, until about one chunk's tokens have run this turn."""
+    budget = self.engine.prefill_chunk
+    jobs = sorted((r for r in self._running if r is not None and r.job is not None), key=lambda r: r.request.id)
+    for run in jobs:
+      while run.job is not None and budget > 0:
+        budget -= run.job.chunks[0][1]
+        token = self.programs.prefill_step(run.job)
+        if token is not None:
+          slot = run.job.slot
+          run.job = None
+          self._push(slot, run, [token])
+      if budget <= 0:
+        break
+
+  def _decode(self) -> None:
+    decoding = [r for r in self._running if r is not None and r.job is None]
+    greedy = all(r.request.params.greedy and not r.request.params.penalized for r in decoding)
+    tokens = self.programs.decode(GREEDY if greedy else FULL)
+    self.metrics.decode_calls += 1
+    for slot, run in enumerate(self._running):
+      if run is not None and run.job is None and run in decoding:
+        self._push(slot, run, [int(t) for t in tokens[:, slot]])
+
+  def _push(self, slot: int, run: _Running, tokens: list[int]) -> None:
+    """Hands a slot's new tokens to its request; frees the slot when the request ends."""
+    now = time.perf_counter()
+    if run.first is None:
+      run.first = now
+      self.metrics.ttft.observe(now - run.request.submitted)
+    out, text, before, count = run.output, [], len(run.output.ids), len(run.generated)
+    for t in tokens:
+      if out.finish:
+        break
+      run.generated.append(t)
+      text.append(out.push(t, (now - run.request.submitted) * 1e3))
+    new_ids = out.ids[before:]
+    self.metrics.generation_tokens += len(run.generated) - count
+    if "".join(text) or new_ids:
+      run.request.emit(Delta("".join(text), new_ids))
+    if out.finish:
+      reason = _FINISH[out.finish]
+      done = Done(reason, len(run.request.prompt), len(out.times), run.reused, out.error)
+      if len(out.times) > 1:
+        self.metrics.tpot.observe((now - run.first) / (len(out.times) - 1))
+      self._release(slot, done)
+
+  def _release(self, slot: int, done: Done) -> None:
+    run = self._running[slot]
+    self._running[slot] = None
+    self._used[slot] = time.perf_counter()
+    # What the row's cache holds for sure: the prompt and every token sampled but the last (each is written by
+    # the step after the one that sampled it). A slot freed mid-prefill holds nothing reusable.
+    self._history[slot] = [] if run.job is not None else list(run.request.prompt) + run.generated[:-1]
+    self._finish_request(run.request, done)
+
+  def _finish_request(self, request: Request, done: Done) -> None:
+    self.metrics.finished(done.finish_reason, time.perf_counter() - request.submitted)
+    request.emit(done)
+
+  def _fail_all(self, error: str, reason: str = "error") -> None:
+    for slot, run in enumerate(self._running):
+      if run is not None:
+        self._release(slot, Done(reason, len(run.request.prompt), len(run.generated), run.reused, error))
+        self._history[slot] = []
+    while self._waiting:
+      request = self._waiting.popleft()
+      self._dequeue(request)
+      self._finish_request(request, Done(reason, len(request.prompt), 0, error=error))
+    if reason == "error":
+      self.programs.reset()

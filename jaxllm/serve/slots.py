@@ -1,0 +1,204 @@
+"""The device side of continuous batching: one DecodeState of N slots and the programs that change one slot.
+
+The server keeps a single batched DecodeState (cache [L, N, G, S, Dh], one row per slot) for its whole life.
+The engine's decode step (Engine.advance_fn at batch N) advances every active row at once; a free slot is a
+done row, which the step runs but which writes nothing. A request joins by writing its own row:
+
+  extend_slot(weights, state, slot, tokens [1, C], lengths [1], start [1], last [1, D]) -> (state, last)
+      runs a full prefill chunk of one request into row `slot` (its cache row cut out, extended at batch 1,
+      put back) and marks the row done, so decode steps between two chunks leave it alone;
+  admit_slot(weights, state, slot, tokens [1, T], lengths, start, last, pos, sampler, limit, eog) -> state
+      runs the last chunk (T a power-of-two bucket), samples the first token and writes the row's whole
+      state (token, position, limit, end-of-generation ids, sampling settings and key): the row decodes from
+      the next step on.
+
+`slot` is data (an int32 scalar), so each program is compiled once per chunk size: with the decode step's
+two modes (every active row greedy without penalties: the argmax step; else the full sampler) the server
+compiles everything at start-up (SlotPrograms.warmup) and nothing while it serves. A prompt is prefilled at
+batch 1 whatever N is, so its cost does not grow with the slots, and its first token and its decode steps are
+the same computation as Engine.generate's for that request alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.cache import KVCache, check_fits, create_cache
+from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill
+from jaxllm.programs import prompt_bucket
+from jaxllm.sampling import Sampler, SamplingParams
+
+# The decode modes the server compiles (Engine.step_fn's `greedy`): the argmax-only step while every active
+# row is greedy without penalties, else the full sampler (temperature, top-k/p, min-p, penalties, seeds).
+GREEDY, FULL = True, False
+
+
+def _row_cache(cache: KVCache, slot: jax.Array) -> KVCache:
+  """Row `slot` of a cache [L, N, G, S, Dh], as a batch-1 cache."""
+  take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=1)
+  return dataclasses.replace(cache, k=take(cache.k), v=take(cache.v))
+
+
+def _put(big: jax.Array, row: jax.Array, slot: jax.Array, axis: int = 0) -> jax.Array:
+  return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
+
+
+def _put_cache(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
+  return dataclasses.replace(cache, k=_put(cache.k, row.k, slot, 1), v=_put(cache.v, row.v, slot, 1))
+
+
+def extend_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, last, *, kernels, layers):
+  """A full prefill chunk of one request into row `slot`; the row is marked done until admit_slot."""
+  row, last = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
+                     kernels=kernels, layers=layers)
+  done = state.done.at[slot].set(True)
+  return dataclasses.replace(state, cache=_put_cache(state.cache, row, slot), done=done), last
+
+
+def admit_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, last, pos, sampler, limit, eog,
+               *, kernels, layers) -> DecodeState:
+  """The last prefill chunk of one request into row `slot`, its first token sampled: the row joins the batch."""
+  row, hidden = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
+                       kernels=kernels, layers=layers)
+  new = finish_prefill(config, weights, row, hidden, pos, sampler, limit, eog, kernels=kernels)
+  put = functools.partial(_put, slot=slot)
+  return DecodeState(cache=_put_cache(state.cache, new.cache, slot), tokens=put(state.tokens, new.tokens),
+                     pos=put(state.pos, new.pos), done=put(state.done, new.done), limit=put(state.limit, new.limit),
+                     eog=put(state.eog, new.eog), sampler=jax.tree.map(put, state.sampler, new.sampler))
+
+
+def _spec(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), tree)
+
+
+@dataclasses.dataclass
+class Prefill:
+  """One request's prompt on its way into a slot, a chunk at a time (SlotPrograms.prefill_chunks)."""
+  slot: int
+  chunks: list[tuple[np.ndarray, int, int]]   # (tokens [1, size], real length, start position) per chunk
+  pos: int                                    # tokens in the row's cache once it is all run
+  sampler: Sampler                            # the row's sampling state (host arrays, batch 1)
+  limit: int
+  eog: np.ndarray                             # [1, MAX_EOG]
+  last: jax.Array | None = None               # [1, D] hidden state carried between chunks
+
+  @property
+  def remaining(self) -> int:
+    return len(self.chunks)
+
+
+class SlotPrograms:
+  """The slot state of an Engine's model: the N-row DecodeState and the compiled programs that change it.
+
+  Args:
+    engine: a jaxllm Engine (its weights, kernel path, chunk size, compile cache and decode step).
+    slots: N, the rows of the batched cache (requests decoding at once).
+  """
+
+  def __init__(self, engine, slots: int):
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+      raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+    self.engine, self.slots = engine, slots
+    self.config = engine.config
+    check_fits(self.config, slots, engine.max_context, engine.cache_dtype)
+    longest = engine.max_context - 1                  # the longest prompt a slot takes
+    self.buckets = sorted({prompt_bucket(n, engine.prefill_chunk) for n in range(1, min(longest, engine.prefill_chunk) + 1)})
+    self.chunked = longest > engine.prefill_chunk     # whether a prompt can take more than one chunk
+    self.state = self._empty_state()
+    self.tokens_per_call = engine.tokens_per_call_for(slots)
+    self._block = None
+
+  def _empty_state(self) -> DecodeState:
+    n, engine = self.slots, self.engine
+    cache = create_cache(self.config, n, engine.max_context, engine.dtype, engine.cache_dtype)
+    zeros = np.zeros((n,), np.int32)
+    state = DecodeState(cache=cache, tokens=zeros, pos=zeros, done=np.ones((n,), bool), limit=zeros,
+                        eog=np.full((n, MAX_EOG), NO_EOG, np.int32),
+                        sampler=Sampler.create(SamplingParams(), n, vocab_size=self.config.vocab_size))
+    return jax.device_put(state)
+
+  def reset(self) -> None:
+    """A new empty state (after a failed program, whose donated state may be gone)."""
+    self.state, self._block = self._empty_state(), None
+
+  # ---- programs ------------------------------------------------------------------------------
+
+  def _args(self, size: int, final: bool) -> tuple:
+    vec = jax.ShapeDtypeStruct((1,), jnp.int32)
+    common = (self.engine.weights, _spec(self.state), jax.ShapeDtypeStruct((), jnp.int32),
+              jax.ShapeDtypeStruct((1, size), jnp.int32), vec, vec,
+              jax.ShapeDtypeStruct((1, self.config.d_model), jnp.float32))
+    if not final:
+      return common
+    sampler = _spec(Sampler.create(SamplingParams(), 1, vocab_size=self.config.vocab_size))
+    return common + (vec, sampler, vec, jax.ShapeDtypeStruct((1, MAX_EOG), jnp.int32))
+
+  def extend_fn(self) -> Callable:
+    e = self.engine
+    fn = functools.partial(extend_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
+    return e.compile_program(("slot-extend", self.slots, e.prefill_chunk), fn, 1, self._args(e.prefill_chunk, False))
+
+  def admit_fn(self, bucket: int) -> Callable:
+    e = self.engine
+    fn = functools.partial(admit_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
+    return e.compile_program(("slot-admit", self.slots, bucket), fn, 1, self._args(bucket, True))
+
+  def advance_fn(self, mode: bool) -> Callable:
+    return self.engine.advance_fn(self.slots, mode)
+
+  def warmup(self) -> None:
+    """Compiles every program serving can run (each chunk bucket, both decode modes) and runs each decode
+    mode once on the empty state (every row done: nothing changes), so that serving compiles nothing."""
+    if self.chunked:
+      self.extend_fn()
+    for b in self.buckets:
+      self.admit_fn(b)
+    for mode in (GREEDY, FULL):
+      self.state, self._block, out = self.advance_fn(mode)(self.state, self._block)
+      np.asarray(out)
+
+  # ---- running -------------------------------------------------------------------------------
+
+  def plan(self, slot: int, prompt: Sequence[int], start: int, params: SamplingParams, seed: int, limit: int,
+           eog_ids) -> Prefill:
+    """The chunks that bring prompt[start:] into `slot` (its cache already holding prompt[:start])."""
+    chunk = self.engine.prefill_chunk
+    rest = list(prompt[start:])
+    full, tail = divmod(len(rest), chunk)
+    if tail == 0:
+      full, tail = full - 1, chunk
+    chunks, at = [], start
+    for j in range(full + 1):
+      n = chunk if j < full else tail
+      size = chunk if j < full else prompt_bucket(n, chunk)
+      tokens = np.zeros((1, size), np.int32)
+      tokens[0, :n] = prompt[at:at + n]
+      chunks.append((tokens, n, at))
+      at += n
+    sampler = Sampler.create(params, 1, seed, history=[list(prompt)], vocab_size=self.config.vocab_size)
+    return Prefill(slot=slot, chunks=chunks, pos=len(prompt), sampler=sampler, limit=limit,
+                   eog=eog_table(eog_ids, 1))
+
+  def prefill_step(self, job: Prefill) -> int | None:
+    """Runs the next chunk of `job`; after its last, returns the row's first sampled token (else None)."""
+    tokens, n, start = job.chunks.pop(0)
+    slot = np.int32(job.slot)
+    last = job.last if job.last is not None else np.zeros((1, self.config.d_model), np.float32)
+    lengths, starts = np.asarray([n], np.int32), np.asarray([start], np.int32)
+    if job.chunks:
+      self.state, job.last = self.extend_fn()(self.engine.weights, self.state, slot, tokens, lengths, starts, last)
+      return None
+    fn = self.admit_fn(tokens.shape[1])
+    self.state = fn(self.engine.weights, self.state, slot, tokens, lengths, starts, last,
+                    np.asarray([job.pos], np.int32), job.sampler, np.asarray([job.limit], np.int32), job.eog)
+    return int(np.asarray(self.state.tokens)[job.slot])
+
+  def decode(self, mode: bool) -> np.ndarray:
+    """One decode call of tokens_per_call steps for every row: the tokens [K, N] on the host."""
+    self.state, self._block, out = self.advance_fn(mode)(self.state, self._block)
+    return np.asarray(out).reshape(-1, self.slots)
