@@ -1,0 +1,125 @@
+"""Command line: python -m jaxllm.serve [MODEL] [--host H] [--port P] [--max-batch N] [--max-context S] ...
+
+Starts the HTTP server at once (GET /health answers 503 while the model loads and the programs compile,
+200 once it serves), then loads MODEL (a .gguf path or a demo-model name, as `generate` takes it) with the
+same quantization, kernel and graph options, and serves the OpenAI API on it (docs/server.md). SIGINT or
+SIGTERM stops taking requests, lets the streams in flight run for --shutdown-timeout seconds, then cancels
+the rest and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxllm.kernels import KERNEL_CHOICES
+from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS
+from jaxllm.weights import QUANT_CHOICES, resolve_quant
+
+DEFAULT_CONTEXT = 4096    # per slot, capped at the model's trained context
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+  p.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"a .gguf path or one of {sorted(DEMO_MODELS)}")
+  p.add_argument("--model", "-m", help="same as MODEL")
+  p.add_argument("--served-model-name", help="the model's name in the API (default: the demo name or file stem)")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+  p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+  p.add_argument("--max-batch", "--parallel", "-np", dest="max_batch", type=int, default=4, metavar="N",
+                 help="slots: requests decoded together in one batched KV cache (default 4)")
+  p.add_argument("--max-context", "--ctx-size", "-c", dest="max_context", type=int, default=None, metavar="S",
+                 help=f"tokens per slot, prompt and answer (default {DEFAULT_CONTEXT}, at most the model's)")
+  p.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                 help="requests queued for a slot before new ones get 503 (default 64)")
+  p.add_argument("--no-prefix-reuse", action="store_true",
+                 help="prefill every prompt whole, even when a free slot holds its start")
+  p.add_argument("--quant", choices=QUANT_CHOICES, default="auto", help="as in generate")
+  p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help="as in generate")
+  p.add_argument("--no-graphs", action="store_true", help="turn CUDA graphs (XLA command buffers) off")
+  p.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
+                 help="prompt tokens per prefill chunk (default 512 on the CPU, 4096 on the GPU)")
+  p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
+                 help="decode steps per executable call (default 8 on the CPU and the GPU's fused step)")
+  p.add_argument("--threads", "-t", type=int, default=None, metavar="N", help="CPU kernel threads (CPU only)")
+  p.add_argument("--no-cache", action="store_true", help="convert the model again and do not cache the conversion")
+  p.add_argument("--no-compile-cache", action="store_true", help="compile every program (no disk cache)")
+  p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                 help="on SIGINT/SIGTERM, how long requests in flight may run before they are cancelled")
+  p.add_argument("--quiet", "-q", action="store_true", help="no start-up lines on stderr")
+  return p
+
+
+def _check(args) -> None:
+  for name, low in (("max_batch", 1), ("max_waiting", 0), ("port", 0)):
+    if getattr(args, name) < low:
+      raise SystemExit(f"error: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+  if args.max_context is not None and args.max_context < 2:
+    raise SystemExit(f"error: --max-context must be >= 2, got {args.max_context}")
+
+
+def make_loader(args, model: str):
+  """The function that loads the model and starts the scheduler (run on a thread while /health says 503)."""
+  def load():
+    from jaxllm import store
+    from jaxllm.engine import Engine
+    from jaxllm.load import load as load_model
+    from jaxllm.progress import Stages
+    from jaxllm.serve.scheduler import Scheduler
+    stages = Stages(quiet=args.quiet)
+    config, weights, tok = load_model(model, quant=resolve_quant(args.quant), progress=stages,
+                                      cache=not args.no_cache)
+    context = args.max_context or min(DEFAULT_CONTEXT, config.context_length)
+    if context > config.context_length:
+      raise ValueError(f"--max-context {context} is longer than the {config.context_length} tokens the model "
+                       "was trained for")
+    engine = Engine(config, weights, tok, max_context=context, kernels=args.kernels,
+                    graphs_on=False if args.no_graphs else None, prefill_chunk=args.prefill_chunk,
+                    cache_executables=not args.no_compile_cache and store.compile_cache_enabled(),
+                    tokens_per_call=args.tokens_per_call)
+    with stages.stage(f"compile {args.max_batch} slots"):
+      scheduler = Scheduler(engine, slots=args.max_batch, max_waiting=args.max_waiting,
+                            prefix_reuse=not args.no_prefix_reuse)
+      scheduler.start()
+    scheduler.metrics.ready()
+    if not args.quiet:
+      print(f"[jaxllm] serving {model} on http://{args.host}:{args.port} ({args.max_batch} slots of {context} "
+            "tokens)", file=sys.stderr, flush=True)
+    return scheduler
+  return load
+
+
+def served_name(model: str) -> str:
+  return model if model in DEMO_MODELS else os.path.splitext(os.path.basename(model))[0]
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  _check(args)
+  if args.threads is not None:
+    os.environ["JAXLLM_CPU_THREADS"] = str(args.threads)
+  model = args.model or args.model_pos or DEFAULT_MODEL
+  if model not in DEMO_MODELS and not os.path.exists(model):
+    raise SystemExit(f"error: {model!r} is neither a file nor one of {sorted(DEMO_MODELS)}")
+  import uvicorn
+  from jaxllm.serve.app import ServerState, create_app
+  state = ServerState(args.served_model_name or served_name(model))
+  load, servers = make_loader(args, model), []
+
+  def loader():
+    try:
+      return load()
+    except BaseException:
+      servers[0].should_exit = True     # a server without a model is of no use: exit with status 1
+      raise
+  app = create_app(state, loader)
+  config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                          timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+  servers.append(uvicorn.Server(config))
+  server = servers[0]
+  try:
+    server.run()
+  except KeyboardInterrupt:
+    return 130
+  return 0 if state.load_error is None and server.started else 1

@@ -1,0 +1,264 @@
+"""The OpenAI protocol at the edge: request bodies validated into jaxllm's terms, responses and errors built.
+
+Bodies are untrusted: each is checked by a strict pydantic model (unknown fields, wrong types and values out
+of range are refused with the field named), then turned into what the scheduler takes (prompts of token ids,
+SamplingParams, limits). Every refusal is an ApiError carrying OpenAI's error JSON and its HTTP status: 400
+for bad parameters, types, JSON and prompts that do not fit the context, 404 for an unknown model, 503 when
+the queue is full or the model is loading.
+
+Fields OpenAI defines that this server does not implement yet (logprobs, tools, response_format other than
+text, logit_bias, suffix, best_of > n) are refused by name rather than ignored, so a client never gets
+output that silently differs from what it asked for.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from jaxllm.sampling import SamplingParams
+
+MAX_N = 16               # choices per request
+MAX_STOP = 16            # stop strings per request
+MAX_STOP_CHARS = 256     # characters per stop string
+MAX_PROMPTS = 64         # prompts in one /v1/completions request
+
+
+class ApiError(Exception):
+  """An error response: OpenAI's {"error": {message, type, param, code}} with an HTTP status."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+               kind: str | None = None, headers: dict | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+    self.kind = kind or {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                         503: "service_unavailable_error"}.get(status, "server_error")
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+  include_usage: bool = False
+
+
+class TextPart(_Strict):
+  type: Literal["text"]
+  text: str
+
+
+class Message(_Strict):
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: Union[str, list[TextPart], None] = None
+  name: str | None = None
+
+
+class _Common(_Strict):
+  """Fields both endpoints take."""
+  model: str | None = None
+  max_tokens: int | None = None
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0                       # vLLM and llama-server's extension: 0 or -1 = off
+  min_p: float = 0.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0      # vLLM's name for llama.cpp's repeat penalty
+  repeat_penalty: float | None = None  # llama-server's name for it
+  stop: Union[str, list[str], None] = None
+  seed: int | None = None
+  n: int = 1
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  user: str | None = None
+  ignore_eos: bool = False             # vLLM's extension
+  # Defined by OpenAI, not implemented here: refused unless left at their "off" value.
+  logit_bias: dict[str, float] | None = None
+
+
+class ChatRequest(_Common):
+  messages: list[Message]
+  max_completion_tokens: int | None = None
+  logprobs: bool = False
+  top_logprobs: int | None = None
+  response_format: dict[str, Any] | None = None
+  tools: list[Any] | None = None
+  tool_choice: Any = None
+  parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Common):
+  prompt: Union[str, list[int], list[str], list[list[int]]]
+  echo: bool = False
+  logprobs: int | None = None
+  suffix: str | None = None
+  best_of: int | None = None
+
+
+class TokenizeRequest(_Strict):
+  model: str | None = None
+  prompt: str | None = None            # vLLM's name
+  content: str | None = None           # llama-server's name
+  messages: list[Message] | None = None
+  add_special_tokens: bool = True
+  add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+  model: str | None = None
+  tokens: list[int]
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+  """The request model of a decoded JSON body, or ApiError 400 naming the first bad field."""
+  if not isinstance(body, dict):
+    raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+  try:
+    return model.model_validate(body)
+  except ValidationError as e:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+      message = f"unknown field {where!r}: this server does not take it"
+    elif err["type"] == "missing":
+      message = f"{where!r} is required"
+    else:
+      message = f"{where}: {err['msg']} (got {_short(err.get('input'))})"
+    raise ApiError(400, message, param=where) from None
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_model(name: str | None, served: str) -> None:
+  if name is not None and name != served:
+    raise ApiError(404, f"the model {name!r} does not exist: this server serves {served!r}", param="model",
+                   code="model_not_found")
+
+
+def _refuse(field: str, why: str = "is not supported by this server yet") -> None:
+  raise ApiError(400, f"{field} {why}", param=field)
+
+
+def check_supported(req: _Common) -> None:
+  """Refuses the OpenAI fields this server does not implement, by name."""
+  if req.logit_bias:
+    _refuse("logit_bias")
+  if isinstance(req, ChatRequest):
+    if req.logprobs or req.top_logprobs is not None:
+      _refuse("logprobs")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+      _refuse("response_format", "other than {'type': 'text'} is not supported by this server yet")
+    if req.tools or req.tool_choice not in (None, "none"):
+      _refuse("tools")
+  else:
+    if req.logprobs is not None:
+      _refuse("logprobs")
+    if req.suffix:
+      _refuse("suffix")
+    if req.best_of is not None and req.best_of != req.n:
+      _refuse("best_of", "other than n is not supported by this server")
+  if not 1 <= req.n <= MAX_N:
+    raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+
+
+def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
+  """The request's SamplingParams (the engine's checks, as 400s), its seed and its stop strings."""
+  repeat = req.repeat_penalty if req.repeat_penalty is not None else req.repetition_penalty
+  top_k = 0 if req.top_k == -1 else req.top_k
+  try:
+    params = SamplingParams(temperature=req.temperature, top_k=top_k, top_p=req.top_p, min_p=req.min_p,
+                            repeat_penalty=repeat, presence_penalty=req.presence_penalty,
+                            frequency_penalty=req.frequency_penalty)
+  except ValueError as e:
+    raise ApiError(400, str(e), param=str(e).split(" ")[0]) from None
+  if req.seed is not None and not 0 <= req.seed < 2 ** 63 - MAX_N:
+    raise ApiError(400, f"seed must be an integer in [0, 2^63 - {MAX_N}), got {req.seed}", param="seed")
+  stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+  if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+    raise ApiError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
+                   param="stop")
+  return params, req.seed, stop
+
+
+def seeds(seed: int | None, n: int) -> list[int]:
+  """One seed per choice: seed + i, or random ones when none is given."""
+  base = secrets.randbelow(2 ** 62) if seed is None else seed
+  return [base + i for i in range(n)]
+
+
+def max_new_tokens(req: _Common, prompt_len: int, max_context: int) -> int:
+  """New tokens at most for a prompt: what the request asks (refused when the prompt and it do not fit the
+  context, as OpenAI and vLLM refuse), else the rest of the context."""
+  asked = req.max_completion_tokens if isinstance(req, ChatRequest) and req.max_completion_tokens is not None \
+      else req.max_tokens
+  name = "max_completion_tokens" if isinstance(req, ChatRequest) and req.max_completion_tokens is not None \
+      else "max_tokens"
+  if prompt_len >= max_context:
+    raise ApiError(400, f"the prompt has {prompt_len} tokens but this server's context holds {max_context} "
+                        "(--max-context): shorten it", param="messages" if isinstance(req, ChatRequest) else "prompt",
+                   code="context_length_exceeded")
+  if asked is None:
+    return max_context - prompt_len
+  if asked < 1:
+    why = " (max_tokens 0 with echo and logprobs, for scoring, is not supported yet)" if asked == 0 else ""
+    raise ApiError(400, f"{name} must be at least 1, got {asked}{why}", param=name)
+  if prompt_len + asked > max_context:
+    raise ApiError(400, f"this server's context holds {max_context} tokens; the prompt has {prompt_len} and "
+                        f"{name} asks for {asked} more ({prompt_len + asked} > {max_context}): ask for at most "
+                        f"{max_context - prompt_len}", param=name, code="context_length_exceeded")
+  return asked
+
+
+def check_ids(ids: list[int], vocab_size: int) -> None:
+  """A prompt's token ids: at least one, each in the vocabulary."""
+  if not ids:
+    raise ApiError(400, "the prompt is empty: give at least one token", param="prompt")
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ApiError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}", param="prompt")
+
+
+def chat_messages(req: ChatRequest | TokenizeRequest) -> list[dict]:
+  """The messages as the chat template takes them ({"role", "content"} with the text parts joined)."""
+  if not req.messages:
+    raise ApiError(400, "messages must hold at least one message", param="messages")
+  out = []
+  for m in req.messages:
+    content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+    out.append({"role": m.role, "content": content})
+  return out
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+  return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chunk(kind: str, rid: str, model: str, created: int, choices: list, usage_: dict | None = None,
+          include_usage: bool = False) -> dict:
+  """A streamed chunk: chat.completion.chunk (choices of deltas) or text_completion (choices of texts)."""
+  out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion", "created": created,
+         "model": model, "choices": choices}
+  if include_usage:
+    out["usage"] = usage_
+  return out
+
+
+def now() -> int:
+  return int(time.time())
