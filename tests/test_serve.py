@@ -1,0 +1,347 @@
+"""The OpenAI-compatible server (jaxllm.serve) on loopback, driven by the official openai client.
+
+One server of the tiny model (4 slots, 256-token context, prefill chunks of 32 so prompts span chunks) runs in
+this process (uvicorn on a thread); a second Engine on the same weights runs each request alone, the
+reference every greedy or seeded output must equal. Helpers here are imported by test_serve_*.py too.
+"""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+
+import openai
+import pytest
+
+from tiny import write_tiny_model
+import dataclasses
+import socket
+import threading
+import time
+
+import uvicorn
+
+from jaxllm import Engine, GGUFFile, SamplingParams, Tokenizer
+from jaxllm.serve.app import ServerState, create_app
+from jaxllm.serve.scheduler import Scheduler
+from jaxllm.weights import load_weights
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Served:
+  url: str                 # http://127.0.0.1:PORT
+  scheduler: Scheduler
+  alone: Engine            # the same model in its own Engine: the reference a request run alone gives
+  tokenizer: Tokenizer
+  server: uvicorn.Server
+  thread: threading.Thread
+
+  def reference(self, ids, max_tokens, params=SamplingParams(), seed=0, stop=()):
+    """What Engine.generate gives for this request alone: (text, finish reason as OpenAI names it)."""
+    r = self.alone.generate(ids, max_tokens, params, seed=seed, stop=stop)
+    return r.text, {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}[r.finish_reason]
+
+  def chat_ids(self, messages):
+    return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+
+  def stop(self):
+    self.server.should_exit = True
+    self.thread.join(30)
+
+
+def serve(path: str, slots: int = 4, max_context: int = 256, prefill_chunk: int = 32, max_waiting: int = 64,
+          name: str = "tiny", **engine_args) -> Served:
+  gf = GGUFFile(path)
+  tok = Tokenizer(gf.metadata, source=str(path))
+  weights = load_weights(gf, progress=False)
+  engine = Engine(gf.config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
+  alone = Engine(gf.config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
+  scheduler = Scheduler(engine, slots=slots, max_waiting=max_waiting)
+  scheduler.start()
+  scheduler.metrics.ready()
+  port = free_port()
+  server = uvicorn.Server(uvicorn.Config(create_app(ServerState(name, scheduler)), host="127.0.0.1", port=port,
+                                         log_level="warning", timeout_graceful_shutdown=2))
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 30
+  while not server.started:
+    if time.monotonic() > deadline or not thread.is_alive():
+      raise RuntimeError("the test server did not start")
+    time.sleep(0.02)
+  return Served(f"http://127.0.0.1:{port}", scheduler, alone, tok, server, thread)
+
+
+def metric(text: str, name: str) -> float:
+  """A sample's value from Prometheus text (name with its labels, as written)."""
+  for line in text.splitlines():
+    if line.startswith(name + " "):
+      return float(line.split()[-1])
+  raise KeyError(name)
+
+
+def post(url: str, path: str, body, raw: bool = False, method: str = "POST"):
+  """(status, headers, decoded JSON or text) of one request with the standard library's client."""
+  host, port = url.removeprefix("http://").split(":")
+  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  data = body if raw else (None if body is None else json.dumps(body))
+  conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+  resp = conn.getresponse()
+  text = resp.read().decode()
+  conn.close()
+  try:
+    return resp.status, dict(resp.getheaders()), json.loads(text)
+  except ValueError:
+    return resp.status, dict(resp.getheaders()), text
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  s = serve(write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", "qwen2", context=256))
+  yield s
+  s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+  return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_chat_and_completions_with_the_openai_client(served, client):
+  messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "the weather?"}]
+  ids = served.chat_ids(messages)
+  want, reason = served.reference(ids, 12)
+  r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+  assert r.object == "chat.completion" and r.model == "tiny" and len(r.choices) == 1
+  assert r.choices[0].message.role == "assistant"
+  assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, reason)
+  assert (r.usage.prompt_tokens, r.usage.total_tokens) == (len(ids), len(ids) + r.usage.completion_tokens)
+  assert 1 <= r.usage.completion_tokens <= 12
+
+  stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+                                          stream_options={"include_usage": True})
+  chunks = list(stream)
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+  assert len({c.id for c in chunks}) == 1
+
+  prompt = "The quick brown fox"
+  pids = served.tokenizer.encode(prompt)
+  want, reason = served.reference(pids, 20)
+  r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+  assert (r.object, r.choices[0].text, r.choices[0].finish_reason) == ("text_completion", want, reason)
+  assert r.usage.prompt_tokens == len(pids)
+  text = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt=pids, max_tokens=20,
+                                                                      temperature=0, stream=True))
+  assert text == want
+  echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, echo=True)
+  assert echoed.choices[0].text == prompt + want
+
+
+def test_raw_stream_ends_with_done_and_usage(served):
+  """The SSE bytes: data lines only, a usage chunk with no choices, then [DONE]."""
+  host, port = served.url.removeprefix("http://").split(":")
+  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  conn.request("POST", "/v1/completions", json.dumps({"prompt": "ab", "max_tokens": 5, "temperature": 0, "stream": True,
+                                                      "stream_options": {"include_usage": True}}))
+  resp = conn.getresponse()
+  assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+  events = [e for e in resp.read().decode().split("\n\n") if e]
+  conn.close()
+  assert all(e.startswith("data: ") for e in events)
+  assert events[-1] == "data: [DONE]"
+  last = json.loads(events[-2][6:])
+  assert last["choices"] == [] and last["usage"]["prompt_tokens"] == 2
+  assert all(json.loads(e[6:])["usage"] is None for e in events[:-2])
+
+
+def test_sampling_settings_n_and_stop(served, client):
+  """Seeded sampling with n choices: choice i equals the request run alone with seed + i; a stop string cuts
+  the text before it."""
+  prompt = "Once upon a time"
+  ids = served.tokenizer.encode(prompt)
+  params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, repeat_penalty=1.1,
+                          presence_penalty=0.2, frequency_penalty=0.1)
+  r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, n=3, seed=7, temperature=0.9, top_p=0.9,
+                                presence_penalty=0.2, frequency_penalty=0.1,
+                                extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1})
+  assert [c.index for c in r.choices] == [0, 1, 2]
+  for i, c in enumerate(r.choices):
+    assert c.text == served.reference(ids, 16, params, seed=7 + i)[0]
+  assert len({c.text for c in r.choices}) > 1          # different seeds, different texts
+
+  full, _ = served.reference(ids, 30)
+  stop = full[10:13]
+  cut = full[:full.index(stop)]
+  r = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "\x00never"])
+  assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+
+
+def _load_requests(served, count: int, seed: int = 0):
+  """Mixed requests: chat and completions, prompts of 1-140 tokens (up to 5 prefill chunks), 1-40 new tokens,
+  greedy and seeded sampling; each with the text it must give (run alone)."""
+  rng = random.Random(seed)
+  out = []
+  for i in range(count):
+    text = "".join(rng.choice("abcdefgh ijk the") for _ in range(rng.randint(1, 140)))
+    max_tokens = rng.randint(1, 40)
+    sampled = i % 4 == 3
+    params = SamplingParams(temperature=0.8, top_p=0.95) if sampled else SamplingParams()
+    kw = {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i} if sampled else {"temperature": 0}
+    if i % 2:
+      messages = [{"role": "user", "content": text}]
+      ids = served.chat_ids(messages)
+      kw["messages"] = messages
+    else:
+      ids = served.tokenizer.encode(text)
+      kw["prompt"] = text
+    want = served.reference(ids, max_tokens, params, seed=1000 + i if sampled else 0)
+    out.append((kw, max_tokens, want))
+  return out
+
+
+def test_concurrent_streams_each_equal_to_alone_without_compiling(served):
+  """24 concurrent streaming requests on 4 slots (the rest queue): every one completes, with the text and
+  finish reason it has alone, none lost or duplicated; the scheduler compiles nothing while serving."""
+  cases = _load_requests(served, 24)
+  before = post(served.url, "/metrics", None, method="GET")[2]
+  client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+  async def one(kw, max_tokens):
+    if "messages" in kw:
+      stream = await client.chat.completions.create(model="tiny", max_tokens=max_tokens, stream=True, **kw)
+      parts = [(c.id, c.choices[0].delta.content or "", c.choices[0].finish_reason) async for c in stream]
+    else:
+      stream = await client.completions.create(model="tiny", max_tokens=max_tokens, stream=True, **kw)
+      parts = [(c.id, c.choices[0].text, c.choices[0].finish_reason) async for c in stream]
+    return {p[0] for p in parts}, "".join(p[1] for p in parts), [p[2] for p in parts if p[2]]
+
+  async def run():
+    return await asyncio.gather(*(one(kw, m) for kw, m, _ in cases))
+  results = asyncio.run(run())
+  after = post(served.url, "/metrics", None, method="GET")[2]
+  ids = set()
+  for (kw, _, (text, reason)), (rid, got, reasons) in zip(cases, results):
+    assert len(rid) == 1 and not rid & ids
+    ids |= rid
+    assert (got, reasons) == (text, [reason]), kw
+  assert metric(after, "jaxllm_xla_compiles_while_serving_total") == metric(before, "jaxllm_xla_compiles_while_serving_total")
+  assert metric(after, "jaxllm_decode_calls_total") > metric(before, "jaxllm_decode_calls_total")
+  assert metric(after, "jaxllm_kv_slots_used") == 0 and metric(after, "jaxllm_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/chat/completions", b'{"messages": [', 400, None),                                  # malformed JSON
+    ("/v1/chat/completions", b'[1, 2]', 400, None),                                          # not an object
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temprature": 0}, 400, "temprature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 9}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/completions", {"prompt": "x" * 300}, 400, "prompt"),                                 # longer than the context
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/v1/nothing", {}, 404, None),
+])
+def test_bad_requests_get_openai_errors(served, path, body, status, param):
+  got, headers, answer = post(served.url, path, body, raw=isinstance(body, bytes))
+  assert got == status, answer
+  err = answer["error"]
+  assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+  assert err["type"] and err["param"] == param
+
+
+def test_server_healthy_after_errors_and_a_client_gone_mid_stream(served, client, monkeypatch):
+  """A client that reads one chunk and hangs up: its request is cancelled and its slot freed; the server goes on.
+  (Each decode call is slowed to 50 ms here, so the request cannot end on its own first.)"""
+  decode = served.scheduler.programs.decode
+
+  def slow(mode):
+    time.sleep(0.05)
+    return decode(mode)
+  monkeypatch.setattr(served.scheduler.programs, "decode", slow)
+  host, port = served.url.removeprefix("http://").split(":")
+  metrics = post(served.url, "/metrics", None, method="GET")[2]
+  cancelled = metric(metrics, 'jaxllm_requests_total{finish_reason="cancelled"}') if "cancelled" in metrics else 0
+  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 250, "stream": True,
+                                                      "ignore_eos": True, "temperature": 0}))
+  resp = conn.getresponse()
+  assert resp.status == 200 and resp.read(6) == b"data: "
+  conn.sock.shutdown(2)
+  conn.close()
+  deadline = time.monotonic() + 20
+  while True:
+    metrics = post(served.url, "/metrics", None, method="GET")[2]
+    if 'finish_reason="cancelled"' in metrics and \
+        metric(metrics, 'jaxllm_requests_total{finish_reason="cancelled"}') == cancelled + 1:
+      break
+    assert time.monotonic() < deadline, "the request of a client that hung up was not cancelled"
+    time.sleep(0.05)
+  assert metric(metrics, "jaxllm_kv_slots_used") == 0
+  assert post(served.url, "/health", None, method="GET")[:1] == (200,)
+  r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still there?"}], max_tokens=4)
+  assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_queue_full_is_503_with_retry_after(served, monkeypatch):
+  """Past max_waiting queued requests beyond the free slots, a request is refused at once with 503."""
+  monkeypatch.setattr(served.scheduler, "max_waiting", -served.scheduler.slots)   # no room at all
+  status, headers, answer = post(served.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+  assert status == 503 and int(headers["retry-after"]) >= 1 and "busy" in answer["error"]["message"]
+
+
+def test_prefix_reuse_continues_from_a_slot(served, client):
+  """A second turn of a chat starts from the slot holding the first turn: only the new tokens are prefilled,
+  and the answer is the one the whole prompt gives alone."""
+  system = {"role": "system", "content": "a long shared system prompt " * 3}
+  first = [system, {"role": "user", "content": "question one"}]
+  r1 = client.chat.completions.create(model="tiny", messages=first, max_tokens=6, temperature=0)
+  second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                    {"role": "user", "content": "and two"}]
+  before = metric(post(served.url, "/metrics", None, method="GET")[2], "jaxllm_prompt_tokens_reused_total")
+  r2 = client.chat.completions.create(model="tiny", messages=second, max_tokens=8, temperature=0)
+  reused = metric(post(served.url, "/metrics", None, method="GET")[2], "jaxllm_prompt_tokens_reused_total") - before
+  assert reused >= len(served.chat_ids(first))
+  assert r2.choices[0].message.content == served.reference(served.chat_ids(second), 8)[0]
+
+
+def test_tokenize_models_health_metrics(served):
+  status, _, t = post(served.url, "/tokenize", {"prompt": "hello there"})
+  assert status == 200 and t["tokens"] == served.tokenizer.encode("hello there") and t["count"] == len(t["tokens"])
+  status, _, d = post(served.url, "/detokenize", {"tokens": t["tokens"]})
+  assert status == 200 and d["prompt"] == "hello there"
+  messages = [{"role": "user", "content": "hi"}]
+  assert post(served.url, "/tokenize", {"messages": messages})[2]["tokens"] == served.chat_ids(messages)
+  status, _, m = post(served.url, "/v1/models", None, method="GET")
+  assert status == 200 and m["data"][0]["id"] == "tiny" and m["data"][0]["max_model_len"] == 256
+  assert post(served.url, "/health", None, method="GET")[:1] == (200,)
+  text = post(served.url, "/metrics", None, method="GET")[2]
+  for name in ("jaxllm_requests_running", "jaxllm_requests_waiting", "jaxllm_kv_slots_used", "jaxllm_kv_slots_total",
+               "jaxllm_prompt_tokens_total", "jaxllm_generation_tokens_total",
+               'jaxllm_time_to_first_token_seconds_bucket{le="+Inf"}', "jaxllm_time_per_output_token_seconds_count"):
+    metric(text, name)
+  assert metric(text, "jaxllm_kv_slots_total") == 4
