@@ -1,0 +1,75 @@
+"""`python -m jaxllm.serve` as a user runs it: a subprocess on loopback that answers 503 while loading, serves,
+and exits cleanly on SIGTERM; bad arguments and a model that fails to load end it with one line and status 1."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from test_serve import free_port
+from tiny import write_tiny_model
+
+
+def _get(url: str):
+  try:
+    with urllib.request.urlopen(url, timeout=10) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+  except (urllib.error.URLError, ConnectionError):
+    return None, None
+
+
+def _serve(*args):
+  return subprocess.Popen([sys.executable, "-m", "jaxllm.serve", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAXLLM_CPU_THREADS="1"))
+
+
+def test_serves_after_loading_and_stops_on_sigterm(tmp_path):
+  path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
+  port = free_port()
+  proc = _serve(path, "--port", str(port), "--max-batch", "2", "--max-context", "64", "--prefill-chunk", "16",
+                "--no-compile-cache")
+  url = f"http://127.0.0.1:{port}"
+  try:
+    seen, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+      status, body = _get(url + "/health")
+      if status is not None and (not seen or seen[-1] != status):
+        seen.append(status)
+      if status == 200:
+        break
+      assert proc.poll() is None, proc.communicate()
+      time.sleep(0.05)
+    assert seen == [503, 200], seen               # loading, then ready (the port is bound before the model loads)
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "hi", "max_tokens": 3}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+      answer = json.loads(r.read())
+    assert answer["model"] == "tiny" and answer["usage"]["completion_tokens"] >= 1
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode in (0, -signal.SIGTERM), err     # uvicorn re-raises the signal once it has shut down
+    assert "Traceback" not in err and "serving" in err
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+
+
+def test_bad_arguments_and_a_broken_model_exit_1(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "jaxllm.serve", str(tmp_path / "missing.gguf")], capture_output=True,
+                     text=True, timeout=60)
+  assert r.returncode == 1 and r.stderr.strip().startswith("error:") and "neither a file" in r.stderr
+  r = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--max-batch", "0"], capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 1 and "--max-batch must be >= 1" in r.stderr
+  broken = tmp_path / "broken.gguf"
+  broken.write_bytes(b"GGUF" + b"\0" * 64)
+  proc = _serve(str(broken), "--port", str(free_port()))
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 1, err
+  assert "Traceback" not in err and "[jaxllm] error:" in err
