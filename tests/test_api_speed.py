@@ -60,10 +60,17 @@ def _check_docs(model, cwd):
   assert not slow, f"examples over {LIMIT_S} s: {slow}"
 
 
+ON_GPU = jax.default_backend() == "gpu"
+CPU_ONLY = pytest.mark.skipif(ON_GPU, reason="the 10 s budget is the 2-core CPU's (issue 37); the GPU suite runs "
+                              "16 test processes beside it")
+
+
+@CPU_ONLY
 def test_doc_examples_fast_tiny(tiny_models, tmp_path):
   _check_docs(tiny_models["llama"], tmp_path)
 
 
+@CPU_ONLY
 @pytest.mark.network
 def test_doc_examples_fast_smollm2(tmp_path):
   _check_docs(DEMO, tmp_path)

@@ -4,6 +4,7 @@ import hashlib
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from jaxllm import GGUFFile, models
@@ -114,14 +115,16 @@ def test_the_conversion_bar_counts_the_files_bytes(tmp_path, arch):
 
 
 def test_stage_lines_say_what_happened(tmp_path, monkeypatch, capsys):
-  """What the conversion does to this file, and whether the steps were compiled (and saved) or loaded."""
+  """What the conversion does to this file (for this platform's kernels), and whether the steps were compiled
+  (and saved) or loaded."""
+  where = "GPU" if jax.default_backend() == "gpu" else "CPU"
   monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
   path = write_tiny_model(tmp_path / "m.gguf", "qwen2", tensor_type="Q4_1",
                           tensor_types={"blk.1.attn_v.weight": "Q8_0"})
   run = [path, "-p", "the", "-n", "2", "--kernels", "xla", "--json"]
   assert cli_main(run + ["--quant", "gguf"]) == 0
   err = capsys.readouterr().err
-  assert "] convert Q4_1 blocks for the CPU kernels (Q8_0 as W8A16): " in err and "(saved for the next run)" in err
+  assert f"] convert Q4_1 blocks for the {where} kernels (Q8_0 as W8A16): " in err and "(saved for the next run)" in err
   assert "on the device" not in err
   assert "] compiled and warmed up in " in err and " s, saved for the next run" in err
   assert cli_main(run + ["--quant", "gguf"]) == 0
@@ -130,7 +133,7 @@ def test_stage_lines_say_what_happened(tmp_path, monkeypatch, capsys):
   assert "compiled and" not in err
   assert cli_main(run + ["--quant", "w8a16", "--no-compile-cache", "--no-cache"]) == 0
   err = capsys.readouterr().err
-  assert "] re-quantize Q4_1/Q8_0 weights to W8A16 for the CPU kernels: " in err and "saved" not in err
+  assert f"] re-quantize Q4_1/Q8_0 weights to W8A16 for the {where} kernels: " in err and "saved" not in err
   assert "] compiled and warmed up in " in err and "(not kept: the compile cache is off)" in err
 
 
