@@ -6,7 +6,8 @@
 // shape is timed the same way beside it.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep [-DWITH_CUBLAS -lcublas]
-//   /tmp/gemv_sweep [out.jsonl [shape,shape,...]]     (GEMV_MS=1,2,4: the rows of x timed; default all three)
+//   /tmp/gemv_sweep [out.jsonl [shape,shape,...]]     (GEMV_MS=1,2,4: the rows of x timed, up to 64 (the
+//   tensor-core kernel's configurations at 8, 16, 32, 64); default 1, 2, 4)
 //
 // Shapes: the Qwen2.5-0.5B matmuls (qkv, o, gate_up, down, lm_head) and those of the larger presets, named
 // <matmul>_<preset> (qkv_7b: Qwen2.5-7B's fused q/k/v weights, ...).
@@ -68,6 +69,8 @@ __global__ void Reference(const bf16* x, const int8_t* q, const float* s, float*
   }
   y[i] = acc;
 }
+
+constexpr int kRows = 64;   // the most rows of x timed (GEMV_MS)
 
 struct Shape {
   const char* name;
@@ -217,6 +220,18 @@ Config Make() {
           }};
 }
 
+// The tensor-core kernel (w8a16_mma.cuh) timed at M rows: MT tiles of 8 rows of x, RT 16-row tiles of w a warp, KS
+// warps splitting K, U chunks in flight.
+template <int MT, int RT, int KS, int U>
+Config MakeMma(int m) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "mma_mt%d_rt%d_ks%d_u%d", MT, RT, KS, U);
+  return {buf, m, [](int k) { return k % w::mma::kChunk == 0; },
+          [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k, int) {
+            return w::mma::Launch<MT, RT, KS, U>(st, x, q, s, y, m, n, k);
+          }};
+}
+
 template <int ROWS, int U, bool HINT = false, int MINB = 1, w::Conv C = w::Conv::kMagic>
 Config MakeStream() {
   char buf[96];
@@ -309,6 +324,12 @@ int main(int argc, char** argv) {
       Make<2, 128, 2, 2, kInt16, kH | kS>(), Make<4, 32, 2, 4, kInt16, kH | kS | kA>(),
       Make<4, 64, 2, 4, kInt16, kH | kS | kA>(), Make<4, 128, 2, 2, kInt16, kH | kS>(),
   };
+  for (Config c : {MakeMma<1, 1, 8, 4>(8), MakeMma<1, 1, 4, 4>(8), MakeMma<1, 1, 16, 2>(8),
+                   MakeMma<2, 1, 8, 4>(16), MakeMma<2, 1, 4, 4>(16), MakeMma<2, 2, 8, 2>(16), MakeMma<2, 1, 16, 2>(16),
+                   MakeMma<2, 1, 8, 8>(16), MakeMma<4, 1, 8, 2>(32), MakeMma<4, 1, 8, 4>(32), MakeMma<4, 2, 8, 2>(32),
+                   MakeMma<4, 1, 4, 4>(32), MakeMma<8, 2, 8, 2>(64), MakeMma<8, 1, 8, 2>(64), MakeMma<8, 2, 4, 2>(64),
+                   MakeMma<8, 1, 8, 4>(64), MakeMma<8, 2, 8, 1>(64)})
+    configs.push_back(c);
   std::vector<int> ms = {1, 2, 4};
   if (const char* e = std::getenv("GEMV_MS")) {
     ms.clear();
@@ -338,15 +359,15 @@ int main(int argc, char** argv) {
     float* ref;
     CHECK(cudaMalloc(&q, wbytes * copies));
     CHECK(cudaMalloc(&s, size_t(sh.n) * groups * 4 * copies));
-    CHECK(cudaMalloc(&x, size_t(16) * sh.k * 2));
-    CHECK(cudaMalloc(&y, size_t(16) * sh.n * 2 * copies));
-    CHECK(cudaMalloc(&ref, size_t(16) * sh.n * 4));
+    CHECK(cudaMalloc(&x, size_t(kRows) * sh.k * 2));
+    CHECK(cudaMalloc(&y, size_t(kRows) * sh.n * 2 * copies));
+    CHECK(cudaMalloc(&ref, size_t(kRows) * sh.n * 4));
     FillInt8<<<1024, 256, 0, st>>>(q, wbytes * copies, 1);
     FillScale<<<1024, 256, 0, st>>>(s, size_t(sh.n) * groups * copies, 2);
-    FillBf16<<<64, 256, 0, st>>>(x, size_t(16) * sh.k, 3, -1.f, 1.f);
+    FillBf16<<<64, 256, 0, st>>>(x, size_t(kRows) * sh.k, 3, -1.f, 1.f);
     CHECK(cudaGetLastError());
     for (int m : ms) {
-      if (m < 1 || m > 16) continue;
+      if (m < 1 || m > kRows) continue;
       Reference<<<(m * sh.n + 255) / 256, 256, 0, st>>>(x, q, s, ref, m, sh.n, sh.k, int(groups));
       CHECK(cudaGetLastError());
       std::vector<float> r(size_t(m) * sh.n);
@@ -374,7 +395,7 @@ int main(int argc, char** argv) {
         }
         const float us = PerCallUs(st, calls, [&](int i) {
           const int j = i % copies;
-          CHECK(c.fn(st, x, q + wbytes * j, s + size_t(sh.n) * groups * j, y + size_t(16) * sh.n * j, m, sh.n, sh.k,
+          CHECK(c.fn(st, x, q + wbytes * j, s + size_t(sh.n) * groups * j, y + size_t(kRows) * sh.n * j, m, sh.n, sh.k,
                      int(groups)));
         });
         if (c.matmul)
@@ -400,7 +421,7 @@ int main(int argc, char** argv) {
         const int j = i % bcopies;
         // y^T [N, M] = W [N, K] . x^T [K, M], column-major view: W^T is K x N col-major.
         if (cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, m, sh.k, &one, wd + wbytes * j, CUDA_R_16BF, sh.k, x,
-                         CUDA_R_16BF, sh.k, &zero, y + size_t(16) * sh.n * (j % copies), CUDA_R_16BF, sh.n,
+                         CUDA_R_16BF, sh.k, &zero, y + size_t(kRows) * sh.n * (j % copies), CUDA_R_16BF, sh.n,
                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
           std::fprintf(stderr, "cublasGemmEx failed\n");
           std::exit(1);

@@ -31,9 +31,11 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "common.h"
+#include "w8a16_mma.cuh"
 
 namespace jaxllm {
 
@@ -959,6 +961,11 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     if (many_rows) return Launch<T, 2, 32, Rows<EX>(2), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
     if (long_k) return Launch<T, 2, 128, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
     return Launch<T, 2, 64, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
+  }
+  // 5 or more rows of bf16 x, plain matmul: tensor cores (w8a16_mma.cuh), the weights read once for up to 64 rows.
+  if constexpr (EX == 0 && std::is_same_v<T, __nv_bfloat16>) {
+    if (m >= mma::kMinM && s.group == mma::kChunk && k % mma::kChunk == 0)
+      return mma::Dispatch(st, static_cast<const __nv_bfloat16*>(x), w, sc, static_cast<__nv_bfloat16*>(y), m, n, k);
   }
   // M >= 3: tiles of 4 rows of x.
   if (int16 && huge_n) return Launch<T, 4, 32, Rows<EX>(4), 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);

@@ -57,7 +57,9 @@ def _quantized(rng, layers, n, k):
 def test_w8a16_matches_reference(k, n, dtype):
   rng = np.random.default_rng(k * 7919 + n)
   lin = _quantized(rng, 2, n, k)
-  for m in (1, 2, 3, 4, 6, 16):   # the CUDA dispatch: M = 1, 2, tiles of 4 (full and partial)
+  # The CUDA dispatch: M = 1, 2, tiles of 4 (full and partial); bf16 from 5 rows the tensor-core kernel (tiles
+  # of 8 rows of x, full and partial; 70: a second column of blocks).
+  for m in (1, 2, 3, 4, 6, 16) + ((9, 33, 64, 70) if ON_GPU else ()):
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     poison = jnp.full((m, n), jnp.nan, dtype)
     got = jax.jit(lambda x, w, s, p: ffi.w8a16_matmul(x, Linear(w, s), 1, poison=p))(x, lin.w, lin.scale, poison)
@@ -98,10 +100,10 @@ def test_w8a16_matches_reference_at_preset_shapes(k, n):
   lin = Linear(w=jax.random.randint(kw, (2, n, k), -127, 128, jnp.int32).astype(jnp.int8),
                scale=jax.random.uniform(ks, (2, n, k // 64), jnp.float32, 1e-3, 1e-2))
   call = jax.jit(lambda x, lin, p: ffi.w8a16_matmul(x, lin, 1, poison=p))
-  for dtype, ms in ((jnp.bfloat16, (1, 2, 4, 6)), (jnp.float32, (1,))):
+  for dtype, ms in ((jnp.bfloat16, (1, 2, 4, 8, 16, 64)), (jnp.float32, (1,))):
     xs = jax.random.normal(kx, (max(ms), k), jnp.float32).astype(dtype)
     ref = np.asarray(jax.jit(linear_reference, static_argnums=2)(xs.astype(jnp.float32), lin, 1))   # rows apart
-    for m in ms:   # M = 1, 2, a tile of 4, a tile and a half
+    for m in ms:   # M = 1, 2, a tile of 4; the tensor-core kernel's batches
       got = np.asarray(call(xs[:m], lin, jnp.full((m, n), jnp.nan, dtype)), np.float32)
       assert not np.isnan(got).any(), f"unwritten outputs at M={m}"
       assert _rel(got, ref[:m]) < TOL[dtype], (dtype, m, _rel(got, ref[:m]))

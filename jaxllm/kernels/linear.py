@@ -17,12 +17,12 @@ import numpy as np
 from jaxllm.kernels import ffi, select
 from jaxllm.quant import Q6K, Linear, LowBit, Mixed, MixedAt
 
-# Rows of x the matmul kernel takes per backend; larger M (prefill, big batches) uses XLA's dot on
-# dequantized weights. GPU: measured on the H200 (Qwen2.5-0.5B shape, docs/embedding.md), batch 4 ran
-# faster on the kernel (2782 vs 2645 tok/s), batch 16 slower (6275 vs 10279): its M > 1 path re-reads
-# the weights per 8-row tile. CPU (SmolLM2 shapes, 2 cores): 30-40% faster than XLA's dot at M = 32, even
+# Rows of x the matmul kernel takes per backend; larger M (prefill chunks) uses XLA's dot on dequantized
+# weights. GPU: M <= 4 runs the GEMV kernels, 5-64 rows of bf16 the tensor-core kernel (ffi/w8a16_mma.cuh:
+# the weights read once for the whole batch; XLA's dot wrote a bf16 copy of them each call); f32 x keeps the
+# GEMV kernels' tiles of 4 rows. CPU (SmolLM2 shapes, 2 cores): 30-40% faster than XLA's dot at M = 32, even
 # at 64, 1.8-2.2x slower at 128.
-MAX_M = {"gpu": 4, "cpu": 32}
+MAX_M = {"gpu": 64, "cpu": 32}
 # The low-bit and Q6_K CPU kernels (the file's own blocks) against XLA's dot on the layer dequantized per
 # call: set from bench/cpu_gemv.py --prefill (docs/results/2026-12-02-cpu-prefill.md).
 LOWBIT_MAX_M = {"cpu": 32}
