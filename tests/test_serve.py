@@ -79,12 +79,15 @@ def serve(path: str, slots: int = 4, max_context: int = 256, prefill_chunk: int 
   return Served(f"http://127.0.0.1:{port}", scheduler, alone, tok, server, thread)
 
 
-def metric(text: str, name: str) -> float:
-  """A sample's value from Prometheus text (name with its labels, as written)."""
+def metric(text: str, name: str, default: float | None = None) -> float:
+  """A sample's value from Prometheus text (name with its labels, as written); `default` where it is absent
+  (a labelled counter appears once counted), else KeyError."""
   for line in text.splitlines():
     if line.startswith(name + " "):
       return float(line.split()[-1])
-  raise KeyError(name)
+  if default is None:
+    raise KeyError(name)
+  return default
 
 
 def post(url: str, path: str, body, raw: bool = False, method: str = "POST"):
@@ -235,7 +238,7 @@ def test_concurrent_streams_each_equal_to_alone_without_compiling(served):
     ids |= rid
     assert (got, reasons) == (text, [reason]), kw
   assert metric(after, "jaxllm_xla_compiles_while_serving_total") == metric(before, "jaxllm_xla_compiles_while_serving_total")
-  assert metric(after, "jaxllm_decode_calls_total") > metric(before, "jaxllm_decode_calls_total")
+  assert metric(after, 'jaxllm_decode_calls_total{rows="4"}') > metric(before, 'jaxllm_decode_calls_total{rows="4"}', 0)
   assert metric(after, "jaxllm_kv_slots_used") == 0 and metric(after, "jaxllm_requests_waiting") == 0
 
 
@@ -279,13 +282,13 @@ def test_server_healthy_after_errors_and_a_client_gone_mid_stream(served, client
   (Each decode call is slowed to 50 ms here, so the request cannot end on its own first.)"""
   decode = served.scheduler.programs.decode
 
-  def slow(mode):
+  def slow(*args):
     time.sleep(0.05)
-    return decode(mode)
+    return decode(*args)
   monkeypatch.setattr(served.scheduler.programs, "decode", slow)
   host, port = served.url.removeprefix("http://").split(":")
   metrics = post(served.url, "/metrics", None, method="GET")[2]
-  cancelled = metric(metrics, 'jaxllm_requests_total{finish_reason="cancelled"}') if "cancelled" in metrics else 0
+  cancelled = metric(metrics, 'jaxllm_requests_total{finish_reason="cancelled"}', 0)
   conn = http.client.HTTPConnection(host, int(port), timeout=60)
   conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 250, "stream": True,
                                                       "ignore_eos": True, "temperature": 0}))
@@ -296,8 +299,7 @@ def test_server_healthy_after_errors_and_a_client_gone_mid_stream(served, client
   deadline = time.monotonic() + 20
   while True:
     metrics = post(served.url, "/metrics", None, method="GET")[2]
-    if 'finish_reason="cancelled"' in metrics and \
-        metric(metrics, 'jaxllm_requests_total{finish_reason="cancelled"}') == cancelled + 1:
+    if metric(metrics, 'jaxllm_requests_total{finish_reason="cancelled"}', 0) == cancelled + 1:
       break
     assert time.monotonic() < deadline, "the request of a client that hung up was not cancelled"
     time.sleep(0.05)
@@ -345,3 +347,15 @@ def test_tokenize_models_health_metrics(served):
                'jaxllm_time_to_first_token_seconds_bucket{le="+Inf"}', "jaxllm_time_per_output_token_seconds_count"):
     metric(text, name)
   assert metric(text, "jaxllm_kv_slots_total") == 4
+
+
+def test_a_request_alone_decodes_one_row(served, client):
+  """Busy slots stay packed: one request at a time runs the 1-row decode program, not the 4-row one."""
+  def calls():
+    text = post(served.url, "/metrics", None, method="GET")[2]
+    return {rows: metric(text, f'jaxllm_decode_calls_total{{rows="{rows}"}}', 0) for rows in (1, 2, 4)}
+  before = calls()
+  for prompt in ("one", "two", "three"):
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+  after = calls()
+  assert after[1] - before[1] >= 3 and after[2] == before[2] and after[4] == before[4]

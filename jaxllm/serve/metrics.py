@@ -75,7 +75,7 @@ class Metrics:
     self.prompt_tokens = 0           # prompt tokens of the requests admitted
     self.reused_tokens = 0           # of those, already in a slot's cache (prefix reuse)
     self.generation_tokens = 0       # tokens sampled
-    self.decode_calls = 0            # decode executable calls (each tokens_per_call steps for every slot)
+    self.decode_calls: dict[int, int] = {}   # decode executable calls (tokens_per_call steps each) by rows run
     self.requests: dict[str, int] = {}   # finished requests by finish reason
     self.rejected = 0                # refused: the queue was full
     self.ttft = Histogram(TTFT_BUCKETS)
@@ -113,8 +113,8 @@ class Metrics:
            [f"jaxllm_prompt_tokens_reused_total {self.reused_tokens}"])
     metric("jaxllm_generation_tokens_total", "counter", "Tokens generated.",
            [f"jaxllm_generation_tokens_total {self.generation_tokens}"])
-    metric("jaxllm_decode_calls_total", "counter", "Batched decode calls.",
-           [f"jaxllm_decode_calls_total {self.decode_calls}"])
+    metric("jaxllm_decode_calls_total", "counter", "Batched decode calls, by the rows they ran (busy slots rounded up).",
+           [f'jaxllm_decode_calls_total{{rows="{k}"}} {v}' for k, v in sorted(self.decode_calls.items())])
     metric("jaxllm_requests_total", "counter", "Finished requests by finish reason.",
            [f'jaxllm_requests_total{{finish_reason="{k}"}} {v}' for k, v in sorted(self.requests.items())])
     metric("jaxllm_requests_rejected_total", "counter", "Requests refused with 503 (queue full).",

@@ -6,7 +6,9 @@ device programs. Each turn of its loop:
   1. takes new requests from the inbox (a full queue refuses them at submit: QueueFull), drops cancelled ones;
   2. gives free slots to waiting requests, first come first served; a request takes the free slot whose cache
      holds the longest prefix of its prompt (the same system prompt, the earlier turns of a chat), and only the
-     rest is prefilled (prefix reuse);
+     rest is prefilled (prefix reuse). Busy slots are kept packed as the first rows of the batch (a slot taken
+     or freed out of place is swapped with the boundary row, its cache and history with it), so that a decode
+     call runs only as many rows as are busy (rounded up to a compiled row count);
   3. runs prefill chunks (slots.SlotPrograms.prefill_step), about one chunk's tokens a turn, so a long prompt
      joins over several turns while the other slots keep decoding; a request whose last chunk ran has its
      first token and decodes from the next call on;
@@ -33,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxllm.sampling import SamplingParams
-from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.metrics import CompileCounter, Metrics
 from jaxllm.serve.slots import FULL, GREEDY, Prefill, SlotPrograms
 from jaxllm.text import SequenceOutput
 
@@ -112,6 +114,7 @@ class Scheduler:
     self.programs = SlotPrograms(engine, slots)
     self.slots = slots
     self.metrics = metrics or Metrics()
+    CompileCounter.count()                 # installs the counter: start-up's compiles are counted too
     self.metrics.slots_total = slots
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._queued = 0                       # submitted and not yet in a slot (inbox + waiting)
@@ -213,9 +216,8 @@ class Scheduler:
       self._waiting.remove(request)
       self._dequeue(request)
       self._finish_request(request, Done("cancelled", len(request.prompt), 0))
-    for slot, run in enumerate(self._running):
-      if run is not None and run.request.cancelled:
-        self._release(slot, Done("cancelled", len(run.request.prompt), len(run.generated), run.reused))
+    for run in [r for r in self._running if r is not None and r.request.cancelled]:
+      self._release(run, Done("cancelled", len(run.request.prompt), len(run.generated), run.reused))
 
   def _reusable(self, slot: int, prompt: Sequence[int]) -> int:
     n = 0
@@ -229,10 +231,12 @@ class Scheduler:
     while self._waiting and self._free_slots():
       request = self._waiting.popleft()
       self._dequeue(request)
-      free = [s for s, r in enumerate(self._running) if r is None]
+      busy = self._busy()
+      free = range(busy, self.slots)
       reuse = {s: self._reusable(s, request.prompt) if self.prefix_reuse else 0 for s in free}
-      slot = max(free, key=lambda s: (reuse[s], -self._used[s]))
-      start = reuse[slot]
+      best = max(free, key=lambda s: (reuse[s], -self._used[s]))
+      start, slot = reuse[best], busy
+      self._swap(best, slot)
       self._history[slot] = []                        # being rewritten
       p = request.prompt
       limit = min(self.engine.max_context, len(p) + request.max_tokens - 1)
@@ -253,22 +257,42 @@ class Scheduler:
         budget -= run.job.chunks[0][1]
         token = self.programs.prefill_step(run.job)
         if token is not None:
-          slot = run.job.slot
           run.job = None
-          self._push(slot, run, [token])
+          self._push(run, [token])
       if budget <= 0:
         break
 
   def _decode(self) -> None:
     decoding = [r for r in self._running if r is not None and r.job is None]
     greedy = all(r.request.params.greedy and not r.request.params.penalized for r in decoding)
-    tokens = self.programs.decode(GREEDY if greedy else FULL)
-    self.metrics.decode_calls += 1
-    for slot, run in enumerate(self._running):
-      if run is not None and run.job is None and run in decoding:
-        self._push(slot, run, [int(t) for t in tokens[:, slot]])
+    busy = self._busy()
+    count = min(c for c in self.programs.counts if c >= busy)
+    tokens = self.programs.decode(count, GREEDY if greedy else FULL)
+    self.metrics.decode_calls[count] = self.metrics.decode_calls.get(count, 0) + 1
+    columns = [(run, [int(t) for t in tokens[:, slot]]) for slot, run in enumerate(self._running)
+               if run is not None and run.job is None]
+    for run, column in columns:
+      self._push(run, column)
 
-  def _push(self, slot: int, run: _Running, tokens: list[int]) -> None:
+  def _busy(self) -> int:
+    """Slots in use: they are rows [0, busy) (kept packed)."""
+    busy = sum(r is not None for r in self._running)
+    assert all(r is not None for r in self._running[:busy]), "busy slots are not packed"
+    return busy
+
+  def _swap(self, a: int, b: int) -> None:
+    """Exchanges slots a and b: their device rows and what the host knows of them."""
+    if a == b:
+      return
+    self.programs.swap(a, b)
+    for table in (self._running, self._history, self._used):
+      table[a], table[b] = table[b], table[a]
+    for slot in (a, b):
+      run = self._running[slot]
+      if run is not None and run.job is not None:
+        run.job.slot = slot
+
+  def _push(self, run: _Running, tokens: list[int]) -> None:
     """Hands a slot's new tokens to its request; frees the slot when the request ends."""
     now = time.perf_counter()
     if run.first is None:
@@ -289,15 +313,17 @@ class Scheduler:
       done = Done(reason, len(run.request.prompt), len(out.times), run.reused, out.error)
       if len(out.times) > 1:
         self.metrics.tpot.observe((now - run.first) / (len(out.times) - 1))
-      self._release(slot, done)
+      self._release(run, done)
 
-  def _release(self, slot: int, done: Done) -> None:
-    run = self._running[slot]
+  def _release(self, run: _Running, done: Done) -> None:
+    """Frees a request's slot; the last busy slot moves into its place, so busy slots stay packed."""
+    slot = self._running.index(run)
     self._running[slot] = None
     self._used[slot] = time.perf_counter()
     # What the row's cache holds for sure: the prompt and every token sampled but the last (each is written by
     # the step after the one that sampled it). A slot freed mid-prefill holds nothing reusable.
     self._history[slot] = [] if run.job is not None else list(run.request.prompt) + run.generated[:-1]
+    self._swap(slot, sum(r is not None for r in self._running))
     self._finish_request(run.request, done)
 
   def _finish_request(self, request: Request, done: Done) -> None:
@@ -305,13 +331,16 @@ class Scheduler:
     request.emit(done)
 
   def _fail_all(self, error: str, reason: str = "error") -> None:
-    for slot, run in enumerate(self._running):
-      if run is not None:
-        self._release(slot, Done(reason, len(run.request.prompt), len(run.generated), run.reused, error))
-        self._history[slot] = []
+    """Ends every request in a slot or waiting (a failed program, or shutdown); with an error the slots' state
+    is made anew (a program that failed may have consumed its donated buffers)."""
+    runs = [r for r in self._running if r is not None]
+    self._running = [None] * self.slots
+    self._history = [[] for _ in range(self.slots)]
+    if reason == "error":
+      self.programs.reset()
+    for run in runs:
+      self._finish_request(run.request, Done(reason, len(run.request.prompt), len(run.generated), run.reused, error))
     while self._waiting:
       request = self._waiting.popleft()
       self._dequeue(request)
       self._finish_request(request, Done(reason, len(request.prompt), 0, error=error))
-    if reason == "error":
-      self.programs.reset()

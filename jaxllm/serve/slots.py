@@ -1,8 +1,11 @@
-"""The device side of continuous batching: one DecodeState of N slots and the programs that change one slot.
+"""The device side of continuous batching: one DecodeState of N slots and the programs that change it.
 
 The server keeps a single batched DecodeState (cache [L, N, G, S, Dh], one row per slot) for its whole life.
-The engine's decode step (Engine.advance_fn at batch N) advances every active row at once; a free slot is a
-done row, which the step runs but which writes nothing. A request joins by writing its own row:
+Busy slots are always its first rows (the scheduler keeps them packed with swap_rows), and each decode call
+runs the engine's decode program on the first `count` rows only, count the smallest of COUNTS(N) = 1, 2, 4,
+..., N that covers the busy ones: a step costs what its rows cost (on this 2-core CPU a 4-row step of
+smollm2 took 4x a 1-row one), so one request alone decodes at the speed it has alone. A free row inside the
+count is a done row, which the step runs but which writes nothing. A request joins by writing its own row:
 
   extend_slot(weights, state, slot, tokens [1, C], lengths [1], start [1], last [1, D]) -> (state, last)
       runs a full prefill chunk of one request into row `slot` (its cache row cut out, extended at batch 1,
@@ -10,13 +13,19 @@ done row, which the step runs but which writes nothing. A request joins by writi
   admit_slot(weights, state, slot, tokens [1, T], lengths, start, last, pos, sampler, limit, eog) -> state
       runs the last chunk (T a power-of-two bucket), samples the first token and writes the row's whole
       state (token, position, limit, end-of-generation ids, sampling settings and key): the row decodes from
-      the next step on.
+      the next step on;
+  swap_rows(state, a, b) -> state
+      exchanges two rows (cache and per-row values): how the scheduler keeps busy rows first without losing
+      what a free row's cache holds (prefix reuse);
+  decode_rows(weights, state, block [K, count]) -> (state, block)
+      the engine's decode program (Engine.decode_program: K steps a call) on rows [0, count), the rest
+      untouched.
 
-`slot` is data (an int32 scalar), so each program is compiled once per chunk size: with the decode step's
-two modes (every active row greedy without penalties: the argmax step; else the full sampler) the server
-compiles everything at start-up (SlotPrograms.warmup) and nothing while it serves. A prompt is prefilled at
-batch 1 whatever N is, so its cost does not grow with the slots, and its first token and its decode steps are
-the same computation as Engine.generate's for that request alone.
+Slot indices are data (int32 scalars), so each program is compiled once per chunk size or row count: with
+the decode step's two modes (every active row greedy without penalties: the argmax step; else the full
+sampler) the server compiles everything at start-up (SlotPrograms.warmup) and nothing while it serves. A
+prompt is prefilled at batch 1 whatever N is, and its first token and decode steps are the same computation
+as Engine.generate's for that request alone.
 """
 from __future__ import annotations
 
@@ -32,6 +41,14 @@ from jaxllm.cache import KVCache, check_fits, create_cache
 from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill
 from jaxllm.programs import prompt_bucket
 from jaxllm.sampling import Sampler, SamplingParams
+
+def counts(slots: int) -> list[int]:
+  """The row counts a server of `slots` slots decodes with: powers of two below it, and itself."""
+  out = [1]
+  while out[-1] * 2 < slots:
+    out.append(out[-1] * 2)
+  return out + [slots] if out[-1] != slots else out
+
 
 # The decode modes the server compiles (Engine.step_fn's `greedy`): the argmax-only step while every active
 # row is greedy without penalties, else the full sampler (temperature, top-k/p, min-p, penalties, seeds).
@@ -52,6 +69,50 @@ def _put_cache(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
   return dataclasses.replace(cache, k=_put(cache.k, row.k, slot, 1), v=_put(cache.v, row.v, slot, 1))
 
 
+def _rows(state: DecodeState, count: int) -> DecodeState:
+  """Rows [0, count) of a state (count static)."""
+  if count == state.tokens.shape[0]:
+    return state
+  cut = functools.partial(jax.lax.slice_in_dim, start_index=0, limit_index=count)
+  return DecodeState(cache=dataclasses.replace(state.cache, k=cut(state.cache.k, axis=1), v=cut(state.cache.v, axis=1)),
+                     tokens=cut(state.tokens), pos=cut(state.pos), done=cut(state.done), limit=cut(state.limit),
+                     eog=cut(state.eog), sampler=jax.tree.map(cut, state.sampler))
+
+
+def _put_rows(state: DecodeState, rows: DecodeState, slot) -> DecodeState:
+  """state with rows (a state of fewer rows) written from row `slot` on."""
+  put = functools.partial(_put, slot=slot)
+  return DecodeState(cache=_put_cache(state.cache, rows.cache, slot), tokens=put(state.tokens, rows.tokens),
+                     pos=put(state.pos, rows.pos), done=put(state.done, rows.done), limit=put(state.limit, rows.limit),
+                     eog=put(state.eog, rows.eog), sampler=jax.tree.map(put, state.sampler, rows.sampler))
+
+
+def _row(state: DecodeState, slot) -> DecodeState:
+  """Row `slot` of a state, as a state of one row."""
+  take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1)
+  return DecodeState(cache=_row_cache(state.cache, slot), tokens=take(state.tokens), pos=take(state.pos),
+                     done=take(state.done), limit=take(state.limit), eog=take(state.eog),
+                     sampler=jax.tree.map(take, state.sampler))
+
+
+def swap_rows(state: DecodeState, a, b) -> DecodeState:
+  """Rows a and b of a state exchanged (a == b leaves it as it is)."""
+  row_a, row_b = _row(state, a), _row(state, b)
+  return _put_rows(_put_rows(state, row_b, a), row_a, b)
+
+
+def decode_rows(step, count: int, k: int, weights, state: DecodeState, block):
+  """`step` (Engine.decode_program's function: one step for k = 1, else k steps with a [k, count] token block)
+  on rows [0, count) of state; returns (state, block [k, count] of the call's tokens)."""
+  rows = _rows(state, count)
+  if k == 1:
+    rows = step(weights, rows)
+    block = rows.tokens[None]
+  else:
+    rows, block = step(weights, rows, block)
+  return (rows if count == state.tokens.shape[0] else _put_rows(state, rows, 0)), block
+
+
 def extend_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, last, *, kernels, layers):
   """A full prefill chunk of one request into row `slot`; the row is marked done until admit_slot."""
   row, last = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
@@ -66,10 +127,7 @@ def admit_slot(config, weights, state: DecodeState, slot, tokens, lengths, start
   row, hidden = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
                        kernels=kernels, layers=layers)
   new = finish_prefill(config, weights, row, hidden, pos, sampler, limit, eog, kernels=kernels)
-  put = functools.partial(_put, slot=slot)
-  return DecodeState(cache=_put_cache(state.cache, new.cache, slot), tokens=put(state.tokens, new.tokens),
-                     pos=put(state.pos, new.pos), done=put(state.done, new.done), limit=put(state.limit, new.limit),
-                     eog=put(state.eog, new.eog), sampler=jax.tree.map(put, state.sampler, new.sampler))
+  return _put_rows(state, new, slot)
 
 
 def _spec(tree):
@@ -109,9 +167,9 @@ class SlotPrograms:
     longest = engine.max_context - 1                  # the longest prompt a slot takes
     self.buckets = sorted({prompt_bucket(n, engine.prefill_chunk) for n in range(1, min(longest, engine.prefill_chunk) + 1)})
     self.chunked = longest > engine.prefill_chunk     # whether a prompt can take more than one chunk
+    self.counts = counts(slots)
     self.state = self._empty_state()
-    self.tokens_per_call = engine.tokens_per_call_for(slots)
-    self._block = None
+    self._blocks: dict[int, jax.Array] = {}          # per row count: the token block its calls donate
 
   def _empty_state(self) -> DecodeState:
     n, engine = self.slots, self.engine
@@ -124,7 +182,7 @@ class SlotPrograms:
 
   def reset(self) -> None:
     """A new empty state (after a failed program, whose donated state may be gone)."""
-    self.state, self._block = self._empty_state(), None
+    self.state, self._blocks = self._empty_state(), {}
 
   # ---- programs ------------------------------------------------------------------------------
 
@@ -148,19 +206,33 @@ class SlotPrograms:
     fn = functools.partial(admit_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
     return e.compile_program(("slot-admit", self.slots, bucket), fn, 1, self._args(bucket, True))
 
-  def advance_fn(self, mode: bool) -> Callable:
-    return self.engine.advance_fn(self.slots, mode)
+  def decode_fn(self, count: int, mode: bool) -> Callable:
+    """decode_rows over rows [0, count) in a decode mode (GREEDY or FULL): (weights, state, block) -> (state, block)."""
+    e = self.engine
+    k = e.tokens_per_call_for(count)
+    step, _, args = e.decode_program(count, mode, k)
+    fn = functools.partial(decode_rows, step, count, k)
+    block = jax.ShapeDtypeStruct((k, count), jnp.int32)
+    return e.compile_program(("slot-decode", self.slots, count, mode, k, e.device_loop), fn, (1, 2),
+                             (e.weights, _spec(self.state), block))
+
+  def swap_fn(self) -> Callable:
+    e = self.engine
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return e.compile_program(("slot-swap", self.slots), swap_rows, 0, (_spec(self.state), scalar, scalar))
 
   def warmup(self) -> None:
-    """Compiles every program serving can run (each chunk bucket, both decode modes) and runs each decode
-    mode once on the empty state (every row done: nothing changes), so that serving compiles nothing."""
+    """Compiles every program serving can run (each chunk bucket, each row count in both decode modes, the
+    swap) and runs each decode program once on the empty state (every row done: nothing changes), so that
+    serving compiles nothing."""
     if self.chunked:
       self.extend_fn()
     for b in self.buckets:
       self.admit_fn(b)
-    for mode in (GREEDY, FULL):
-      self.state, self._block, out = self.advance_fn(mode)(self.state, self._block)
-      np.asarray(out)
+    self.swap(0, 0)
+    for count in self.counts:
+      for mode in (GREEDY, FULL):
+        self.decode(count, mode)
 
   # ---- running -------------------------------------------------------------------------------
 
@@ -198,7 +270,16 @@ class SlotPrograms:
                     np.asarray([job.pos], np.int32), job.sampler, np.asarray([job.limit], np.int32), job.eog)
     return int(np.asarray(self.state.tokens)[job.slot])
 
-  def decode(self, mode: bool) -> np.ndarray:
-    """One decode call of tokens_per_call steps for every row: the tokens [K, N] on the host."""
-    self.state, self._block, out = self.advance_fn(mode)(self.state, self._block)
-    return np.asarray(out).reshape(-1, self.slots)
+  def swap(self, a: int, b: int) -> None:
+    """Exchanges rows a and b (cache and per-row values)."""
+    self.state = self.swap_fn()(self.state, np.int32(a), np.int32(b))
+
+  def decode(self, count: int, mode: bool) -> np.ndarray:
+    """One decode call (tokens_per_call steps) of rows [0, count): their tokens [K, count] on the host."""
+    block = self._blocks.pop(count, None)
+    if block is None:
+      block = np.zeros((self.engine.tokens_per_call_for(count), count), np.int32)
+    self.state, block = self.decode_fn(count, mode)(self.engine.weights, self.state, block)
+    tokens = np.asarray(block)
+    self._blocks[count] = block
+    return tokens
