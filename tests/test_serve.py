@@ -56,13 +56,16 @@ class Served:
     self.thread.join(30)
 
 
-def serve(path: str, slots: int = 4, max_context: int = 256, prefill_chunk: int = 32, max_waiting: int = 64,
-          name: str = "tiny", **engine_args) -> Served:
+def serve(path: str, **kwargs) -> Served:
+  """serve_model() of a model file, its weights as load_weights gives them."""
   gf = GGUFFile(path)
-  tok = Tokenizer(gf.metadata, source=str(path))
-  weights = load_weights(gf, progress=False)
-  engine = Engine(gf.config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
-  alone = Engine(gf.config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
+  return serve_model(gf.config, load_weights(gf, progress=False), Tokenizer(gf.metadata, source=str(path)), **kwargs)
+
+
+def serve_model(config, weights, tok, slots: int = 4, max_context: int = 256, prefill_chunk: int = 32,
+                max_waiting: int = 64, name: str = "tiny", **engine_args) -> Served:
+  engine = Engine(config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
+  alone = Engine(config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
   scheduler = Scheduler(engine, slots=slots, max_waiting=max_waiting)
   scheduler.start()
   scheduler.metrics.ready()
