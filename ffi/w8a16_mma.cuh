@@ -194,14 +194,21 @@ cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w,
   return cudaGetLastError();
 }
 
-// The configuration by shape: x tiles to cover M (up to kMaxM a block column), K split over 8 warps, two
-// 16-row tiles a warp once the batch makes x's reads from L1 outweigh the weights' (8 tiles of x).
+// The configuration by shape, from bench/gemv_sweep.cu on the H200 at M = 8, 16, 32, 64 over the 0.5B and 7B
+// matmuls (docs/results/2026-12-04-h200-scaling.md): x tiles to cover M (up to kMaxM a block column); many
+// 16-row tiles (N >= 4608: 7B's q/k/v, gate/up, the LM heads) split K over 4 warps with 4 chunks in flight,
+// few over 8 or 16; from 33 rows two 16-row tiles a warp (x's L1 reads per weight byte halved).
 inline cudaError_t Dispatch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                             __nv_bfloat16* y, int m, int n, int k) {
-  if (m <= 8) return Launch<1, 1, 8, 4>(stream, x, w, scale, y, m, n, k);
-  if (m <= 16) return Launch<2, 1, 8, 4>(stream, x, w, scale, y, m, n, k);
-  if (m <= 32) return Launch<4, 1, 8, 2>(stream, x, w, scale, y, m, n, k);
-  return Launch<8, 2, 8, 2>(stream, x, w, scale, y, m, n, k);
+  const int tiles = (n + 15) / 16;
+  const bool many = tiles >= 288;
+  if (m <= 8)
+    return many ? Launch<1, 1, 4, 4>(stream, x, w, scale, y, m, n, k) : Launch<1, 1, 16, 2>(stream, x, w, scale, y, m, n, k);
+  if (m <= 16)
+    return many ? Launch<2, 1, 4, 4>(stream, x, w, scale, y, m, n, k) : Launch<2, 1, 8, 8>(stream, x, w, scale, y, m, n, k);
+  if (m <= 32)
+    return many ? Launch<4, 1, 4, 4>(stream, x, w, scale, y, m, n, k) : Launch<4, 1, 8, 4>(stream, x, w, scale, y, m, n, k);
+  return tiles >= 2000 ? Launch<8, 2, 4, 2>(stream, x, w, scale, y, m, n, k) : Launch<8, 2, 8, 1>(stream, x, w, scale, y, m, n, k);
 }
 
 }  // namespace mma
