@@ -11,6 +11,8 @@ import http.client
 import json
 import random
 
+import numpy as np
+
 import openai
 import pytest
 
@@ -259,8 +261,14 @@ def test_concurrent_streams_each_equal_to_alone_without_compiling(served):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 129}, 400, "top_k"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
      400, "stream_options"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
@@ -362,3 +370,45 @@ def test_a_request_alone_decodes_one_row(served, client):
     client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
   after = calls()
   assert after[1] - before[1] >= 3 and after[2] == before[2] and after[4] == before[4]
+
+
+def _reference_logprob(served, prompt: list[int], continuation: list[int]) -> float:
+  """The summed log-probability of a continuation, from jaxllm.scoring on the XLA path (shares no serving code)."""
+  from jaxllm import continuation_logprobs
+  tokens = np.asarray([prompt + continuation], np.int32)
+  return float(continuation_logprobs(served.alone.config, served.alone.weights, tokens, np.asarray([len(prompt)]),
+                                     np.asarray([tokens.shape[1]]))[0])
+
+
+def test_logprobs_of_new_tokens_and_of_an_echoed_prompt(served, client):
+  messages = [{"role": "user", "content": "tell me something"}]
+  ids = served.chat_ids(messages)
+  r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True,
+                                     top_logprobs=3, extra_body={"ignore_eos": True})
+  content = r.choices[0].logprobs.content
+  assert len(content) == r.usage.completion_tokens == 10
+  new = []
+  for entry in content:
+    tops = [t.logprob for t in entry.top_logprobs]
+    assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+    assert entry.top_logprobs[0].token == entry.token and entry.logprob == pytest.approx(tops[0])   # greedy
+    new.append(bytes(entry.bytes))
+  new_ids = served.alone.generate(ids, 10, ignore_eos=True).ids           # the same tokens (greedy)
+  assert [served.tokenizer.token_bytes(t) for t in new_ids] == new
+  assert sum(e.logprob for e in content) == pytest.approx(_reference_logprob(served, ids, new_ids), abs=2e-2)
+
+  prompt = served.tokenizer.encode("Once upon a time, in a land far away")
+  r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+  lp = r.choices[0].logprobs
+  assert r.usage.completion_tokens == 0 and r.choices[0].text == served.tokenizer.decode(prompt)
+  assert len(lp.token_logprobs) == len(prompt) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+  assert sum(lp.token_logprobs[1:]) == pytest.approx(_reference_logprob(served, prompt[:1], prompt[1:]), abs=2e-2)
+
+  streamed = [c.choices[0].logprobs for c in client.completions.create(
+      model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=1, stream=True,
+      extra_body={"ignore_eos": True}) if c.choices[0].logprobs]
+  plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True}).choices[0].logprobs
+  assert [x for part in streamed for x in part.token_logprobs] == pytest.approx(plain.token_logprobs)
+  assert len(plain.token_logprobs) == 12

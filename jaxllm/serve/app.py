@@ -81,10 +81,12 @@ class _Job:
     loop = asyncio.get_running_loop()
     self.requests = []
     self.prompt_tokens = sum(len(p) for p in prompts)
+    self.logprobs, prompt_logprobs = P.logprobs_wanted(req)
     for pi, (prompt, limit) in enumerate(zip(prompts, limits)):
       for j, s in enumerate(P.seeds(seed, req.n)):
         emit = functools.partial(_emit, loop, self.events, pi * req.n + j)
-        self.requests.append(Request(prompt, limit, emit, params, s, stop, req.ignore_eos))
+        self.requests.append(Request(prompt, limit, emit, params, s, stop, req.ignore_eos, self.logprobs,
+                                     prompt_logprobs))
     self.done: dict[int, Done] = {}
 
   def submit(self) -> None:
@@ -123,6 +125,48 @@ def _emit(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int, ev
     loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
 
+class _Logprobs:
+  """OpenAI's logprobs shapes from Delta events: chat's {"content": [{token, logprob, bytes, top_logprobs}]},
+  completions' {tokens, token_logprobs, top_logprobs, text_offset} (the prompt's first, with echo)."""
+
+  def __init__(self, kind: str, tokenizer, offset: int = 0):
+    self.kind, self.tok, self.offset = kind, tokenizer, offset
+
+  def _text(self, token: int) -> tuple[str, list[int]]:
+    raw = self.tok.token_bytes(token)
+    return raw.decode("utf-8", "replace"), list(raw)
+
+  def _entry(self, token: int, lp: float) -> dict:
+    text, raw = self._text(token)
+    return {"token": text, "logprob": lp, "bytes": raw}
+
+  def of(self, ids: list[int], scores: list, first: int | None = None) -> dict:
+    """The logprobs of ids (scores one per id; with `first`, a prompt's first token without a score before)."""
+    if self.kind == "chat":
+      return {"content": [dict(self._entry(t, lp), top_logprobs=[self._entry(a, v) for a, v in top])
+                          for t, (lp, top) in zip(ids, scores)]}
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    rows = ([(first, None, None)] if first is not None else []) + [(t, lp, top) for t, (lp, top) in zip(ids, scores)]
+    for token, lp, top in rows:
+      text = self._text(token)[0]
+      out["tokens"].append(text)
+      out["token_logprobs"].append(lp)
+      out["top_logprobs"].append(None if top is None else {self._text(t)[0]: v for t, v in top})
+      out["text_offset"].append(self.offset)
+      self.offset += len(text)
+    return out
+
+  @staticmethod
+  def join(parts: list[dict]) -> dict | None:
+    if not parts:
+      return None
+    out = {k: [] for k in parts[0]}
+    for part in parts:
+      for k, v in part.items():
+        out[k] += v
+    return out
+
+
 def _failure(done: Done) -> P.ApiError:
   if done.finish_reason == "cancelled":
     return P.ApiError(503, done.error or "the request was cancelled")
@@ -141,9 +185,12 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
   rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
   if req.stream:
     include = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(_stream(job, kind, rid, state.model, req.n, include, echo), media_type="text/event-stream",
+    return StreamingResponse(_stream(job, kind, rid, state.model, req.n, include, echo, scheduler.tokenizer),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
   texts = {i: (echo[i // req.n] if echo else "") for i in range(len(job.requests))}
+  scored = {i: _Logprobs(kind, scheduler.tokenizer) for i in range(len(job.requests))}
+  logprobs: dict[int, list[dict]] = {i: [] for i in range(len(job.requests))}
   try:
     while not job.finished:
       try:
@@ -154,6 +201,11 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
         continue
       if isinstance(event, Delta):
         texts[index] += event.text
+        if event.prompt_logprobs is not None:
+          p = job.requests[index].prompt
+          logprobs[index].append(scored[index].of(p[1:], event.prompt_logprobs, first=p[0]))
+        if event.logprobs is not None:
+          logprobs[index].append(scored[index].of(event.ids, event.logprobs))
   finally:
     job.cancel()
   failed = [d for d in job.done.values() if d.finish_reason in ("error", "cancelled")]
@@ -162,7 +214,8 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
   body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": P.now(),
           "model": state.model, "choices": [], "usage": job.usage()}
   for i in range(len(job.requests)):
-    choice = {"index": i, "finish_reason": job.done[i].finish_reason, "logprobs": None}
+    choice = {"index": i, "finish_reason": job.done[i].finish_reason,
+              "logprobs": _Logprobs.join(logprobs[i]) if job.logprobs is not None else None}
     if kind == "chat":
       choice["message"] = {"role": "assistant", "content": texts[i]}
     else:
@@ -171,27 +224,36 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
   return JSONResponse(body)
 
 
-async def _stream(job: _Job, kind: str, rid: str, model: str, n: int, include_usage: bool, echo: list[str] | None):
+async def _stream(job: _Job, kind: str, rid: str, model: str, n: int, include_usage: bool, echo: list[str] | None,
+                  tokenizer):
   created = P.now()
+  scored = {i: _Logprobs(kind, tokenizer) for i in range(len(job.requests))}
 
-  def piece(index: int, text: str | None, finish: str | None = None) -> str:
+  def piece(index: int, text: str | None, finish: str | None = None, logprobs: dict | None = None,
+            role: bool = False) -> str:
     if kind == "chat":
-      delta = {} if text is None else ({"role": "assistant", "content": ""} if text == "" else {"content": text})
-      choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+      delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+      choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-      choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+      choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return _sse(P.chunk(kind, rid, model, created, [choice], None, include_usage))
   try:
     for i in range(len(job.requests)):
       if kind == "chat":
-        yield piece(i, "")
+        yield piece(i, "", role=True)
       elif echo and echo[i // n]:
         yield piece(i, echo[i // n])
     while not job.finished:
       index, event = await job.next()
       if isinstance(event, Delta):
-        if event.text:
-          yield piece(index, event.text)
+        logprobs = None
+        if event.prompt_logprobs is not None:
+          p = job.requests[index].prompt
+          logprobs = scored[index].of(p[1:], event.prompt_logprobs, first=p[0])
+        if event.logprobs is not None:
+          logprobs = scored[index].of(event.ids, event.logprobs)
+        if event.text or logprobs is not None:
+          yield piece(index, event.text, logprobs=logprobs)
       elif event.finish_reason in ("error", "cancelled"):
         yield _sse(_failure(event).body())
       else:

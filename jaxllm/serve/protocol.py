@@ -6,8 +6,8 @@ SamplingParams, limits). Every refusal is an ApiError carrying OpenAI's error JS
 for bad parameters, types, JSON and prompts that do not fit the context, 404 for an unknown model, 503 when
 the queue is full or the model is loading.
 
-Fields OpenAI defines that this server does not implement yet (logprobs, tools, response_format other than
-text, logit_bias, suffix, best_of > n) are refused by name rather than ignored, so a client never gets
+Fields OpenAI defines that this server does not implement yet (tools, response_format other than text,
+logit_bias, suffix, best_of other than n) are refused by name rather than ignored, so a client never gets
 output that silently differs from what it asked for.
 """
 from __future__ import annotations
@@ -19,12 +19,13 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from jaxllm.sampling import SamplingParams
+from jaxllm.sampling import MAX_TOP_K, SamplingParams
 
 MAX_N = 16               # choices per request
 MAX_STOP = 16            # stop strings per request
 MAX_STOP_CHARS = 256     # characters per stop string
 MAX_PROMPTS = 64         # prompts in one /v1/completions request
+MAX_LOGPROBS = 20        # top_logprobs / logprobs at most (slots.TOP_LOGPROBS)
 
 
 class ApiError(Exception):
@@ -154,19 +155,21 @@ def check_supported(req: _Common) -> None:
   if req.logit_bias:
     _refuse("logit_bias")
   if isinstance(req, ChatRequest):
-    if req.logprobs or req.top_logprobs is not None:
-      _refuse("logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.response_format is not None and req.response_format.get("type") != "text":
       _refuse("response_format", "other than {'type': 'text'} is not supported by this server yet")
     if req.tools or req.tool_choice not in (None, "none"):
       _refuse("tools")
   else:
-    if req.logprobs is not None:
-      _refuse("logprobs")
     if req.suffix:
       _refuse("suffix")
     if req.best_of is not None and req.best_of != req.n:
       _refuse("best_of", "other than n is not supported by this server")
+  top = req.top_logprobs if isinstance(req, ChatRequest) else req.logprobs
+  if top is not None and not 0 <= top <= MAX_LOGPROBS:
+    name = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
+    raise ApiError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {top}", param=name)
   if not 1 <= req.n <= MAX_N:
     raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
 
@@ -175,6 +178,10 @@ def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
   """The request's SamplingParams (the engine's checks, as 400s), its seed and its stop strings."""
   repeat = req.repeat_penalty if req.repeat_penalty is not None else req.repetition_penalty
   top_k = 0 if req.top_k == -1 else req.top_k
+  if top_k > MAX_TOP_K:
+    # A wider top-k needs the engine's sorting step, a program the slots do not compile (a different Sampler).
+    raise ApiError(400, f"top_k must be in [0, {MAX_TOP_K}] on this server (0 or -1 = off), got {req.top_k}",
+                   param="top_k")
   try:
     params = SamplingParams(temperature=req.temperature, top_k=top_k, top_p=req.top_p, min_p=req.min_p,
                             repeat_penalty=repeat, presence_penalty=req.presence_penalty,
@@ -188,6 +195,15 @@ def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
     raise ApiError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
                    param="stop")
   return params, req.seed, stop
+
+
+def logprobs_wanted(req: _Common) -> tuple[int | None, bool]:
+  """(alternatives per token, or None for no logprobs; whether the prompt's are wanted too: echo)."""
+  if isinstance(req, ChatRequest):
+    if not req.logprobs:
+      return None, False
+    return req.top_logprobs or 0, False
+  return req.logprobs, req.logprobs is not None and req.echo
 
 
 def seeds(seed: int | None, n: int) -> list[int]:
@@ -209,9 +225,10 @@ def max_new_tokens(req: _Common, prompt_len: int, max_context: int) -> int:
                    code="context_length_exceeded")
   if asked is None:
     return max_context - prompt_len
-  if asked < 1:
-    why = " (max_tokens 0 with echo and logprobs, for scoring, is not supported yet)" if asked == 0 else ""
-    raise ApiError(400, f"{name} must be at least 1, got {asked}{why}", param=name)
+  echo = isinstance(req, CompletionRequest) and req.echo
+  if asked < 1 and not (asked == 0 and echo):
+    raise ApiError(400, f"{name} must be at least 1 (0 only with echo: the prompt scored, nothing generated), "
+                        f"got {asked}", param=name)
   if prompt_len + asked > max_context:
     raise ApiError(400, f"this server's context holds {max_context} tokens; the prompt has {prompt_len} and "
                         f"{name} asks for {asked} more ({prompt_len + asked} > {max_context}): ask for at most "

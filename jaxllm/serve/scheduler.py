@@ -50,9 +50,13 @@ class QueueFull(RuntimeError):
 
 @dataclasses.dataclass
 class Delta:
-  """New output of a request: the text that became final (may be empty) and the new token ids."""
+  """New output of a request: the text that became final (may be empty) and the new token ids; with
+  Request.logprobs, per new id (log-probability, [(id, log-probability)] best first); with
+  Request.prompt_logprobs, once before any token, the same for prompt tokens 1, 2, ... (token 0 has none)."""
   text: str
   ids: list[int]
+  logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+  prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclasses.dataclass
@@ -69,7 +73,9 @@ class Done:
 @dataclasses.dataclass(eq=False)
 class Request:
   """One sequence to generate: a prompt's ids and how to sample and stop. `emit` receives Delta and Done events
-  on the engine thread and must not block."""
+  on the engine thread and must not block. logprobs: None, or how many alternatives (0-20) to report with each
+  new token's log-probability; prompt_logprobs: report the prompt's too. max_tokens 0 (with prompt_logprobs)
+  scores the prompt and generates nothing."""
   prompt: list[int]
   max_tokens: int
   emit: Callable[[Delta | Done], None]
@@ -77,6 +83,8 @@ class Request:
   seed: int = 0
   stop: Sequence[str] = ()
   ignore_eos: bool = False
+  logprobs: int | None = None
+  prompt_logprobs: bool = False
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   cancelled: bool = False
@@ -258,7 +266,7 @@ class Scheduler:
         token = self.programs.prefill_step(run.job)
         if token is not None:
           run.job = None
-          self._push(run, [token])
+          self._admitted(run, token)
       if budget <= 0:
         break
 
@@ -292,6 +300,19 @@ class Scheduler:
       if run is not None and run.job is not None:
         run.job.slot = slot
 
+  def _admitted(self, run: _Running, token: int) -> None:
+    """A request's prompt is in its slot and its first token sampled."""
+    request = run.request
+    if request.prompt_logprobs:
+      p = request.prompt
+      scores = self.programs.score(self._running.index(run), p[:-1], 0, p[1:])
+      request.emit(Delta("", [], prompt_logprobs=[(lp, top[:request.logprobs or 0]) for lp, top in scores]))
+    if request.max_tokens == 0:
+      self.metrics.ttft.observe(time.perf_counter() - request.submitted)
+      self._release(run, Done("length", len(request.prompt), 0, run.reused))
+      return
+    self._push(run, [token])
+
   def _push(self, run: _Running, tokens: list[int]) -> None:
     """Hands a slot's new tokens to its request; frees the slot when the request ends."""
     now = time.perf_counter()
@@ -306,8 +327,14 @@ class Scheduler:
       text.append(out.push(t, (now - run.request.submitted) * 1e3))
     new_ids = out.ids[before:]
     self.metrics.generation_tokens += len(run.generated) - count
+    logprobs = None
+    if run.request.logprobs is not None and new_ids:
+      # new_ids are generated[before:]; token i was sampled after input i - 1 (the prompt's last for i = 0).
+      inputs = ([run.request.prompt[-1]] + run.generated)[before:before + len(new_ids)]
+      scores = self.programs.score(self._running.index(run), inputs, len(run.request.prompt) - 1 + before, new_ids)
+      logprobs = [(lp, top[:run.request.logprobs]) for lp, top in scores]
     if "".join(text) or new_ids:
-      run.request.emit(Delta("".join(text), new_ids))
+      run.request.emit(Delta("".join(text), new_ids, logprobs))
     if out.finish:
       reason = _FINISH[out.finish]
       done = Done(reason, len(run.request.prompt), len(out.times), run.reused, out.error)

@@ -19,7 +19,12 @@ count is a done row, which the step runs but which writes nothing. A request joi
       what a free row's cache holds (prefix reuse);
   decode_rows(weights, state, block [K, count]) -> (state, block)
       the engine's decode program (Engine.decode_program: K steps a call) on rows [0, count), the rest
-      untouched.
+      untouched;
+  score_slot(weights, state, slot, tokens [1, T], start [1], targets [1, T]) -> (logprobs [T], top ids and
+      logprobs [T, TOP_LOGPROBS])
+      the model's log-probabilities of `targets` after each of `tokens` run from `start` in row `slot` (a
+      copy of its cache: the state is read, never changed), for OpenAI's logprobs: the prompt's (echo) after
+      admission, a request's new tokens after each decode call.
 
 Slot indices are data (int32 scalars), so each program is compiled once per chunk size or row count: with
 the decode step's two modes (every active row greedy without penalties: the argmax step; else the full
@@ -38,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.cache import KVCache, check_fits, create_cache
-from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill
+from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill, sequence_logits
 from jaxllm.programs import prompt_bucket
 from jaxllm.sampling import Sampler, SamplingParams
 
@@ -48,6 +53,10 @@ def counts(slots: int) -> list[int]:
   while out[-1] * 2 < slots:
     out.append(out[-1] * 2)
   return out + [slots] if out[-1] != slots else out
+
+
+TOP_LOGPROBS = 20        # alternatives a score call returns per position (OpenAI's top_logprobs at most)
+SCORE_CHUNK = 128        # tokens per score call at most: its logits are [T, V] f32
 
 
 # The decode modes the server compiles (Engine.step_fn's `greedy`): the argmax-only step while every active
@@ -113,6 +122,18 @@ def decode_rows(step, count: int, k: int, weights, state: DecodeState, block):
   return (rows if count == state.tokens.shape[0] else _put_rows(state, rows, 0)), block
 
 
+def score_slot(config, weights, state: DecodeState, slot, tokens, start, targets, *, kernels, layers):
+  """Log-probabilities [T] of targets [1, T] after tokens [1, T] run from start in row `slot`, and the
+  TOP_LOGPROBS best ids and log-probabilities [T, TOP_LOGPROBS] at each position (the raw model's, before any
+  sampling setting). Positions past the real tokens give values that the caller drops."""
+  lg, _ = sequence_logits(config, weights, _row_cache(state.cache, slot), tokens, start, kernels=kernels,
+                          layers=layers)
+  lp = jax.nn.log_softmax(lg[0].astype(jnp.float32), axis=-1)                  # [T, V]
+  chosen = jnp.take_along_axis(lp, targets[0][:, None], axis=-1)[:, 0]
+  top_lp, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+  return chosen, top_ids.astype(jnp.int32), top_lp
+
+
 def extend_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, last, *, kernels, layers):
   """A full prefill chunk of one request into row `slot`; the row is marked done until admit_slot."""
   row, last = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
@@ -167,6 +188,7 @@ class SlotPrograms:
     longest = engine.max_context - 1                  # the longest prompt a slot takes
     self.buckets = sorted({prompt_bucket(n, engine.prefill_chunk) for n in range(1, min(longest, engine.prefill_chunk) + 1)})
     self.chunked = longest > engine.prefill_chunk     # whether a prompt can take more than one chunk
+    self.score_sizes = [b for b in self.buckets if b <= SCORE_CHUNK] or [self.buckets[0]]
     self.counts = counts(slots)
     self.state = self._empty_state()
     self._blocks: dict[int, jax.Array] = {}          # per row count: the token block its calls donate
@@ -206,6 +228,14 @@ class SlotPrograms:
     fn = functools.partial(admit_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
     return e.compile_program(("slot-admit", self.slots, bucket), fn, 1, self._args(bucket, True))
 
+  def score_fn(self, size: int) -> Callable:
+    e = self.engine
+    fn = functools.partial(score_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
+    tokens = jax.ShapeDtypeStruct((1, size), jnp.int32)
+    args = (e.weights, _spec(self.state), jax.ShapeDtypeStruct((), jnp.int32), tokens,
+            jax.ShapeDtypeStruct((1,), jnp.int32), tokens)
+    return e.compile_program(("slot-score", self.slots, size), fn, (), args)
+
   def decode_fn(self, count: int, mode: bool) -> Callable:
     """decode_rows over rows [0, count) in a decode mode (GREEDY or FULL): (weights, state, block) -> (state, block)."""
     e = self.engine
@@ -230,6 +260,8 @@ class SlotPrograms:
     for b in self.buckets:
       self.admit_fn(b)
     self.swap(0, 0)
+    for size in self.score_sizes:
+      self.score_fn(size)
     for count in self.counts:
       for mode in (GREEDY, FULL):
         self.decode(count, mode)
@@ -283,3 +315,19 @@ class SlotPrograms:
     tokens = np.asarray(block)
     self._blocks[count] = block
     return tokens
+
+  def score(self, slot: int, inputs: Sequence[int], start: int, targets: Sequence[int]) -> list[tuple]:
+    """Per target: (log-probability, [(id, log-probability)] * TOP_LOGPROBS), the model's after inputs[i] at
+    position start + i of `slot` (whose cache must hold the positions before start)."""
+    out = []
+    step = self.score_sizes[-1]
+    for at in range(0, len(inputs), step):
+      n = min(step, len(inputs) - at)
+      size = next(b for b in self.score_sizes if b >= n)
+      tokens, want = np.zeros((1, size), np.int32), np.zeros((1, size), np.int32)
+      tokens[0, :n], want[0, :n] = inputs[at:at + n], targets[at:at + n]
+      chosen, ids, lps = self.score_fn(size)(self.engine.weights, self.state, np.int32(slot), tokens,
+                                             np.asarray([start + at], np.int32), want)
+      chosen, ids, lps = np.asarray(chosen), np.asarray(ids), np.asarray(lps)
+      out += [(float(chosen[i]), list(zip(ids[i].tolist(), lps[i].tolist()))) for i in range(n)]
+    return out
