@@ -145,6 +145,8 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
     writes the logits.
   kernels "ffi" runs the fused kernels where they take the model and batch (model.use_fused).
   layers (static): "unrolled", "scan" or None, the backend's default ("scan" on the CPU; model.forward).
+  The state's Sampler brings the last static setting: wide_top_k, set by Sampler.create where some row's
+  top_k exceeds sampling.MAX_TOP_K (its step sorts the vocabulary for such rows; sampling.sample).
   """
   active = ~state.done
   b = state.tokens.shape[0]

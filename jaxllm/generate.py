@@ -11,6 +11,7 @@ See docs/usage.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from jaxllm.weights import QUANT_CHOICES, resolve_quant
 CONTEXT_ROUND = 256
 CHAT_CONTEXT = 4096     # default context of an interactive chat (capped at the model's)
 PENALTY_WINDOW = 64     # jaxllm.sampling.PENALTY_WINDOW (the device sampler's fixed window; sampling imports jax)
+MAX_TOP_K = 128         # jaxllm.sampling.MAX_TOP_K: a larger --top-k runs the step that sorts the vocabulary
 INTERRUPTED = 130       # exit status after Ctrl-C (128 + SIGINT), as shells report it
 VERSION = "0.1.0"
 
@@ -47,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="new tokens at most (default 64; -i: until the end of the answer or 1024)")
   p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
   p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-  p.add_argument("--top-k", type=int, default=0, help="0 = off (at most 128)")
+  p.add_argument("--top-k", type=int, default=0,
+                 help=f"keep the K most likely tokens; 0 = off, as are K < 0 and K >= the vocabulary (llama.cpp's "
+                      f"rule); above {MAX_TOP_K} a step that sorts the vocabulary draws, exactly, at some cost")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--min-p", type=float, default=0.0, help="0 = off: drop tokens below min_p x the best one's probability")
   p.add_argument("--repeat-penalty", type=float, default=1.0,
@@ -149,6 +153,7 @@ def _check_args(args) -> list[str]:
     raise SystemExit(f"error: --repeat-last-n: the device sampler's penalty window is fixed at {PENALTY_WINDOW} "
                      f"tokens (at most {PENALTY_WINDOW}; {PENALTY_WINDOW} or 0 = penalties off), "
                      f"got {args.repeat_last_n}")
+  args.top_k = max(args.top_k, 0)   # llama.cpp: k <= 0 is no top-k
   if args.threads is not None and args.threads < 1:
     raise SystemExit(f"error: --threads must be >= 1, got {args.threads}")
   if args.system and not (args.chat or args.interactive):
@@ -200,9 +205,9 @@ def _main(argv) -> int:
   if args.repeat_last_n == 0:
     args.repeat_penalty, args.presence_penalty, args.frequency_penalty = 1.0, 0.0, 0.0
   try:
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty)
+    params = SamplingParams(temperature=args.temperature, top_k=min(args.top_k, 2 ** 31 - 1), top_p=args.top_p,
+                            min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
@@ -237,6 +242,8 @@ def _main(argv) -> int:
                        "--allow-long-context to run anyway")
     print(f"[jaxllm] warning: context {max_context} is longer than the model's trained {config.context_length}",
           file=sys.stderr)
+  if params.top_k >= config.vocab_size:   # llama.cpp: k >= V is no top-k (the step without the sort serves it)
+    params = dataclasses.replace(params, top_k=0)
   try:
     engine = Engine(config, weights, tok, max_context=max_context, kernels=args.kernels,
                     graphs_on=False if args.no_graphs else None,

@@ -8,10 +8,12 @@ runs a new executable once on zeros, and where either fails it warns, turns comm
 engine and compiles again without them; with cache_executables it keeps executables on disk (jaxllm.store).
 
 greedy_mode names the decode step a request needs: sampling settings are data in the DecodeState, so one
-executable serves every request of a batch size and mode.
+executable serves every request of a batch size and mode. The mode is part of every prefill and decode key
+(and so of the disk cache's): it decides the static flags, the Sampler's wide_top_k among them.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import warnings
@@ -83,13 +85,22 @@ def _final_chunk(config, weights, cache, tokens, lengths, start, last, pos, samp
 
 
 def greedy_mode(rows: SamplingParams | Sequence[SamplingParams]) -> bool | str:
-  """The step a request needs (Engine.step_fn's `greedy`): where every row is greedy, True, or "penalized"
-  where some row has a penalty; where some row samples, "sampled" when no row has a penalty (the step
-  skips them: a pass over [B, V] less), else False. Each sampling step serves every temperature, top-k,
-  top-p, min-p and seed (they are data: changing them never compiles). rows: one SamplingParams or one per
-  row."""
+  """The step a request needs (Engine.step_fn's `greedy`), from its rows (one SamplingParams or one per row):
+
+    True              every row greedy, no penalties (the fused path's argmax head)
+    "penalized"       every row greedy, some with penalties
+    "sampled"         some row samples, no penalties (the step skips them: a pass over [B, V] less)
+    False             some row samples, some row has penalties
+    "wide"            as "sampled", and some sampling row's top_k exceeds MAX_TOP_K: the wide step, which
+                      sorts the vocabulary for such rows (Sampler.wide_top_k)
+    "wide-penalized"  as False, with the wide step
+
+  Each sampling step serves every temperature, top-k (up to MAX_TOP_K; the wide steps any), top-p, min-p,
+  penalty window and seed (they are data: changing them never compiles)."""
   rows = [rows] if isinstance(rows, SamplingParams) else rows
   penalized = any(p.penalized for p in rows)
+  if any(p.wide_top_k for p in rows):
+    return "wide-penalized" if penalized else "wide"
   if not all(p.greedy for p in rows):
     return False if penalized else "sampled"
   return "penalized" if penalized else True
@@ -104,9 +115,15 @@ def _greedy_only(greedy: bool | str) -> bool:
   return greedy is True or greedy == "penalized"
 
 
+def _wide(greedy: bool | str) -> bool:
+  """Whether a greedy mode (greedy_mode) runs the wide step (its Sampler's static wide_top_k)."""
+  return greedy in ("wide", "wide-penalized")
+
+
 def _step_flags(greedy: bool | str) -> dict:
-  """decode_step's static flags for a greedy mode (see Engine.step_fn)."""
-  return {"greedy_only": _greedy_only(greedy), "penalties": greedy in (False, "penalized")}
+  """decode_step's static flags for a greedy mode (see Engine.step_fn); the wide step is the Sampler's own
+  static field (_wide)."""
+  return {"greedy_only": _greedy_only(greedy), "penalties": greedy in (False, "penalized", "wide-penalized")}
 
 
 class Programs:
@@ -201,14 +218,16 @@ class Programs:
     compute = jnp.dtype(self.dtype).name if jnp.dtype(self.dtype) != jnp.dtype(self.cache_dtype) else ""
     return KVCache(k=kv, v=kv, compute=compute)
 
-  def _sampler_spec(self, batch: int) -> Sampler:
-    return _spec(Sampler.create(SamplingParams(), batch))
+  def _sampler_spec(self, batch: int, greedy: bool | str = True) -> Sampler:
+    """The abstract Sampler of a request in this greedy mode (the wide modes' with wide_top_k)."""
+    return dataclasses.replace(_spec(Sampler.create(SamplingParams(), batch)), wide_top_k=_wide(greedy))
 
-  def _state_spec(self, batch: int) -> DecodeState:
+  def _state_spec(self, batch: int, greedy: bool | str = True) -> DecodeState:
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     return DecodeState(cache=self._cache_spec(batch), tokens=vec, pos=vec,
                        done=jax.ShapeDtypeStruct((batch,), jnp.bool_), limit=vec,
-                       eog=jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32), sampler=self._sampler_spec(batch))
+                       eog=jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32),
+                       sampler=self._sampler_spec(batch, greedy))
 
   def extend_fn(self, batch: int, size: int) -> Callable:
     """Compiled extend(weights, cache, tokens [B, size], lengths, start, last) -> (cache, last)."""
@@ -225,16 +244,16 @@ class Programs:
                            layers=self.prefill_layers)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
-            jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32), vec, self._sampler_spec(batch), vec,
-            jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
+            jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32), vec,
+            self._sampler_spec(batch, greedy), vec, jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
     return self._build(("prefill", batch, bucket, greedy), fn, 1, args)
 
   def step_fn(self, batch: int = 1, greedy: bool | str = True) -> Callable:
     """Compiled decode_step(weights, state) -> state, the state donated.
 
     greedy: True (every row greedy, no penalties: the fused path's argmax head), "penalized" (every row
-    greedy, some with penalties), "sampled" (sampling, no penalties) or False (sampling with penalties), as
-    greedy_mode says.
+    greedy, some with penalties), "sampled" (sampling, no penalties), False (sampling with penalties), or
+    "wide" / "wide-penalized" (the same two with the wide top-k step), as greedy_mode says.
     """
     return self._build(("step", batch, greedy), *self.decode_program(batch, greedy, 1))
 
@@ -249,9 +268,9 @@ class Programs:
     flags = dict(_step_flags(greedy), layers=self.decode_layers)
     if k == 1:
       return (functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1,
-              (self.weights, self._state_spec(batch)))
+              (self.weights, self._state_spec(batch, greedy)))
     return (functools.partial(decode_steps, self.config, kernels=self.kernels, loop=self.device_loop, **flags), (1, 2),
-            (self.weights, self._state_spec(batch), jax.ShapeDtypeStruct((k, batch), jnp.int32)))
+            (self.weights, self._state_spec(batch, greedy), jax.ShapeDtypeStruct((k, batch), jnp.int32)))
 
   def tokens_per_call_for(self, batch: int) -> int:
     """Decode steps per executable call at this batch size: the engine's tokens_per_call, or by default

@@ -14,9 +14,13 @@ the last 64 tokens, prompt included):
   4. a draw: with none of top-k/top-p/min-p, exactly from the full softmax (Gumbel-max over all V logits);
      with any, among the MAX_TOP_K most likely tokens. Top-p and min-p are therefore exact whenever the
      tokens they keep are among those candidates; a nucleus wider than MAX_TOP_K tokens is cut to them.
+     A row whose top_k exceeds MAX_TOP_K is drawn among all V tokens instead, exactly (top-k, then top-p
+     and min-p, over a sort of the vocabulary): that takes the wide step, a static field of the Sampler
+     (Sampler.wide_top_k), so the other steps keep their candidates alone. top_k >= V keeps every token.
 Candidates come from an exact two-stage top-k (block maxima, then the best blocks), never a sort of V; on the
 GPU's FFI path from one CUDA kernel (jaxllm.kernels.ffi.top_candidates: radix selects instead of XLA's
-sorts; in a lab build JAXLLM_CANDIDATES_KERNEL=0 keeps the jnp path, see candidates_kernel).
+sorts; in a lab build JAXLLM_CANDIDATES_KERNEL=0 keeps the jnp path, see candidates_kernel). The wide
+step's sort is XLA's on every backend (the kernel takes at most MAX_TOP_K candidates).
 A row whose logits are not all finite samples token -1 and is reported, never drawn from.
 """
 from __future__ import annotations
@@ -31,7 +35,8 @@ import numpy as np
 
 from jaxllm import lab
 
-MAX_TOP_K = 128          # candidates kept for top-k / top-p / min-p (top_k may not exceed it)
+MAX_TOP_K = 128          # candidates kept for top-k / top-p / min-p: a larger top_k takes the wide step
+MAX_SAMPLER_TOP_K = 2 ** 31 - 1   # top_k is an int32 on the device (at least V: every token)
 PENALTY_WINDOW = 64      # last tokens the penalties look at (llama.cpp's repeat_last_n default)
 CANDIDATE_BLOCK = 128    # logits per block in the two-stage top-k
 NONFINITE = -1           # the token a row with NaN or inf logits gets
@@ -46,8 +51,9 @@ MAX_ADDITIVE_PENALTY = 100.0
 class SamplingParams:
   """One request's sampling settings (host side). Defaults: greedy, no penalties.
 
-  temperature 0 = greedy; top_k 0 = off (at most MAX_TOP_K); top_p 1 = off; min_p 0 = off;
-  repeat_penalty 1 = off; presence/frequency 0 = off; seed None = derived from the engine's seed.
+  temperature 0 = greedy; top_k 0 = off (at least the vocabulary: every token; above MAX_TOP_K the wide
+  step); top_p 1 = off; min_p 0 = off; repeat_penalty 1 = off; presence/frequency 0 = off; seed None =
+  derived from the engine's seed.
   """
   temperature: float = 0.0
   top_k: int = 0
@@ -63,12 +69,16 @@ class SamplingParams:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise ValueError(f"{name} must be {expect}, got {value!r}")
+
+    def integer(name, hi, expect):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [0, {hi}] ({expect}), got {value!r}")
     # Bounds keep every scaled logit finite (a logit divided by 1e-38, or a penalty of 1e30, is inf, and then
     # NaN): temperature 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]; penalties within their ranges.
     number("temperature", lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
            f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= MAX_TOP_K:
-      raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
+    integer("top_k", MAX_SAMPLER_TOP_K, "0 = off; at least the vocabulary keeps every token")
     number("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
     number("min_p", lambda v: 0 <= v < 1, "in [0, 1)")
     lo, hi = REPEAT_PENALTY_RANGE
@@ -90,6 +100,11 @@ class SamplingParams:
     """Whether any repeat/presence/frequency penalty is on."""
     return self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+  @property
+  def wide_top_k(self) -> bool:
+    """Whether the row samples with a top_k beyond the MAX_TOP_K candidates (the wide step draws it)."""
+    return not self.greedy and self.top_k > MAX_TOP_K
+
 
 def rows_of(params: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:
   """One SamplingParams per row: the one given for every row, or the list given (checked)."""
@@ -102,7 +117,11 @@ def rows_of(params: SamplingParams | Sequence[SamplingParams], batch: int) -> li
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Sampler:
-  """Per-sequence sampling state: settings [B], PRNG keys [B, 2], penalty window [B, W] (V where empty)."""
+  """Per-sequence sampling state: settings [B], PRNG keys [B, 2], penalty window [B, W] (V where empty).
+
+  wide_top_k (static): some row samples with a top_k above MAX_TOP_K, so sample() runs the wide step; a
+  Sampler without it draws such a row among the MAX_TOP_K candidates. Sampler.create sets it from the rows.
+  """
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
@@ -112,6 +131,7 @@ class Sampler:
   frequency_penalty: jax.Array
   keys: jax.Array
   recent: jax.Array
+  wide_top_k: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @staticmethod
   def create(params: SamplingParams | Sequence[SamplingParams], batch: int, seed: int = 0,
@@ -139,7 +159,8 @@ class Sampler:
                    top_p=col("top_p", np.float32), min_p=col("min_p", np.float32),
                    repeat_penalty=col("repeat_penalty", np.float32),
                    presence_penalty=col("presence_penalty", np.float32),
-                   frequency_penalty=col("frequency_penalty", np.float32), keys=keys, recent=recent)
+                   frequency_penalty=col("frequency_penalty", np.float32), keys=keys, recent=recent,
+                   wide_top_k=any(p.wide_top_k for p in rows))
 
   def push(self, tokens: jax.Array, index: jax.Array, active: jax.Array) -> "Sampler":
     """Puts each active row's new token (its `index`-th token, [B]) into the penalty window."""
@@ -226,6 +247,45 @@ def candidates(x: jax.Array, k: int, kernels: str = "xla") -> tuple[jax.Array, j
   return (*top_candidates(x, k), jax.nn.logsumexp(x, axis=-1))
 
 
+def _order_key(x: jax.Array) -> jax.Array:
+  """int32 keys [B, V] in the order of the f32 values x (-0.0 as +0.0): XLA sorts them much faster than floats
+  (on the CPU a row of 49152 in 1.8 ms against 11)."""
+  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+  return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _from_key(key: jax.Array) -> jax.Array:
+  """The f32 values of _order_key's keys."""
+  return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
+
+
+def wide_keep(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+  """Which tokens top-k, then top-p on what it left, then min-p keep, over the whole vocabulary: [B, V] bool.
+
+  z [B, V] f32 (finite, temperature applied); top_k [B] (0 or >= V: every token), top_p, min_p [B]. The same
+  rule as the candidate path's, over all V ranks: the values sorted (descending; equal values rank the lower
+  id first), the kept ranks are a prefix of n, and the kept tokens the n best: those above the n-th value,
+  then as many of the tokens equal to it as the prefix holds, lower ids first.
+  """
+  v = z.shape[1]
+  key = _order_key(z)                                                         # [B, V]
+  desc = jnp.flip(jnp.sort(key, axis=-1), axis=-1)                           # [B, V] descending
+  vals = _from_key(desc)
+  rank = jnp.arange(v)[None, :]
+  keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+  probs = jnp.where(keep, jnp.exp(vals - jax.nn.logsumexp(jnp.where(keep, vals, -jnp.inf), axis=-1,
+                                                          keepdims=True)), 0.0)
+  before = jnp.cumsum(probs, axis=-1) - probs                               # mass strictly above each
+  keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1)                 # 1 = off (f32 sums reach 1 early)
+  keep &= probs >= min_p[:, None] * probs[:, :1]
+  n = jnp.sum(keep, axis=-1)                                                 # [B] >= 1: rank 0 is always kept
+  last = jnp.take_along_axis(desc, (n - 1)[:, None], axis=1)                 # [B, 1] the n-th best key
+  above = key > last
+  ties = key == last
+  room = n[:, None] - jnp.sum(above, axis=-1, keepdims=True)                # ties the prefix holds
+  return above | (ties & (jnp.cumsum(ties, axis=-1) <= room))
+
+
 def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False, penalties: bool = True,
            kernels: str = "xla") -> tuple[jax.Array, Sampler]:
   """Draws one token per row: logits [B, V] f32 -> (tokens [B] int32, sampler with advanced keys).
@@ -235,6 +295,8 @@ def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False, pe
   penalties (static) False promises that no row has a penalty, and skips them.
   kernels: "xla" keeps every op in jnp; an FFI path may take the candidates from the GPU's kernel
   (candidates).
+  sampler.wide_top_k (static) adds the wide step: rows whose top_k exceeds MAX_TOP_K are drawn among the
+  tokens wide_keep keeps (with the full draw's noise); every other row draws as it would without it.
   """
   x = apply_penalties(logits, sampler) if penalties else logits
   finite = jnp.all(jnp.isfinite(logits), axis=-1)
@@ -257,11 +319,15 @@ def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False, pe
                     lse[:, None])
   probs = jnp.where(keep, jnp.exp(vals - denom), 0.0)
   before = jnp.cumsum(probs, axis=-1) - probs                               # mass strictly above each
-  keep &= before < sampler.top_p[:, None]
+  keep &= (before < sampler.top_p[:, None]) | (sampler.top_p[:, None] >= 1)   # 1 = off (f32 sums reach 1 early)
   keep &= probs >= sampler.min_p[:, None] * probs[:, :1]
   g = jax.vmap(lambda k: jax.random.gumbel(k, vals.shape[1:], jnp.float32))(k_cand)
   pick = jnp.argmax(jnp.where(keep, vals + g, -jnp.inf), axis=-1)
   cand_tok = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
+  if sampler.wide_top_k:   # a row's full-draw noise is unused where it truncates: the wide draw takes it
+    kept = wide_keep(z, sampler.top_k, sampler.top_p, sampler.min_p)
+    wide_tok = jnp.argmax(jnp.where(kept, z + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+    cand_tok = jnp.where(sampler.top_k > MAX_TOP_K, wide_tok, cand_tok)
   truncated = (sampler.top_k > 0) | (sampler.top_p < 1) | (sampler.min_p > 0)
   tokens = jnp.where(is_greedy, greedy_tok, jnp.where(truncated, cand_tok, full_tok))
   return jnp.where(finite, tokens, NONFINITE), dataclasses.replace(sampler, keys=keys)

@@ -13,7 +13,7 @@ import pytest
 
 from jaxllm import generate
 from jaxllm.generate import build_parser, main as cli_main, unescape
-from jaxllm.sampling import PENALTY_WINDOW
+from jaxllm.sampling import MAX_TOP_K, PENALTY_WINDOW
 from tiny import write_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,11 +187,37 @@ def test_no_prefix_abbreviations(capsys):
   assert "unrecognized arguments" in capsys.readouterr().err
 
 
+def _spy_params(monkeypatch) -> list:
+  """The SamplingParams each Engine.generate call of the CLI gets."""
+  from jaxllm.engine import Engine
+  seen = []
+  real = Engine.generate
+
+  def spy(self, ids, max_tokens, params, *args, **kwargs):
+    seen.append(params)
+    return real(self, ids, max_tokens, params, *args, **kwargs)
+  monkeypatch.setattr(Engine, "generate", spy)
+  return seen
+
+
 def test_repeat_last_n_is_the_fixed_window_or_refused():
   assert generate.PENALTY_WINDOW == PENALTY_WINDOW
   for bad in ("32", "65", "-1"):
     with pytest.raises(SystemExit, match=f"at most {PENALTY_WINDOW}"):
       cli_main(["m.gguf", "-p", "x", "--repeat-last-n", bad])
+
+
+def test_top_k_up_to_the_vocabulary(path, capsys, monkeypatch):
+  """--top-k above the candidates (it was refused above 128) runs the wide step; k <= 0 and k >= the
+  vocabulary (262 tokens here) mean no top-k, as in llama.cpp."""
+  assert generate.MAX_TOP_K == MAX_TOP_K
+  seen = _spy_params(monkeypatch)
+  for k in ("200", "1000", "-5"):
+    assert cli_main([path, "-p", "x", "-n", "3", "--temp", "1", "--top-k", k, "-s", "1", "--json",
+                     "--kernels", "xla", "--ignore-eos"]) == 0
+  records = _json_lines(capsys.readouterr().out)
+  assert [p.top_k for p in seen] == [200, 0, 0] and all(len(r["ids"]) == 3 for r in records)
+  assert seen[0].wide_top_k and not seen[1].wide_top_k
 
 
 def test_escapes_and_reverse_prompt(path, capsys):

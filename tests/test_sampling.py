@@ -218,10 +218,17 @@ def test_greedy_mode_names_the_step_a_batch_needs():
            ([SamplingParams(repeat_penalty=1.1)], "penalized", {"greedy_only": True, "penalties": True}),
            ([plain, SamplingParams()], "sampled", {"greedy_only": False, "penalties": False}),
            ([plain, SamplingParams(presence_penalty=0.5)], False, {"greedy_only": False, "penalties": True}),
-           ([pen], False, {"greedy_only": False, "penalties": True})]
+           ([pen], False, {"greedy_only": False, "penalties": True}),
+           ([plain, SamplingParams(temperature=0.7, top_k=MAX_TOP_K + 1)], "wide",
+            {"greedy_only": False, "penalties": False}),
+           ([pen, SamplingParams(temperature=0.7, top_k=10 ** 6)], "wide-penalized",
+            {"greedy_only": False, "penalties": True}),
+           ([SamplingParams(top_k=500), SamplingParams(temperature=0.7, top_k=MAX_TOP_K)], "sampled",
+            {"greedy_only": False, "penalties": False})]     # a greedy row's top_k is never drawn from
   for rows, mode, flags in cases:
     assert greedy_mode(rows) == mode and type(greedy_mode(rows)) is type(mode)
     assert _step_flags(mode) == flags
+    assert Sampler.create(rows, len(rows)).wide_top_k == (mode in ("wide", "wide-penalized"))
 
 
 def test_a_row_is_drawn_the_same_in_any_batch():
@@ -266,9 +273,10 @@ def test_one_compiled_sampler_serves_every_setting():
     (dict(temperature=-1.0), r"temperature must be 0 \(greedy\) or a number in \[0.001, 1000.0\], got -1.0"),
     (dict(temperature=float("nan")), r"temperature must be 0 \(greedy\) or a number in \[0.001, 1000.0\], got nan"),
     (dict(temperature=1e-38), r"temperature must be 0 \(greedy\) or a number in \[0.001, 1000.0\], got 1e-38"),
-    (dict(top_k=-3), r"top_k must be an integer in \[0, 128\] \(0 = off\), got -3"),
-    (dict(top_k=2.5), r"top_k must be an integer in \[0, 128\] \(0 = off\), got 2.5"),
-    (dict(top_k=500), r"top_k must be an integer in \[0, 128\]"),
+    (dict(top_k=-3), r"top_k must be an integer in \[0, 2147483647\] \(0 = off; at least the vocabulary keeps "
+                     r"every token\), got -3"),
+    (dict(top_k=2.5), r"top_k must be an integer in \[0, 2147483647\] .*, got 2.5"),
+    (dict(top_k=2 ** 31), r"top_k must be an integer in \[0, 2147483647\]"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(min_p=1.0), r"min_p must be in \[0, 1\), got 1.0"),
@@ -282,3 +290,107 @@ def test_one_compiled_sampler_serves_every_setting():
 def test_bad_sampling_values(kw, msg):
   with pytest.raises(ValueError, match=msg):
     SamplingParams(**kw)
+
+
+# Top-k beyond the candidates (issue 37, item 7) -----------------------------------------------------
+
+def _kept_by_numpy(x, top_k=0, top_p=1.0, min_p=0.0):
+  """The tokens top-k, top-p on what it left, then min-p keep, in float64 over a stable sort (equal values:
+  the lower id first)."""
+  order = np.argsort(-x, kind="stable")
+  k = len(x) if top_k <= 0 else min(top_k, len(x))
+  vals = x[order[:k]].astype(np.float64)
+  p = np.exp(vals - vals.max())
+  p /= p.sum()
+  keep = (np.cumsum(p) - p < top_p) & (p >= min_p * p[0])
+  return set(order[:k][keep].tolist())
+
+
+def test_top_k_beyond_the_candidates_draws_exactly_from_the_top_k():
+  """top_k 300 of 400 random logits: every draw among the 300 best, ranks past MAX_TOP_K drawn as often as the
+  distribution top-k defines (a chi-square over the 300 tokens); it was refused (at most 128) before."""
+  rng = np.random.default_rng(11)
+  logits = rng.standard_normal(400) * 0.7
+  params = SamplingParams(temperature=1.0, top_k=300)
+  from jaxllm.programs import greedy_mode
+  assert greedy_mode(params) == "wide"
+  freq = _draws(logits, params)
+  order = np.argsort(-logits)
+  assert freq[order[300:]].sum() == 0
+  p = np.exp(logits[order[:300]] - logits.max())
+  p /= p.sum()
+  assert abs(freq[order[MAX_TOP_K:300]].sum() - p[MAX_TOP_K:].sum()) < 0.01 and p[MAX_TOP_K:].sum() > 0.2
+  chi2 = np.sum((freq[order[:300]] - p) ** 2 / p) * N
+  assert chi2 < 299 + 6 * np.sqrt(2 * 299), chi2
+
+
+def test_wide_keep_is_the_rule_over_the_whole_vocabulary():
+  """The wide step's kept set against numpy's float64 (random rows and rows of ties; top-k, top-p, min-p and
+  their mixes; k up to past V), and the draw: ties at the k-th value kept lower ids first."""
+  from jaxllm.sampling import wide_keep
+  rng = np.random.default_rng(5)
+  v = 3000
+  x = (rng.standard_normal((4, v)) * 2).astype(np.float32)
+  x[1] = np.round(x[1])                        # a few values, thousands of ties
+  x[2] = 0.25                                  # one value
+  x[3, :500] = 9.0                             # 500 ties at the top
+  settings = [(200, 1.0, 0.0), (2999, 1.0, 0.0), (v + 10, 1.0, 0.0), (0, 0.97, 0.0), (1000, 0.9, 0.0),
+              (700, 1.0, 0.002), (1500, 0.95, 0.001), (129, 0.5, 0.0)]
+  for top_k, top_p, min_p in settings:
+    rows = lambda a: jnp.full((4,), a)    # noqa: E731
+    got = np.asarray(wide_keep(jnp.asarray(x), rows(top_k).astype(jnp.int32), rows(top_p).astype(jnp.float32),
+                               rows(min_p).astype(jnp.float32)))
+    for b in range(4):
+      if b == 2 and top_p < 1:      # a uniform row's nucleus ends on a sum equal to top_p: f32 rounding decides
+        continue
+      want = _kept_by_numpy(x[b], top_k, top_p, min_p)
+      assert set(np.flatnonzero(got[b]).tolist()) == want, (b, top_k, top_p, min_p)
+  freq = _draws(np.zeros(300), SamplingParams(temperature=1.0, top_k=150))    # all equal: the first 150 ids
+  assert freq[150:].sum() == 0 and freq[:150].min() > 0
+
+
+def test_top_k_at_least_the_vocabulary_draws_what_no_top_k_draws():
+  """llama.cpp's rule: k >= V keeps every token; the wide step then draws exactly top_k 0's token."""
+  logits = jnp.asarray(np.random.default_rng(2).standard_normal((64, 500)), jnp.float32)
+  off = [SamplingParams(temperature=0.8, seed=s) for s in range(64)]
+  full = [SamplingParams(temperature=0.8, top_k=500 + s, seed=s) for s in range(64)]
+  want, _ = sample(logits, Sampler.create(off, 64))
+  got, _ = sample(logits, Sampler.create(full, 64))
+  assert Sampler.create(full, 64).wide_top_k
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_wide_step_leaves_the_other_rows_draws_alone():
+  """A row whose top_k exceeds the candidates puts its batch on the wide step; every other row draws there
+  what it draws on the candidate step (the same keys, the same candidates)."""
+  import dataclasses
+  x = jnp.asarray(_candidate_rows(5000))
+  rows = [SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_k=40, seed=2),
+          SamplingParams(temperature=0.8, min_p=0.05, seed=3), SamplingParams(temperature=1.2, top_k=1000, seed=4)]
+  wide = Sampler.create(rows, 4)
+  assert wide.wide_top_k
+  narrow = dataclasses.replace(wide, wide_top_k=False)
+  a, _ = sample(x, wide)
+  b, _ = sample(x, narrow)
+  np.testing.assert_array_equal(np.asarray(a)[:3], np.asarray(b)[:3])
+  assert np.asarray(a)[3] in np.argsort(-np.asarray(x[3]) / 1.2, kind="stable")[:1000]
+
+
+def test_the_wide_step_compiles_once_under_its_own_key(tiny_models):
+  """A request with a top_k above the candidates compiles the wide prefill and decode programs (their keys
+  name the mode), which then serve every such k; the candidate step's executables stay as they were."""
+  import jaxllm
+  from jaxllm.engine import Engine
+  config, weights, tok = jaxllm.load(tiny_models["qwen2"], progress=False, dtype=jnp.float32)
+  engine = Engine(config, weights, tok, max_context=64, kernels="xla", dtype=jnp.float32)
+  prompt = [5, 6, 7, 5, 6, 9, 11, 5]
+  engine.generate(prompt, 8, SamplingParams(temperature=1.0, top_k=40, seed=1), ignore_eos=True)
+  before = engine.executables()
+  out = engine.generate(prompt, 8, SamplingParams(temperature=1.0, top_k=200, seed=1), ignore_eos=True)
+  keys = set(engine.executables()) - set(before)
+  assert keys and all("wide" in key for key in keys) and set(before) <= set(engine.executables()), keys
+  assert any(key[0] == "prefill" for key in keys) and any(key[0] in ("step", "steps") for key in keys)
+  assert len(out.ids) == 8 and all(0 <= t < config.vocab_size for t in out.ids)
+  n = len(engine.executables())
+  engine.generate(prompt, 8, SamplingParams(temperature=0.5, top_k=260, top_p=0.9, seed=2), ignore_eos=True)
+  assert len(engine.executables()) == n
