@@ -155,6 +155,16 @@ def test_chat_and_completions_with_the_openai_client(served, client):
   assert echoed.choices[0].text == prompt + want
 
 
+def test_nulls_take_defaults(served):
+  """Clients send optional fields as null (LangChain's "stop": null, "max_tokens": null): defaults apply."""
+  body = {"model": None, "messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 4, "stop": None,
+          "temperature": 0, "top_p": None, "seed": None, "n": None, "stream": None, "logprobs": None, "user": None,
+          "metadata": None, "store": False}
+  status, _, answer = post(served.url, "/v1/chat/completions", body)
+  assert status == 200, answer
+  assert len(answer["choices"]) == 1 and answer["usage"]["completion_tokens"] >= 1
+
+
 def test_raw_stream_ends_with_done_and_usage(served):
   """The SSE bytes: data lines only, a usage chunk with no choices, then [DONE]."""
   host, port = served.url.removeprefix("http://").split(":")

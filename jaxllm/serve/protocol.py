@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from jaxllm.sampling import MAX_TOP_K, SamplingParams
 
@@ -43,7 +43,14 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
+  """Unknown fields and wrong types refused; a field given as null takes its default (OpenAI's clients and
+  libraries such as LangChain send "stop": null, "max_tokens": null, ...)."""
   model_config = ConfigDict(extra="forbid", strict=True)
+
+  @model_validator(mode="before")
+  @classmethod
+  def _nulls_are_defaults(cls, data):
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Strict):
@@ -80,6 +87,10 @@ class _Common(_Strict):
   stream_options: StreamOptions | None = None
   user: str | None = None
   ignore_eos: bool = False             # vLLM's extension
+  # OpenAI's bookkeeping fields: accepted, without effect here.
+  store: bool | None = None
+  metadata: dict[str, str] | None = None
+  service_tier: str | None = None
   # Defined by OpenAI, not implemented here: refused unless left at their "off" value.
   logit_bias: dict[str, float] | None = None
 
