@@ -422,3 +422,20 @@ def test_logprobs_of_new_tokens_and_of_an_echoed_prompt(served, client):
                                     extra_body={"ignore_eos": True}).choices[0].logprobs
   assert [x for part in streamed for x in part.token_logprobs] == pytest.approx(plain.token_logprobs)
   assert len(plain.token_logprobs) == 12
+
+
+def test_load_generator(served, capsys):
+  """jaxllm.serve.loadgen against the server: every request completes with exactly its tokens, and the report
+  holds the latency percentiles and throughputs."""
+  from jaxllm.serve import loadgen
+  assert loadgen.main([served.url, "--concurrency", "2,6", "--requests", "12", "--prompt-len", "20",
+                       "--max-tokens", "9", "--vocab", "250"]) == 0
+  lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+  assert [r["concurrency"] for r in lines] == [2, 6]
+  for r in lines:
+    assert (r["completed"], r["error_count"], r["output_tokens"], r["prompt_tokens"]) == (12, 0, 12 * 9, 12 * 20)
+    for name in ("ttft", "tpot", "itl", "e2e"):
+      assert 0 <= r[f"{name}_ms_p50"] <= r[f"{name}_ms_p90"] <= r[f"{name}_ms_p99"]
+    assert r["output_tok_s"] > 0 and r["ttft_ms_p50"] <= r["e2e_ms_p50"]
+  bad = asyncio.run(loadgen.run_level(served.url, 2, 2, 5, 3, "not-the-model"))
+  assert bad["completed"] == 0 and "does not exist" in bad["errors"][0]
