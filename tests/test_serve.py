@@ -187,11 +187,12 @@ def test_sampling_settings_n_and_stop(served, client):
   the text before it."""
   prompt = "Once upon a time"
   ids = served.tokenizer.encode(prompt)
+  window = {"repeat_last_n": 16} if "repeat_last_n" in {f.name for f in dataclasses.fields(SamplingParams)} else {}
   params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, repeat_penalty=1.1,
-                          presence_penalty=0.2, frequency_penalty=0.1)
+                          presence_penalty=0.2, frequency_penalty=0.1, **window)
   r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, n=3, seed=7, temperature=0.9, top_p=0.9,
                                 presence_penalty=0.2, frequency_penalty=0.1,
-                                extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1})
+                                extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, **window})
   assert [c.index for c in r.choices] == [0, 1, 2]
   for i, c in enumerate(r.choices):
     assert c.text == served.reference(ids, 16, params, seed=7 + i)[0]

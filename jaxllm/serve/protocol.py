@@ -12,6 +12,7 @@ output that silently differs from what it asked for.
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 import uuid
@@ -80,6 +81,7 @@ class _Common(_Strict):
   frequency_penalty: float = 0.0
   repetition_penalty: float = 1.0      # vLLM's name for llama.cpp's repeat penalty
   repeat_penalty: float | None = None  # llama-server's name for it
+  repeat_last_n: int | None = None     # llama-server's: the last tokens the penalties look at (the engine's default)
   stop: Union[str, list[str], None] = None
   seed: int | None = None
   n: int = 1
@@ -193,10 +195,15 @@ def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
     # A wider top-k needs the engine's sorting step, a program the slots do not compile (a different Sampler).
     raise ApiError(400, f"top_k must be in [0, {MAX_TOP_K}] on this server (0 or -1 = off), got {req.top_k}",
                    param="top_k")
+  extra = {}
+  if req.repeat_last_n is not None:
+    if "repeat_last_n" not in {f.name for f in dataclasses.fields(SamplingParams)}:
+      _refuse("repeat_last_n", "is not supported by this engine's sampler")
+    extra["repeat_last_n"] = req.repeat_last_n
   try:
     params = SamplingParams(temperature=req.temperature, top_k=top_k, top_p=req.top_p, min_p=req.min_p,
                             repeat_penalty=repeat, presence_penalty=req.presence_penalty,
-                            frequency_penalty=req.frequency_penalty)
+                            frequency_penalty=req.frequency_penalty, **extra)
   except ValueError as e:
     raise ApiError(400, str(e), param=str(e).split(" ")[0]) from None
   if req.seed is not None and not 0 <= req.seed < 2 ** 63 - MAX_N:
