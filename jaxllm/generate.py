@@ -25,7 +25,8 @@ from jaxllm.weights import QUANT_CHOICES, resolve_quant
 
 CONTEXT_ROUND = 256
 CHAT_CONTEXT = 4096     # default context of an interactive chat (capped at the model's)
-PENALTY_WINDOW = 64     # jaxllm.sampling.PENALTY_WINDOW (the device sampler's fixed window; sampling imports jax)
+# jaxllm.sampling's REPEAT_LAST_N and MAX_REPEAT_LAST_N (the device sampler's window; sampling imports jax)
+REPEAT_LAST_N, MAX_REPEAT_LAST_N = 64, 4096
 MAX_TOP_K = 128         # jaxllm.sampling.MAX_TOP_K: a larger --top-k runs the step that sorts the vocabulary
 INTERRUPTED = 130       # exit status after Ctrl-C (128 + SIGINT), as shells report it
 VERSION = "0.1.0"
@@ -55,12 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--min-p", type=float, default=0.0, help="0 = off: drop tokens below min_p x the best one's probability")
   p.add_argument("--repeat-penalty", type=float, default=1.0,
-                 help="1 = off: divide (or, if negative, multiply) the logits of the last 64 tokens")
-  p.add_argument("--repeat-last-n", type=int, default=PENALTY_WINDOW, metavar="N",
-                 help=f"tokens the penalties look at: the device sampler's window is fixed at {PENALTY_WINDOW}, "
-                      f"so {PENALTY_WINDOW} (default) or 0 = penalties off; other values are refused")
-  p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from tokens in the last 64")
-  p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence in the last 64")
+                 help="1 = off: divide (or, if negative, multiply) the logits of the last N tokens (--repeat-last-n)")
+  p.add_argument("--repeat-last-n", type=int, default=REPEAT_LAST_N, metavar="N",
+                 help=f"tokens the penalties look at (default {REPEAT_LAST_N}), at most {MAX_REPEAT_LAST_N} (the "
+                      f"device sampler's window); 0 = penalties off; -1 = the whole context, for a context of at "
+                      f"most {MAX_REPEAT_LAST_N}")
+  p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from tokens in the last N")
+  p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence in the last N")
   p.add_argument("--seed", "-s", type=int, default=-1,
                  help="sampling seed in [0, 2^63); -1 (default) = a random one, printed in the summary and in "
                       "--json so the run can be replayed with --seed N")
@@ -149,10 +151,11 @@ def _check_args(args) -> list[str]:
     args.seed = secrets.randbits(63)
   if not 0 <= args.seed < 2 ** 63:
     raise SystemExit(f"error: --seed must be in [0, 2^63) or -1 (random), got {args.seed}")
-  if args.repeat_last_n not in (0, PENALTY_WINDOW):
-    raise SystemExit(f"error: --repeat-last-n: the device sampler's penalty window is fixed at {PENALTY_WINDOW} "
-                     f"tokens (at most {PENALTY_WINDOW}; {PENALTY_WINDOW} or 0 = penalties off), "
-                     f"got {args.repeat_last_n}")
+  if not -1 <= args.repeat_last_n <= MAX_REPEAT_LAST_N:
+    raise SystemExit(f"error: --repeat-last-n must be in [0, {MAX_REPEAT_LAST_N}] (the device sampler's window; "
+                     f"0 = penalties off) or -1 (the whole context), got {args.repeat_last_n}")
+  if args.repeat_last_n == -1 and args.max_context is not None:
+    _check_whole_context(args.max_context)
   args.top_k = max(args.top_k, 0)   # llama.cpp: k <= 0 is no top-k
   if args.threads is not None and args.threads < 1:
     raise SystemExit(f"error: --threads must be >= 1, got {args.threads}")
@@ -175,6 +178,26 @@ def _check_args(args) -> list[str]:
     texts = [unescape(t) for t in texts]
     args.stop = [unescape(t) for t in args.stop]
   return texts
+
+
+def _check_whole_context(max_context: int) -> None:
+  """--repeat-last-n -1 (the whole context) where the context fits in the device sampler's window."""
+  if max_context > MAX_REPEAT_LAST_N:
+    raise SystemExit(f"error: --repeat-last-n -1 (the whole context) takes a context of at most {MAX_REPEAT_LAST_N} "
+                     f"tokens (the device sampler's window), this one holds {max_context}: give --repeat-last-n "
+                     f"{MAX_REPEAT_LAST_N} or less, or --max-context {MAX_REPEAT_LAST_N}")
+
+
+def _settle(params, repeat_last_n: int, max_context: int, vocab_size: int):
+  """The sampling settings once the context and the vocabulary are known: --repeat-last-n -1 is the whole
+  context (refused where that is longer than the sampler's window), and a top-k of at least the vocabulary is
+  no top-k (llama.cpp's rule; the step without the vocabulary's sort then serves it)."""
+  if repeat_last_n == -1:
+    _check_whole_context(max_context)
+    params = dataclasses.replace(params, repeat_last_n=max_context)
+  if params.top_k >= vocab_size:
+    params = dataclasses.replace(params, top_k=0)
+  return params
 
 
 def main(argv=None) -> int:
@@ -202,12 +225,11 @@ def _main(argv) -> int:
   from jaxllm.progress import Stages, compile_line  # imports jax: after argument errors
   from jaxllm.sampling import SamplingParams
   stages = Stages(quiet=args.quiet)
-  if args.repeat_last_n == 0:
-    args.repeat_penalty, args.presence_penalty, args.frequency_penalty = 1.0, 0.0, 0.0
-  try:
+  try:    # checked before the model loads; -1 and a top-k past the vocabulary are settled once it has
     params = SamplingParams(temperature=args.temperature, top_k=min(args.top_k, 2 ** 31 - 1), top_p=args.top_p,
                             min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            repeat_last_n=max(args.repeat_last_n, 0))
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
@@ -242,8 +264,7 @@ def _main(argv) -> int:
                        "--allow-long-context to run anyway")
     print(f"[jaxllm] warning: context {max_context} is longer than the model's trained {config.context_length}",
           file=sys.stderr)
-  if params.top_k >= config.vocab_size:   # llama.cpp: k >= V is no top-k (the step without the sort serves it)
-    params = dataclasses.replace(params, top_k=0)
+  params = _settle(params, args.repeat_last_n, max_context, config.vocab_size)
   try:
     engine = Engine(config, weights, tok, max_context=max_context, kernels=args.kernels,
                     graphs_on=False if args.no_graphs else None,

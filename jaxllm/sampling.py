@@ -1,14 +1,14 @@
 """Sampling on the device, with every setting as data: one compiled step serves every request.
 
 `SamplingParams` is what a user asks for; `Sampler` is the same settings as per-sequence arrays [B] in the
-decode state, with each sequence's PRNG key and the window of its last PENALTY_WINDOW tokens. Changing a
-temperature, a top-p or a seed therefore changes data, never the compiled program, and a batch can mix
-settings row by row (what a server does).
+decode state, with each sequence's PRNG key and a window of its last MAX_REPEAT_LAST_N tokens. Changing a
+temperature, a top-p, a penalty window or a seed therefore changes data, never the compiled program, and a
+batch can mix settings row by row (what a server does).
 
 Order, per row (HF transformers' order for the first four; the penalties as llama.cpp applies them over
-the last 64 tokens, prompt included):
-  1. penalties on the logits of tokens in the window: repeat (x / r if x > 0 else x * r), then
-     frequency (- f * count) and presence (- p * [count > 0]);
+the row's last repeat_last_n tokens, prompt included):
+  1. penalties on the logits of tokens among the last repeat_last_n (at most MAX_REPEAT_LAST_N): repeat
+     (x / r if x > 0 else x * r), then frequency (- f * count) and presence (- p * [count > 0]);
   2. temperature (0 = greedy: the argmax of the penalized logits);
   3. top-k, top-p (nucleus, on the distribution top-k left), min-p (p >= min_p * p_max);
   4. a draw: with none of top-k/top-p/min-p, exactly from the full softmax (Gumbel-max over all V logits);
@@ -37,11 +37,12 @@ from jaxllm import lab
 
 MAX_TOP_K = 128          # candidates kept for top-k / top-p / min-p: a larger top_k takes the wide step
 MAX_SAMPLER_TOP_K = 2 ** 31 - 1   # top_k is an int32 on the device (at least V: every token)
-PENALTY_WINDOW = 64      # last tokens the penalties look at (llama.cpp's repeat_last_n default)
+REPEAT_LAST_N = 64       # last tokens the penalties look at by default (llama.cpp's repeat_last_n default)
+MAX_REPEAT_LAST_N = 4096  # the most they look at: each row's window of recent tokens (docs/usage.md)
 CANDIDATE_BLOCK = 128    # logits per block in the two-stage top-k
 NONFINITE = -1           # the token a row with NaN or inf logits gets
 # Sampling settings' bounds: within them a finite logit stays finite through temperature and penalties
-# (|logit| / 1e-3, |logit| x 100 and 100 x PENALTY_WINDOW stay far inside f32).
+# (|logit| / 1e-3, |logit| x 100 and 100 x MAX_REPEAT_LAST_N stay far inside f32).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 REPEAT_PENALTY_RANGE = (0.01, 100.0)
 MAX_ADDITIVE_PENALTY = 100.0
@@ -53,7 +54,8 @@ class SamplingParams:
 
   temperature 0 = greedy; top_k 0 = off (at least the vocabulary: every token; above MAX_TOP_K the wide
   step); top_p 1 = off; min_p 0 = off; repeat_penalty 1 = off; presence/frequency 0 = off; seed None =
-  derived from the engine's seed.
+  derived from the engine's seed; repeat_last_n: how many of the last tokens the penalties look at, in
+  [0, MAX_REPEAT_LAST_N] (0 = penalties off).
   """
   temperature: float = 0.0
   top_k: int = 0
@@ -63,6 +65,7 @@ class SamplingParams:
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   seed: int | None = None
+  repeat_last_n: int = REPEAT_LAST_N
 
   def __post_init__(self):
     def number(name, ok, expect):
@@ -79,6 +82,7 @@ class SamplingParams:
     number("temperature", lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
            f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
     integer("top_k", MAX_SAMPLER_TOP_K, "0 = off; at least the vocabulary keeps every token")
+    integer("repeat_last_n", MAX_REPEAT_LAST_N, "the last tokens the penalties look at; 0 = penalties off")
     number("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
     number("min_p", lambda v: 0 <= v < 1, "in [0, 1)")
     lo, hi = REPEAT_PENALTY_RANGE
@@ -97,8 +101,9 @@ class SamplingParams:
 
   @property
   def penalized(self) -> bool:
-    """Whether any repeat/presence/frequency penalty is on."""
-    return self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+    """Whether any repeat/presence/frequency penalty is on (over a window of at least one token)."""
+    on = self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+    return on and self.repeat_last_n > 0
 
   @property
   def wide_top_k(self) -> bool:
@@ -117,8 +122,11 @@ def rows_of(params: SamplingParams | Sequence[SamplingParams], batch: int) -> li
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Sampler:
-  """Per-sequence sampling state: settings [B], PRNG keys [B, 2], penalty window [B, W] (V where empty).
+  """Per-sequence sampling state: settings [B], PRNG keys [B, 2], and the penalties' window.
 
+  recent [B, W] (W = MAX_REPEAT_LAST_N) holds each row's last W tokens, token i in slot i % W (any id >= V
+  where there is none); seen [B] counts the row's tokens so far (its history and the tokens pushed since), so
+  slot s holds the token (seen - 1 - s) % W places back; last_n [B] is how many of them the penalties look at.
   wide_top_k (static): some row samples with a top_k above MAX_TOP_K, so sample() runs the wide step; a
   Sampler without it draws such a row among the MAX_TOP_K candidates. Sampler.create sets it from the rows.
   """
@@ -131,6 +139,8 @@ class Sampler:
   frequency_penalty: jax.Array
   keys: jax.Array
   recent: jax.Array
+  seen: jax.Array
+  last_n: jax.Array
   wide_top_k: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @staticmethod
@@ -140,7 +150,7 @@ class Sampler:
 
     A row's key is made from params.seed when the row sets one, else from seed + row (threefry's seeding,
     computed on the host: jax.random.PRNGKey(s) for s < 2^32).
-    history: each row's tokens so far (the prompt), whose last PENALTY_WINDOW tokens fill the window;
+    history: each row's tokens so far (the prompt), whose last MAX_REPEAT_LAST_N tokens fill the window;
     vocab_size marks empty window slots (any id >= V; 0 leaves the window empty).
     """
     rows = rows_of(params, batch)
@@ -149,9 +159,11 @@ class Sampler:
       raise ValueError(f"seeds must be integers in [0, 2^63), got {seeds[:4]}")
     keys = np.asarray([[(s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF] for s in seeds], np.uint32)
     empty = max(vocab_size, 1) if vocab_size else np.iinfo(np.int32).max
-    recent = np.full((batch, PENALTY_WINDOW), empty, np.int32)
+    recent = np.full((batch, MAX_REPEAT_LAST_N), empty, np.int32)
+    seen = np.zeros((batch,), np.int32)
     for b, hist in enumerate(history or []):
       recent[b] = window_of(hist, empty)
+      seen[b] = len(hist)
 
     def col(name, dtype):
       return np.asarray([getattr(p, name) for p in rows], dtype)
@@ -159,41 +171,41 @@ class Sampler:
                    top_p=col("top_p", np.float32), min_p=col("min_p", np.float32),
                    repeat_penalty=col("repeat_penalty", np.float32),
                    presence_penalty=col("presence_penalty", np.float32),
-                   frequency_penalty=col("frequency_penalty", np.float32), keys=keys, recent=recent,
-                   wide_top_k=any(p.wide_top_k for p in rows))
+                   frequency_penalty=col("frequency_penalty", np.float32), keys=keys, recent=recent, seen=seen,
+                   last_n=col("repeat_last_n", np.int32), wide_top_k=any(p.wide_top_k for p in rows))
 
   def push(self, tokens: jax.Array, index: jax.Array, active: jax.Array) -> "Sampler":
     """Puts each active row's new token (its `index`-th token, [B]) into the penalty window."""
     b = jnp.arange(tokens.shape[0])
-    slot = index % PENALTY_WINDOW
     recent = jnp.asarray(self.recent)
+    slot = index % recent.shape[1]
     new = jnp.where(active, tokens, recent[b, slot])
-    return dataclasses.replace(self, recent=recent.at[b, slot].set(new))
+    seen = jnp.where(active, index + 1, self.seen).astype(jnp.int32)
+    return dataclasses.replace(self, recent=recent.at[b, slot].set(new), seen=seen)
 
 
 def window_of(history: Sequence[int], empty: int) -> np.ndarray:
   """The penalty window [W] of a token history: token i sits in slot i % W; slots with no token hold `empty`."""
-  out = np.full((PENALTY_WINDOW,), empty, np.int32)
+  out = np.full((MAX_REPEAT_LAST_N,), empty, np.int32)
   n = len(history)
-  for i in range(max(0, n - PENALTY_WINDOW), n):
-    out[i % PENALTY_WINDOW] = history[i]
+  last = np.asarray(history[max(0, n - MAX_REPEAT_LAST_N):], np.int64)
+  out[np.arange(n - len(last), n) % MAX_REPEAT_LAST_N] = last
   return out
 
 
 def apply_penalties(logits: jax.Array, sampler: Sampler) -> jax.Array:
-  """logits [B, V] f32 with the repeat, frequency and presence penalties of the window applied."""
+  """logits [B, V] f32 with the repeat, frequency and presence penalties of each row's last last_n tokens."""
   b, v = logits.shape
   recent = sampler.recent                                                   # [B, W]
-  valid = (recent >= 0) & (recent < v)
-  counts = jnp.sum((recent[:, :, None] == recent[:, None, :]) & valid[:, None, :], axis=-1)   # [B, W]
-  idx = jnp.clip(recent, 0, v - 1)
-  x = jnp.take_along_axis(logits, idx, axis=-1)                            # [B, W]
-  r = sampler.repeat_penalty[:, None]
-  x = jnp.where(x > 0, x / r, x * r)
-  x = x - sampler.frequency_penalty[:, None] * counts - sampler.presence_penalty[:, None] * (counts > 0)
+  w = recent.shape[1]
+  back = (sampler.seen[:, None] - 1 - jnp.arange(w)[None, :]) % w           # [B, W]: 0 = the newest token
+  keep = (recent >= 0) & (recent < v) & (back < sampler.last_n[:, None])
   rows = jnp.broadcast_to(jnp.arange(b)[:, None], recent.shape)
-  cols = jnp.where(valid, recent, v)                                        # empty slots: dropped
-  return logits.at[rows, cols].set(x, mode="drop")
+  counts = jnp.zeros((b, v), jnp.int32).at[rows, jnp.where(keep, recent, v)].add(1, mode="drop")   # [B, V]
+  r = sampler.repeat_penalty[:, None]
+  x = jnp.where(logits > 0, logits / r, logits * r)
+  x = x - sampler.frequency_penalty[:, None] * counts - sampler.presence_penalty[:, None] * (counts > 0)
+  return jnp.where(counts > 0, x, logits)
 
 
 def top_candidates(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -13,7 +13,7 @@ import pytest
 
 from jaxllm import generate
 from jaxllm.generate import build_parser, main as cli_main, unescape
-from jaxllm.sampling import MAX_TOP_K, PENALTY_WINDOW
+from jaxllm.sampling import MAX_REPEAT_LAST_N, MAX_TOP_K, REPEAT_LAST_N
 from tiny import write_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,11 +200,29 @@ def _spy_params(monkeypatch) -> list:
   return seen
 
 
-def test_repeat_last_n_is_the_fixed_window_or_refused():
-  assert generate.PENALTY_WINDOW == PENALTY_WINDOW
-  for bad in ("32", "65", "-1"):
-    with pytest.raises(SystemExit, match=f"at most {PENALTY_WINDOW}"):
-      cli_main(["m.gguf", "-p", "x", "--repeat-last-n", bad])
+def test_repeat_last_n_is_a_window_up_to_the_maximum(path, capsys, monkeypatch, tmp_path):
+  """--repeat-last-n N for any N up to the sampler's window reaches the sampler as N (only 64 and 0 were taken
+  before); -1 is the whole context where it fits the window; other values are one-line errors."""
+  assert (generate.REPEAT_LAST_N, generate.MAX_REPEAT_LAST_N) == (REPEAT_LAST_N, MAX_REPEAT_LAST_N)
+  bad = [(["--repeat-last-n", "-2"], rf"must be in \[0, {MAX_REPEAT_LAST_N}\] .* or -1 \(the whole context\), got -2"),
+         (["--repeat-last-n", str(MAX_REPEAT_LAST_N + 1)], rf"must be in \[0, {MAX_REPEAT_LAST_N}\]"),
+         (["--repeat-last-n", "-1", "-c", "8192"], rf"-1 \(the whole context\) takes a context of at most "
+                                                   rf"{MAX_REPEAT_LAST_N} tokens .* this one holds 8192")]
+  for flags, msg in bad:
+    with pytest.raises(SystemExit, match=msg) as e:
+      cli_main(["m.gguf", "-p", "x", *flags])
+    assert "\n" not in str(e.value)
+  long = str(write_tiny_model(tmp_path / "long.gguf", "qwen2", context=16384))   # the context known once loaded
+  with pytest.raises(SystemExit, match=r"this one holds 5120: give --repeat-last-n 4096 or less") as e:
+    cli_main([long, "-p", "x", "-n", "5000", "--repeat-last-n", "-1", "--kernels", "xla"])
+  assert "\n" not in str(e.value)
+  seen = _spy_params(monkeypatch)
+  for flags in (["--repeat-last-n", "7"], ["--repeat-last-n", "-1"], ["--repeat-last-n", "0"], []):
+    assert cli_main([path, "-p", "x", "-n", "2", "--repeat-penalty", "1.3", "-c", "96", "--json", "--kernels", "xla",
+                     *flags]) == 0
+  assert [p.repeat_last_n for p in seen] == [7, 96, 0, REPEAT_LAST_N]
+  assert [p.penalized for p in seen] == [True, True, False, True]
+  capsys.readouterr()
 
 
 def test_top_k_up_to_the_vocabulary(path, capsys, monkeypatch):

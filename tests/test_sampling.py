@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import (MAX_TOP_K, NONFINITE, PENALTY_WINDOW, Sampler, SamplingParams, sample,
-                             top_candidates, window_of)
+from jaxllm.sampling import (MAX_REPEAT_LAST_N, MAX_TOP_K, NONFINITE, REPEAT_LAST_N, Sampler, SamplingParams,
+                             apply_penalties, sample, top_candidates, window_of)
 
 N = 20000
 
@@ -67,10 +67,10 @@ def test_min_p_drops_tokens_below_its_share_of_the_best():
   np.testing.assert_allclose(freq, [0.5 / 0.92, 0.3 / 0.92, 0.12 / 0.92, 0], atol=0.015)
 
 
-def _numpy_penalties(logits, history, r, f, p):
-  """llama.cpp's penalties over the last PENALTY_WINDOW tokens, written independently."""
+def _numpy_penalties(logits, history, r, f, p, last_n=REPEAT_LAST_N):
+  """llama.cpp's penalties over the last last_n tokens, written independently."""
   out = logits.astype(np.float64).copy()
-  window = history[-PENALTY_WINDOW:]
+  window = list(history[max(0, len(history) - last_n):]) if last_n else []
   for tok in set(window):
     count = window.count(tok)
     x = out[tok]
@@ -87,7 +87,6 @@ def test_penalties_match_llama_cpp_formula(r, f, p):
   histories = [list(rng.integers(0, 40, 100)), [5, 5, 5, 9]]
   params = SamplingParams(repeat_penalty=r, frequency_penalty=f, presence_penalty=p)
   sampler = Sampler.create(params, 2, history=histories, vocab_size=v)
-  from jaxllm.sampling import apply_penalties
   got = np.asarray(apply_penalties(jnp.asarray(logits), sampler))
   for b in range(2):
     np.testing.assert_allclose(got[b], _numpy_penalties(logits[b], histories[b], r, f, p), rtol=1e-6, atol=1e-6)
@@ -97,10 +96,11 @@ def test_penalties_match_llama_cpp_formula(r, f, p):
 
 
 def test_window_holds_the_last_tokens():
-  hist = list(range(100, 100 + 70))
+  hist = list(range(100, 100 + MAX_REPEAT_LAST_N + 70))
   w = window_of(hist, -9)
-  assert sorted(w.tolist()) == hist[-PENALTY_WINDOW:]
-  assert sorted(window_of([1, 2, 3], -9).tolist()) == [-9] * (PENALTY_WINDOW - 3) + [1, 2, 3]
+  assert sorted(w.tolist()) == hist[-MAX_REPEAT_LAST_N:]
+  assert [w[i % MAX_REPEAT_LAST_N] for i in range(70, len(hist))] == hist[70:]
+  assert sorted(window_of([1, 2, 3], -9).tolist()) == [-9] * (MAX_REPEAT_LAST_N - 3) + [1, 2, 3]
 
 
 def _candidate_rows(v, ties=False):
@@ -219,6 +219,7 @@ def test_greedy_mode_names_the_step_a_batch_needs():
            ([plain, SamplingParams()], "sampled", {"greedy_only": False, "penalties": False}),
            ([plain, SamplingParams(presence_penalty=0.5)], False, {"greedy_only": False, "penalties": True}),
            ([pen], False, {"greedy_only": False, "penalties": True}),
+           ([SamplingParams(repeat_penalty=1.3, repeat_last_n=0)], True, {"greedy_only": True, "penalties": False}),
            ([plain, SamplingParams(temperature=0.7, top_k=MAX_TOP_K + 1)], "wide",
             {"greedy_only": False, "penalties": False}),
            ([pen, SamplingParams(temperature=0.7, top_k=10 ** 6)], "wide-penalized",
@@ -277,6 +278,10 @@ def test_one_compiled_sampler_serves_every_setting():
                      r"every token\), got -3"),
     (dict(top_k=2.5), r"top_k must be an integer in \[0, 2147483647\] .*, got 2.5"),
     (dict(top_k=2 ** 31), r"top_k must be an integer in \[0, 2147483647\]"),
+    (dict(repeat_last_n=-1), r"repeat_last_n must be an integer in \[0, 4096\] \(the last tokens the penalties "
+                             r"look at; 0 = penalties off\), got -1"),
+    (dict(repeat_last_n=4097), r"repeat_last_n must be an integer in \[0, 4096\] .*, got 4097"),
+    (dict(repeat_last_n=True), r"repeat_last_n must be an integer in \[0, 4096\] .*, got True"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(min_p=1.0), r"min_p must be in \[0, 1\), got 1.0"),
@@ -394,3 +399,81 @@ def test_the_wide_step_compiles_once_under_its_own_key(tiny_models):
   n = len(engine.executables())
   engine.generate(prompt, 8, SamplingParams(temperature=0.5, top_k=260, top_p=0.9, seed=2), ignore_eos=True)
   assert len(engine.executables()) == n
+
+
+# The penalty window as data (issue 37, item 7) ------------------------------------------------------
+
+def test_penalties_look_at_each_rows_last_n_tokens_in_one_executable():
+  """Every row its own window length (0 to MAX_REPEAT_LAST_N, histories shorter and longer than the window),
+  against numpy's float64 over history[-N:]; after new tokens are pushed (one row inactive) and with other
+  lengths, the same executable: no compile (repeat_last_n was fixed at 64 before)."""
+  import dataclasses
+  rng = np.random.default_rng(9)
+  v = 5000
+  lengths = [0, 1, 7, 64, 100, 1000, MAX_REPEAT_LAST_N, MAX_REPEAT_LAST_N]
+  hist_lens = [50, 3000, 5, 6000, 90, 2500, MAX_REPEAT_LAST_N + 777, 4000]
+  histories = [rng.integers(0, v // 10 if i % 2 else v, n).tolist() for i, n in enumerate(hist_lens)]
+  logits = (rng.standard_normal((8, v)) * 3).astype(np.float32)
+  r, f, p = 1.3, 0.2, 0.3
+  fn = jax.jit(apply_penalties)
+
+  def check(histories, lengths, sampler):
+    got = np.asarray(fn(jnp.asarray(logits), jax.device_put(sampler)))
+    for b, (hist, n) in enumerate(zip(histories, lengths)):
+      np.testing.assert_allclose(got[b], _numpy_penalties(logits[b], hist, r, f, p, n), rtol=1e-6, atol=1e-5)
+
+  rows = [SamplingParams(repeat_penalty=r, frequency_penalty=f, presence_penalty=p, repeat_last_n=n) for n in lengths]
+  sampler = Sampler.create(rows, 8, history=histories, vocab_size=v)
+  check(histories, lengths, sampler)
+  new = rng.integers(0, v, 8)
+  active = np.arange(8) != 2
+  pushed = jax.jit(Sampler.push)(sampler, jnp.asarray(new, jnp.int32), jnp.asarray(hist_lens, jnp.int32),
+                                 jnp.asarray(active))
+  compiles = []
+
+  def listen(event, secs, **kw):
+    if "backend_compile" in event:
+      compiles.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    check([h + [int(t)] if a else h for h, t, a in zip(histories, new, active)], lengths, pushed)
+    other = lengths[::-1]
+    rows = [dataclasses.replace(row, repeat_last_n=n) for row, n in zip(rows, other)]
+    check(histories, other, Sampler.create(rows, 8, history=histories, vocab_size=v))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert not compiles
+
+
+def test_penalty_window_lengths_do_not_recompile_the_engine(tiny_models):
+  """Requests with other --repeat-last-n values run on the executables the first compiled, and each token is
+  the greedy argmax of the model's logits (one scoring pass over the sequence) penalized by numpy over the
+  request's own last N tokens."""
+  import jaxllm
+  from jaxllm.engine import Engine
+  config, weights, tok = jaxllm.load(tiny_models["qwen2"], progress=False, dtype=jnp.float32)
+  engine = Engine(config, weights, tok, max_context=96, kernels="xla", dtype=jnp.float32)
+  prompt = [5, 6, 7, 5, 6, 9, 11, 5]
+  pen = [SamplingParams(repeat_penalty=5.0, presence_penalty=1.0, repeat_last_n=n) for n in (3, 40)]
+  engine.generate(prompt, 12, pen[0], ignore_eos=True)
+  before = engine.executables()
+  compiles = []
+
+  def listen(event, secs, **kw):
+    if "backend_compile" in event:
+      compiles.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    outs = [engine.generate(prompt, 12, p, ignore_eos=True) for p in pen]
+    assert engine.executables() == before and not compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  score = jax.jit(lambda w, c, t: jaxllm.sequence_logits(config, w, c, t, jnp.zeros((1,), jnp.int32)))
+  for out, p in zip(outs, pen):
+    seq = prompt + out.ids
+    cache = jaxllm.create_cache(config, batch=1, max_len=96, dtype=jnp.float32)
+    logits = np.asarray(score(weights, cache, jnp.asarray([seq]))[0][0])            # [T, V]
+    for i, t in enumerate(out.ids[1:], start=len(prompt)):
+      want = _numpy_penalties(logits[i], seq[:i + 1], 5.0, 0.0, 1.0, p.repeat_last_n).argmax()
+      assert t == want, (p.repeat_last_n, i)
+  assert outs[0].ids != outs[1].ids
