@@ -66,6 +66,8 @@ def pytest_runtest_logreport(report):
   to FILE as a JSON line as it ends: a run cut off at its time limit (bench/gpu_check.sh) still says where its
   time went and why a test failed (pytest prints both only at the end)."""
   path = os.environ.get("JAXLLM_TEST_TIMES")
+  if os.environ.get("PYTEST_XDIST_WORKER"):   # under xdist the controller hears every worker's reports: it writes
+    return
   if not path or (report.duration < 1.0 and not report.failed):
     return
   line = {"test": report.nodeid, "phase": report.when, "s": round(report.duration, 2), "outcome": report.outcome}
