@@ -1,5 +1,7 @@
 """`python -m jaxllm.serve` as a user runs it: a subprocess on loopback that answers 503 while loading, serves,
-and exits cleanly on SIGTERM; bad arguments and a model that fails to load end it with one line and status 1."""
+and on SIGTERM finishes the stream in flight and exits; bad arguments and a model that fails to load end it with
+one line and status 1."""
+import http.client
 import json
 import os
 import signal
@@ -31,8 +33,8 @@ def _serve(*args):
 def test_serves_after_loading_and_stops_on_sigterm(tmp_path):
   path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
   port = free_port()
-  proc = _serve(path, "--port", str(port), "--max-batch", "2", "--max-context", "64", "--prefill-chunk", "16",
-                "--no-compile-cache")
+  proc = _serve(path, "--port", str(port), "--max-batch", "2", "--max-context", "512", "--prefill-chunk", "16",
+                "--no-compile-cache", "--shutdown-timeout", "60")
   url = f"http://127.0.0.1:{port}"
   try:
     seen, deadline = [], time.monotonic() + 120
@@ -50,7 +52,17 @@ def test_serves_after_loading_and_stops_on_sigterm(tmp_path):
     with urllib.request.urlopen(req, timeout=30) as r:
       answer = json.loads(r.read())
     assert answer["model"] == "tiny" and answer["usage"]["completion_tokens"] >= 1
+    # SIGTERM while a stream runs (12 choices of 500 tokens on 2 slots: seconds): the server stops taking
+    # requests, lets the stream finish, then exits.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 500, "ignore_eos": True,
+                                                        "temperature": 0, "stream": True, "n": 12}))
+    resp = conn.getresponse()
+    assert resp.read(6) == b"data: "
     proc.send_signal(signal.SIGTERM)
+    rest = resp.read().decode()
+    conn.close()
+    assert rest.rstrip().endswith("data: [DONE]") and rest.count('"finish_reason": "length"') == 12
     out, err = proc.communicate(timeout=30)
     assert proc.returncode in (0, -signal.SIGTERM), err     # uvicorn re-raises the signal once it has shut down
     assert "Traceback" not in err and "serving" in err
