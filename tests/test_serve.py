@@ -163,6 +163,8 @@ def test_nulls_take_defaults(served):
   status, _, answer = post(served.url, "/v1/chat/completions", body)
   assert status == 200, answer
   assert len(answer["choices"]) == 1 and answer["usage"]["completion_tokens"] >= 1
+  parts = dict(body, messages=[{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}])
+  assert post(served.url, "/v1/chat/completions", parts)[2]["choices"] == answer["choices"]
 
 
 def test_raw_stream_ends_with_done_and_usage(served):
@@ -440,3 +442,23 @@ def test_load_generator(served, capsys):
     assert r["output_tok_s"] > 0 and r["ttft_ms_p50"] <= r["e2e_ms_p50"]
   bad = asyncio.run(loadgen.run_level(served.url, 2, 2, 5, 3, "not-the-model"))
   assert bad["completed"] == 0 and "does not exist" in bad["errors"][0]
+
+
+def test_a_failed_program_ends_its_requests_and_the_server_goes_on(served, client, monkeypatch):
+  """A device program that raises: the requests in flight end with a 500 (or an error event in a stream), the
+  slots' state is made anew, and the next request is answered as alone."""
+  decode = served.scheduler.programs.decode
+  calls = []
+
+  def failing(*args):
+    calls.append(args)
+    if len(calls) == 1:
+      raise RuntimeError("injected device failure")
+    return decode(*args)
+  monkeypatch.setattr(served.scheduler.programs, "decode", failing)
+  status, _, answer = post(served.url, "/v1/completions", {"prompt": "abc", "max_tokens": 20, "temperature": 0})
+  assert status == 500 and "injected device failure" in answer["error"]["message"]
+  ids = served.tokenizer.encode("abc")
+  r = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0)
+  assert (r.choices[0].text, r.choices[0].finish_reason) == served.reference(ids, 20)
+  assert post(served.url, "/health", None, method="GET")[0] == 200
