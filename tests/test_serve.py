@@ -328,6 +328,17 @@ def test_server_healthy_after_errors_and_a_client_gone_mid_stream(served, client
     assert time.monotonic() < deadline, "the request of a client that hung up was not cancelled"
     time.sleep(0.05)
   assert metric(metrics, "jaxllm_kv_slots_used") == 0
+  # A client of a plain (not streamed) request that hangs up before its answer: cancelled too.
+  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 250, "ignore_eos": True}))
+  time.sleep(0.3)
+  conn.sock.shutdown(2)
+  conn.close()
+  deadline = time.monotonic() + 20
+  while metric(post(served.url, "/metrics", None, method="GET")[2],
+               'jaxllm_requests_total{finish_reason="cancelled"}', 0) != cancelled + 2:
+    assert time.monotonic() < deadline, "the plain request of a client that hung up was not cancelled"
+    time.sleep(0.05)
   assert post(served.url, "/health", None, method="GET")[:1] == (200,)
   r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still there?"}], max_tokens=4)
   assert r.choices[0].finish_reason in ("length", "stop")

@@ -15,6 +15,7 @@ import functools
 import json
 import sys
 import threading
+import time
 import traceback
 from typing import Callable
 
@@ -30,6 +31,7 @@ from jaxllm.serve.scheduler import Delta, Done, QueueFull, Request, Scheduler
 
 MAX_BODY = 16 * 2**20     # bytes of a request body
 LOADING_RETRY = 5         # Retry-After (seconds) while the model loads
+DISCONNECT_CHECK = 0.5    # seconds between checks that the client of a plain (not streamed) request is still there
 
 
 class ServerState:
@@ -191,13 +193,16 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
   texts = {i: (echo[i // req.n] if echo else "") for i in range(len(job.requests))}
   scored = {i: _Logprobs(kind, scheduler.tokenizer) for i in range(len(job.requests))}
   logprobs: dict[int, list[dict]] = {i: [] for i in range(len(job.requests))}
+  checked = time.monotonic()
   try:
     while not job.finished:
-      try:
-        index, event = await asyncio.wait_for(job.next(), timeout=1.0)
-      except asyncio.TimeoutError:
+      if time.monotonic() - checked > DISCONNECT_CHECK:   # the client may have gone while events kept coming
+        checked = time.monotonic()
         if await http.is_disconnected():
           return Response(status_code=499)
+      try:
+        index, event = await asyncio.wait_for(job.next(), timeout=DISCONNECT_CHECK)
+      except asyncio.TimeoutError:
         continue
       if isinstance(event, Delta):
         texts[index] += event.text

@@ -215,14 +215,15 @@ class Scheduler:
     m.slots_used = m.running
     m.waiting = self._queued
 
-  def _dequeue(self, request: Request) -> None:
+  def _dequeued(self) -> None:
+    """A request left the queue (for a slot, or cancelled)."""
     with self._lock:
       self._queued -= 1
 
   def _drop_cancelled(self) -> None:
     for request in [r for r in self._waiting if r.cancelled]:
       self._waiting.remove(request)
-      self._dequeue(request)
+      self._dequeued()
       self._finish_request(request, Done("cancelled", len(request.prompt), 0))
     for run in [r for r in self._running if r is not None and r.request.cancelled]:
       self._release(run, Done("cancelled", len(run.request.prompt), len(run.generated), run.reused))
@@ -238,7 +239,7 @@ class Scheduler:
   def _admit(self) -> None:
     while self._waiting and self._free_slots():
       request = self._waiting.popleft()
-      self._dequeue(request)
+      self._dequeued()
       busy = self._busy()
       free = range(busy, self.slots)
       reuse = {s: self._reusable(s, request.prompt) if self.prefix_reuse else 0 for s in free}
@@ -369,5 +370,5 @@ class Scheduler:
       self._finish_request(run.request, Done(reason, len(run.request.prompt), len(run.generated), run.reused, error))
     while self._waiting:
       request = self._waiting.popleft()
-      self._dequeue(request)
+      self._dequeued()
       self._finish_request(request, Done(reason, len(request.prompt), 0, error=error))
