@@ -12,9 +12,12 @@ device programs. Each turn of its loop:
   3. runs prefill chunks (slots.SlotPrograms.prefill_step), about one chunk's tokens a turn, so a long prompt
      joins over several turns while the other slots keep decoding; a request whose last chunk ran has its
      first token and decodes from the next call on;
-  4. runs one decode call (K steps) for all slots and hands each request its tokens; a request that ends
-     (end of generation, its token limit, a stop string, non-finite logits) or whose client has gone frees
-     its slot at once.
+  4. dispatches one decode call (K steps) for the busy slots, then hands each request its tokens from the
+     call before (pipelined: the device runs call i+1 while the host reads call i's tokens, detokenizes them
+     and answers; each call remembers which request held each row when it was dispatched, so rows freed or
+     moved since are read right). A request that ends (end of generation, its token limit, a stop string,
+     non-finite logits) or whose client has gone frees its slot at once; the device may run it one call
+     more, writing only into its own row, whose tokens are then dropped.
 
 What a request receives (its `emit` callback, on the engine thread): Delta events with the text that became
 final and the token ids, then one Done event with the finish reason and token counts. The engine below knows
@@ -133,6 +136,8 @@ class Scheduler:
     self._used: list[float] = [0.0] * slots                         # per slot: when it was last freed
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
+    # The decode call in flight: its tokens (on their way to the host) and the request of each row at dispatch.
+    self._pending: tuple | None = None
     self.tokenizer = engine.tokenizer
 
   # ---- any thread ----------------------------------------------------------------------------
@@ -173,7 +178,7 @@ class Scheduler:
 
   def _loop(self) -> None:
     while not self._stop.is_set():
-      busy = any(r is not None for r in self._running) or self._waiting
+      busy = any(r is not None for r in self._running) or self._waiting or self._pending is not None
       self._take_inbox(block=not busy)
       if self._stop.is_set():
         break
@@ -205,8 +210,11 @@ class Scheduler:
     self._drop_cancelled()
     self._admit()
     self._prefill()
+    previous, self._pending = self._pending, None
     if any(r is not None and r.job is None for r in self._running):
-      self._decode()
+      self._pending = self._dispatch()
+    if previous is not None:
+      self._collect(*previous)
     self._update_gauges()
 
   def _update_gauges(self) -> None:
@@ -271,17 +279,21 @@ class Scheduler:
       if budget <= 0:
         break
 
-  def _decode(self) -> None:
+  def _dispatch(self) -> tuple:
+    """Dispatches a decode call for the busy rows: (its tokens on the device, the decoding request per row)."""
     decoding = [r for r in self._running if r is not None and r.job is None]
     greedy = all(r.request.params.greedy and not r.request.params.penalized for r in decoding)
-    busy = self._busy()
-    count = min(c for c in self.programs.counts if c >= busy)
+    count = min(c for c in self.programs.counts if c >= self._busy())
     tokens = self.programs.decode(count, GREEDY if greedy else FULL)
     self.metrics.decode_calls[count] = self.metrics.decode_calls.get(count, 0) + 1
-    columns = [(run, [int(t) for t in tokens[:, slot]]) for slot, run in enumerate(self._running)
-               if run is not None and run.job is None]
-    for run, column in columns:
-      self._push(run, column)
+    return tokens, [r if r is not None and r.job is None else None for r in self._running[:count]]
+
+  def _collect(self, tokens, owners: list) -> None:
+    """Hands a call's tokens to the requests that held its rows when it was dispatched, where still running."""
+    tokens = np.asarray(tokens)
+    for column, run in enumerate(owners):
+      if run is not None and any(r is run for r in self._running):
+        self._push(run, [int(t) for t in tokens[:, column]])
 
   def _busy(self) -> int:
     """Slots in use: they are rows [0, busy) (kept packed)."""
@@ -363,6 +375,7 @@ class Scheduler:
     is made anew (a program that failed may have consumed its donated buffers)."""
     runs = [r for r in self._running if r is not None]
     self._running = [None] * self.slots
+    self._pending = None
     self._history = [[] for _ in range(self.slots)]
     if reason == "error":
       self.programs.reset()

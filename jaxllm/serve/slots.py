@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.cache import KVCache, check_fits, create_cache
+from jaxllm.engine import snapshot
 from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill, sequence_logits
 from jaxllm.programs import prompt_bucket
 from jaxllm.sampling import Sampler, SamplingParams
@@ -264,7 +265,7 @@ class SlotPrograms:
       self.score_fn(size)
     for count in self.counts:
       for mode in (GREEDY, FULL):
-        self.decode(count, mode)
+        np.asarray(self.decode(count, mode))
 
   # ---- running -------------------------------------------------------------------------------
 
@@ -306,14 +307,17 @@ class SlotPrograms:
     """Exchanges rows a and b (cache and per-row values)."""
     self.state = self.swap_fn()(self.state, np.int32(a), np.int32(b))
 
-  def decode(self, count: int, mode: bool) -> np.ndarray:
-    """One decode call (tokens_per_call steps) of rows [0, count): their tokens [K, count] on the host."""
+  def decode(self, count: int, mode: bool) -> jax.Array:
+    """Dispatches one decode call (tokens_per_call steps) of rows [0, count) and returns its tokens [K, count]:
+    a device copy already on its way to the host (np.asarray reads it), so the caller may dispatch the next
+    call, which donates the call's own token block, before reading them."""
     block = self._blocks.pop(count, None)
     if block is None:
       block = np.zeros((self.engine.tokens_per_call_for(count), count), np.int32)
     self.state, block = self.decode_fn(count, mode)(self.engine.weights, self.state, block)
-    tokens = np.asarray(block)
     self._blocks[count] = block
+    tokens = snapshot(block)
+    tokens.copy_to_host_async()
     return tokens
 
   def score(self, slot: int, inputs: Sequence[int], start: int, targets: Sequence[int]) -> list[tuple]:
