@@ -178,7 +178,8 @@ def _tensors(c) -> list[tuple[str, tuple[int, ...], str]]:
     if c.qk_norm:
       out += [(p + "attn_q_norm.weight", (c.head_dim,), "norm"), (p + "attn_k_norm.weight", (c.head_dim,), "norm")]
     out += [(p + "attn_output.weight", (c.d_model, c.q_dim), "matrix"), (p + "ffn_norm.weight", (c.d_model,), "norm"),
-            (p + "ffn_gate.weight", (c.d_ff, c.d_model), "matrix"), (p + "ffn_up.weight", (c.d_ff, c.d_model), "matrix"),
+            (p + "ffn_gate.weight", (c.d_ff, c.d_model), "matrix"),
+            (p + "ffn_up.weight", (c.d_ff, c.d_model), "matrix"),
             (p + "ffn_down.weight", (c.d_model, c.d_ff), "matrix")]
   out.append(("output_norm.weight", (c.d_model,), "norm"))
   if not c.tied_embeddings:
