@@ -432,6 +432,7 @@ def main(argv=None) -> int:
   bad = [n for n in args.presets if n not in KNOWN]
   if bad or not args.presets:
     raise SystemExit(f"error: unknown preset(s) {bad or args.presets}: choose from {', '.join(sorted(KNOWN))}")
+  # auto first: a process's peak device memory only grows, so the first path's record holds its own peak
   if not args.kernels or args.kernels[0] != "auto" or len(set(args.kernels)) != len(args.kernels):
     raise SystemExit(f"error: --kernels must list auto first and each path once, got {','.join(args.kernels)!r}")
   bad_types = [t for t in args.peer_types if t not in ("Q8_0", "Q4_0", "Q4_K")]
@@ -447,7 +448,10 @@ def main(argv=None) -> int:
                      f"{args.vocab!r}")
   args.bench_args = ["--prompt-len", str(args.prompt_len), "--decode-len", str(args.decode_len), "--repeat",
                      str(args.repeat)]
-  os.makedirs(args.dir, exist_ok=True)
+  try:
+    os.makedirs(args.dir, exist_ok=True)
+  except OSError as e:
+    raise SystemExit(f"error: cannot make --dir {args.dir!r}: {e}") from None
   notes = [] if args.render else run_study(args)
   ok = write_report(args, notes)
   return 1 if args.check and not ok else 0

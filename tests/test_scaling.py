@@ -169,7 +169,7 @@ def test_bad_input_is_one_line(vocab, tmp_path, capsys):
       "error: no vocabulary file 'missing.gguf' (write one with `random_gguf.py vocab MODEL FILE`)"
   assert "invalid choice: 'Q2_K'" in err("model", "tiny", vocab, "x.gguf", "--type", "Q2_K")
   assert err("vocab", str(tmp_path / "none.gguf"), "v.gguf").startswith("error: ")
-  assert "\n" not in err("model", "nope-7b", vocab, "x.gguf")
+  assert err("model", "tiny", vocab, str(tmp_path / "no" / "dir" / "x.gguf")).startswith("error: [Errno 2]")
 
 
 @pytest.mark.network

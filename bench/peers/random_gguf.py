@@ -263,13 +263,13 @@ def main(argv=None) -> int:
   m.add_argument("--type", default="Q8_0", choices=TYPES, help="the matrices' block type (default Q8_0)")
   m.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
-  if args.what == "vocab":
-    try:
+  try:
+    if args.what == "vocab":
       write_vocab(args.model, args.out)
-    except (ValueError, OSError) as e:
-      raise SystemExit(f"error: {e}")
-  else:
-    write_model(args.preset, args.vocab, args.out, args.type, args.seed)
+    else:
+      write_model(args.preset, args.vocab, args.out, args.type, args.seed)
+  except (ValueError, OSError) as e:
+    raise SystemExit(f"error: {e}") from None
   return 0
 
 
