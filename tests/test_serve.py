@@ -163,7 +163,8 @@ def test_nulls_take_defaults(served):
   status, _, answer = post(served.url, "/v1/chat/completions", body)
   assert status == 200, answer
   assert len(answer["choices"]) == 1 and answer["usage"]["completion_tokens"] >= 1
-  parts = dict(body, messages=[{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}])
+  parts = dict(body, messages=[{"role": "user", "content": [{"type": "text", "text": "h"},
+                                                            {"type": "text", "text": "i"}]}])
   assert post(served.url, "/v1/chat/completions", parts)[2]["choices"] == answer["choices"]
 
 
@@ -255,7 +256,8 @@ def test_concurrent_streams_each_equal_to_alone_without_compiling(served):
     assert len(rid) == 1 and not rid & ids
     ids |= rid
     assert (got, reasons) == (text, [reason]), kw
-  assert metric(after, "jaxllm_xla_compiles_while_serving_total") == metric(before, "jaxllm_xla_compiles_while_serving_total")
+  compiles = "jaxllm_xla_compiles_while_serving_total"
+  assert metric(after, compiles) == metric(before, compiles)
   assert metric(after, 'jaxllm_decode_calls_total{rows="4"}') > metric(before, 'jaxllm_decode_calls_total{rows="4"}', 0)
   assert metric(after, "jaxllm_kv_slots_used") == 0 and metric(after, "jaxllm_requests_waiting") == 0
 
@@ -391,7 +393,8 @@ def test_a_request_alone_decodes_one_row(served, client):
     return {rows: metric(text, f'jaxllm_decode_calls_total{{rows="{rows}"}}', 0) for rows in (1, 2, 4)}
   before = calls()
   for prompt in ("one", "two", "three"):
-    client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                              extra_body={"ignore_eos": True})
   after = calls()
   assert after[1] - before[1] >= 3 and after[2] == before[2] and after[4] == before[4]
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.network
 @pytest.fixture(scope="module")
 def served():
   config, weights, tok = load("smollm2-135m", progress=False)
-  s = serve_model(config, weights, tok, slots=2, max_context=512, prefill_chunk=64, name="smollm2-135m")
+  s = serve_model(config, weights, tok, slots=2, max_context=512, prefill_chunk=32, name="smollm2-135m")
   yield s
   s.stop()
 

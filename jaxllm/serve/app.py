@@ -95,12 +95,12 @@ class _Job:
     for i, r in enumerate(self.requests):
       try:
         self.scheduler.submit(r)
-      except QueueFull as e:
+      except (QueueFull, RuntimeError) as e:       # the queue is full, or the server is shutting down
         for earlier in self.requests[:i]:
           self.scheduler.cancel(earlier)
-        self.scheduler.metrics.rejected += 1
-        raise P.ApiError(503, str(e), headers={"Retry-After": str(e.retry_after)}) from None
-      except RuntimeError as e:
+        if isinstance(e, QueueFull):
+          self.scheduler.metrics.rejected += 1
+          raise P.ApiError(503, str(e), headers={"Retry-After": str(e.retry_after)}) from None
         raise P.ApiError(503, str(e)) from None
 
   def cancel(self) -> None:

@@ -113,7 +113,7 @@ class Metrics:
            [f"jaxllm_prompt_tokens_reused_total {self.reused_tokens}"])
     metric("jaxllm_generation_tokens_total", "counter", "Tokens generated.",
            [f"jaxllm_generation_tokens_total {self.generation_tokens}"])
-    metric("jaxllm_decode_calls_total", "counter", "Batched decode calls, by the rows they ran (busy slots rounded up).",
+    metric("jaxllm_decode_calls_total", "counter", "Batched decode calls, by the rows they ran.",
            [f'jaxllm_decode_calls_total{{rows="{k}"}} {v}' for k, v in sorted(self.decode_calls.items())])
     metric("jaxllm_requests_total", "counter", "Finished requests by finish reason.",
            [f'jaxllm_requests_total{{finish_reason="{k}"}} {v}' for k, v in sorted(self.requests.items())])

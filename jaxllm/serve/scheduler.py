@@ -16,8 +16,9 @@ device programs. Each turn of its loop:
      call before (pipelined: the device runs call i+1 while the host reads call i's tokens, detokenizes them
      and answers; each call remembers which request held each row when it was dispatched, so rows freed or
      moved since are read right). A request that ends (end of generation, its token limit, a stop string,
-     non-finite logits) or whose client has gone frees its slot at once; the device may run it one call
-     more, writing only into its own row, whose tokens are then dropped.
+     non-finite logits) or whose client has gone frees its slot at once. A row its request left before the
+     device saw it end may go on decoding while it lies inside a call's rows: it writes only into its own row,
+     past what the slot's history records, and its tokens are dropped.
 
 What a request receives (its `emit` callback, on the engine thread): Delta events with the text that became
 final and the token ids, then one Done event with the finish reason and token counts. The engine below knows

@@ -187,7 +187,8 @@ class SlotPrograms:
     self.config = engine.config
     check_fits(self.config, slots, engine.max_context, engine.cache_dtype)
     longest = engine.max_context - 1                  # the longest prompt a slot takes
-    self.buckets = sorted({prompt_bucket(n, engine.prefill_chunk) for n in range(1, min(longest, engine.prefill_chunk) + 1)})
+    chunk = engine.prefill_chunk
+    self.buckets = sorted({prompt_bucket(n, chunk) for n in range(1, min(longest, chunk) + 1)})
     self.chunked = longest > engine.prefill_chunk     # whether a prompt can take more than one chunk
     self.score_sizes = [b for b in self.buckets if b <= SCORE_CHUNK] or [self.buckets[0]]
     self.counts = counts(slots)
