@@ -275,7 +275,7 @@ def test_scaling_runs_end_to_end_on_the_tiny_preset(vocab, tmp_path):
   bb = _fake_tool(tmp_path / "llama-batched-bench", BATCHED_BENCH_MD.replace("|   64 |", "|    2 |"))
   argv = [sys.executable, str(ROOT / "bench/scaling.py"), "--dir", str(d), "--presets", "tiny", "--batches", "1,2",
           "--kernels", "auto,xla", "--prompt-len", "16", "--decode-len", "18", "--repeat", "1", "--llama-bench", lb,
-          "--llama-batched-bench", bb, "--vocab", vocab]
+          "--llama-batched-bench", bb, "--vocab", vocab, "--peer-types", "Q4_0,Q4_K"]
   proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "tiny-b1" not in proc.stderr and "[scaling] tiny-b2: " in proc.stderr
@@ -284,12 +284,12 @@ def test_scaling_runs_end_to_end_on_the_tiny_preset(vocab, tmp_path):
   assert [o[:2] for o in ours] == [(2, "auto"), (2, "xla")] and ours[1][2] == "xla"
   assert recs[2]["env"]["platform"] == "cpu" and recs[2]["decode_tok_s_total"] > 0
   peers = sorted((r["peer"], r["quant"], r["batch"]) for r in recs if r.get("peer"))
-  assert peers == sorted([("llama-bench", t, 1) for t in ("Q8_0", "Q4_0")] +
-                         [("llama-batched-bench", t, b) for t in ("Q8_0", "Q4_0") for b in (1, 2)])
+  assert peers == sorted([("llama-bench", t, 1) for t in ("Q4_0", "Q4_K")] +
+                         [("llama-batched-bench", t, b) for t in ("Q4_0", "Q4_K") for b in (1, 2)])
   assert not list((d / "gguf").iterdir())                  # each preset's files removed after its peers
   text = (tmp_path / "run.md").read_text()
   assert "| tiny | 2 |" in text and "- tiny batch 2: " in text and (d / "scaling.png").exists()
-  assert "| tiny | 1 | 1.000 (auto) | 1,000 |" in text and "258 (3.88x)" in text
+  assert "| tiny | 1 | 1.000 (auto) | 1,000 |" in text and "258 (3.88x)" in text and "llama.cpp Q4_K tok/s" in text
   again = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)   # resumes: nothing to run
   assert again.returncode == 0 and "[scaling] " not in again.stderr, again.stderr[-2000:]
   assert len(scaling.read_jsonl(str(d / "scaling.jsonl"))) == len(recs)
