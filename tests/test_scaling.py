@@ -42,8 +42,8 @@ BATCHED_BENCH_MD = """\
 llama_model_loader: loaded meta data with 30 key-value pairs and 339 tensors from gguf/qwen2.5-7b-Q8_0.gguf
 load_tensors: offloaded 29/29 layers to GPU
 
-main: n_kv_max = 16448, n_batch = 2048, n_ubatch = 512, flash_attn = 1, is_pp_shared = 0, is_tg_separate = 0, \
-n_gpu_layers = 99, n_threads = 8, n_threads_batch = 8
+llama_batched_bench: n_kv_max = 16640, n_batch = 2048, n_ubatch = 512, flash_attn = 1, is_pp_shared = 0, \
+is_tg_separate = 0, n_gpu_layers = 99, n_threads = 8, n_threads_batch = 8
 
 |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
 |-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
@@ -208,6 +208,39 @@ def test_batched_bench_table_and_jsonl_parse():
   assert recs[2]["tpot_ms_mean"] == pytest.approx(1e3 * 64 / 5264.78)
   (j,) = scaling.parse_batched_bench(BATCHED_BENCH_JSONL, "qwen2.5-7b", "Q4_0")
   assert (j["batch"], j["decode_tok_s_total"], j["peer"]) == (16, 2089.8, "llama-batched-bench")
+
+
+# Captured from the tools themselves: llama.cpp of the llama-cpp-python 0.3.36 sdist built for this CPU (no
+# CUDA), on random_gguf.py's tiny Q4_K file: `llama-bench -ngl 99 -fa 1 -p 0 -n 16 -r 2 -t 2 -o jsonl` and
+# `llama-batched-bench -ngl 99 -fa on -c 600 -b 2048 -ub 512 -npp 16 -ntg 8 -npl 1,2,4 -t 2` (stdout).
+CAPTURED_LLAMA_BENCH = (
+    '{"build_commit": "unknown", "build_number": 0, "cpu_info": "AMD EPYC", "gpu_info": "", "backends'
+    '": "CPU", "model_filename": "tiny-Q4_K.gguf", "model_type": "llama ?B Q4_K - Small", "model_size'
+    '": 4859136, "model_n_params": 7375680, "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "cpu_ma'
+    'sk": "0x0", "cpu_strict": false, "poll": 50, "type_k": "f16", "type_v": "f16", "n_gpu_layers": 9'
+    '9, "n_cpu_moe": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": false, "flash_attn": 1'
+    ', "devices": "auto", "tensor_split": "0.00", "tensor_buft_overrides": "none", "load_mode": "auto'
+    '", "lazy_mode": "auto", "embeddings": false, "no_op_offload": 0, "no_host": false, "repack": tru'
+    'e, "fit_target": 0, "fit_min_ctx": 0, "n_prompt": 0, "n_gen": 16, "n_depth": 0, "test_time": "20'
+    '26-12-04T11:40:09Z", "avg_ns": 6465384, "stddev_ns": 469507, "avg_ts": 2481.259524, "stddev_ts":'
+    ' 180.180597, "samples_ns": [ 6797367, 6133402 ],"samples_ts": [ 2353.85, 2608.67 ]}\n')
+CAPTURED_BATCHED_BENCH = (
+    '\nllama_batched_bench: n_kv_max = 1024, n_batch = 2048, n_ubatch = 512, flash_attn = 1, is_pp_sha'
+    'red = 0, is_tg_separate = 0, n_gpu_layers = 99, n_threads = 2, n_threads_batch = 2\n\n|    PP |   '
+    '  TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n|------'
+    '-|--------|------|--------|----------|----------|----------|----------|----------|----------|\n| '
+    '   16 |      8 |    1 |     24 |    0.002 |  6650.04 |    0.002 |  3234.94 |    0.005 |  4919.04'
+    ' |\n|    16 |      8 |    2 |     48 |    0.005 |  6241.47 |    0.004 |  4456.82 |    0.009 |  55'
+    '06.48 |\n|    16 |      8 |    4 |     96 |    0.008 |  7835.46 |    0.007 |  4735.83 |    0.015 '
+    '|  6432.16 |\n\n')
+
+
+def test_outputs_captured_from_llama_cpp_parse():
+  (r,) = scaling.parse_llama_bench(CAPTURED_LLAMA_BENCH, "tiny", "Q4_K")
+  assert (r["batch"], r["decode_len"], r["decode_tok_s_total"]) == (1, 16, 2481.259524)
+  assert r["raw"]["model_type"] == "llama ?B Q4_K - Small"
+  recs = scaling.parse_batched_bench(CAPTURED_BATCHED_BENCH, "tiny", "Q4_K")
+  assert [(r["batch"], r["decode_tok_s_total"]) for r in recs] == [(1, 3234.94), (2, 4456.82), (4, 4735.83)]
 
 
 def _ours(preset, batch, path, tpot, ran=None):
