@@ -326,3 +326,16 @@ def test_scaling_runs_end_to_end_on_the_tiny_preset(vocab, tmp_path):
   again = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)   # resumes: nothing to run
   assert again.returncode == 0 and "[scaling] " not in again.stderr, again.stderr[-2000:]
   assert len(scaling.read_jsonl(str(d / "scaling.jsonl"))) == len(recs)
+
+
+def test_time_limit_cuts_a_run_and_still_writes_the_report(tmp_path):
+  d = tmp_path / "cut"
+  argv = [sys.executable, str(ROOT / "bench/scaling.py"), "--dir", str(d), "--presets", "tiny", "--batches", "1,2",
+          "--kernels", "auto,xla", "--prompt-len", "16", "--decode-len", "18", "--repeat", "1", "--time-limit", "2"]
+  proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  text = (tmp_path / "cut.md").read_text()
+  assert "- tiny-b1: cut at the time limit (2 s); logs/tiny-b1.log" in text
+  assert "- tiny-b2: not started (time limit)" in text and "- tiny batch 2: MISSING" in text
+  assert scaling.read_jsonl(str(d / "scaling.jsonl")) == []
+  assert subprocess.run(argv[:-2] + ["--render", "--check"], capture_output=True, cwd=ROOT).returncode == 1
