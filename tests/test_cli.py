@@ -41,9 +41,16 @@ def _json_lines(out: str) -> list[dict]:
 # Item 1: Ctrl-C -----------------------------------------------------------------------------------
 
 def _spawn(args, stdin=subprocess.DEVNULL):
+  """The CLI in a child whose SIGINT is the default, as at a terminal: a suite started as a background job of a
+  script inherits SIGINT ignored, and a Python started so keeps ignoring it (no KeyboardInterrupt). A signal
+  with a handler is the default after exec, so the parent handles SIGINT while it starts the child."""
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-  return subprocess.Popen([sys.executable, "-m", "jaxllm.generate", *args], stdin=stdin, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, cwd=ROOT, env=env)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    return subprocess.Popen([sys.executable, "-m", "jaxllm.generate", *args], stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, env=env)
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_after(proc, marker: bytes, timeout=60.0) -> tuple[int, bytes]:
