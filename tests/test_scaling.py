@@ -14,11 +14,22 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "bench" / "peers"))
 
-import random_gguf  # noqa: E402
-import scaling  # noqa: E402
+
+def _module(path: Path):
+  """A bench script as a module, loaded from its file: bench/ stays off sys.path, where its kernels.py would
+  shadow the `kernels` package transformers looks for (test_hf and test_presets then failed to import it)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[path.stem] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+random_gguf = _module(ROOT / "bench" / "peers" / "random_gguf.py")
+scaling = _module(ROOT / "bench" / "scaling.py")
+
 from tiny import write_tiny_model  # noqa: E402
 
 from jaxllm.presets import PRESETS  # noqa: E402
