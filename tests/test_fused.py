@@ -371,17 +371,18 @@ def test_fused_step_logits_match_unfused(name):
   dtype = cache_f.compute_dtype
   tol = TOL[jnp.dtype(dtype).type] if jnp.dtype(dtype) == jnp.bfloat16 else 1e-4
   rng = np.random.default_rng(3)
-  fused_step = jax.jit(lambda c, t, p, a: forward_decode_fused(config, weights, c, t, p, a))
-  unfused_step = jax.jit(lambda c, t, p, a: forward(config, weights, c, t[:, None], p, a[:, None],
-                                                   kernels="ffi-unfused"))
-  head = jax.jit(lambda x: fused.norm_linear(x, weights.out_norm, config.rms_eps, weights.head, dtype=dtype))
+  # The weights are arguments, not constants folded into the programs (a 7B layer's are ~0.5 GB to compile in).
+  fused_step = jax.jit(lambda w, c, t, p, a: forward_decode_fused(config, w, c, t, p, a))
+  unfused_step = jax.jit(lambda w, c, t, p, a: forward(config, w, c, t[:, None], p, a[:, None],
+                                                      kernels="ffi-unfused"))
+  head = jax.jit(lambda w, x: fused.norm_linear(x, w.out_norm, config.rms_eps, w.head, dtype=dtype))
   for t in range(20):
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, 2), jnp.int32)
     pos = jnp.asarray([t, max(0, t - 5)], jnp.int32)
     active = jnp.asarray([True, t >= 5])
-    x, cache_f = fused_step(cache_f, tokens, pos, active)
-    hidden, cache_u = unfused_step(cache_u, tokens, pos, active)
-    lf = np.asarray(head(x), np.float64)
+    x, cache_f = fused_step(weights, cache_f, tokens, pos, active)
+    hidden, cache_u = unfused_step(weights, cache_u, tokens, pos, active)
+    lf = np.asarray(head(weights, x), np.float64)
     lu = np.asarray(logits(weights, hidden[:, 0], dtype, kernels="ffi-unfused"), np.float64)
     assert _rel(lf, lu) < tol, (t, _rel(lf, lu))
     assert _rel(cache_f.k, cache_u.k) < tol and _rel(cache_f.v, cache_u.v) < tol, t
@@ -434,16 +435,18 @@ def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name, 
     monkeypatch.setenv("JAXLLM_LAYERS_CALL", one)
     monkeypatch.setenv("JAXLLM_PDL", pdl)
     cache = dataclasses.replace(base, k=k0 + 0, v=v0 + 0)
-    fn = jax.jit(lambda c: forward_decode_fused(config, weights, c, tokens, pos, active))
-    text = fn.lower(cache).as_text()
+    # The weights are arguments, not constants folded into the programs (as in the engine's step).
+    fn = jax.jit(lambda w, c: forward_decode_fused(config, w, c, tokens, pos, active))
+    text = fn.lower(weights, cache).as_text()
     assert text.count("@jaxllm_decode_layers(") == (1 if one == "1" else 0)
-    x, kv = fn(cache)
+    x, kv = fn(weights, cache)
     outs[(one, pdl)] = (np.asarray(x), np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32))
     for greedy in (True, False):   # the head: the layers call's last kernel, else its own call
-      hfn = jax.jit(lambda c: forward_decode_fused_head(config, weights, c, tokens, pos, active, greedy=greedy)[0])
+      hfn = jax.jit(lambda w, c: forward_decode_fused_head(config, w, c, tokens, pos, active, greedy=greedy)[0])
       cache = dataclasses.replace(base, k=k0 + 0, v=v0 + 0)
-      assert hfn.lower(cache).as_text().count("@jaxllm_w8a16_fused(") == (0 if one == "1" else 4 * config.n_layers + 1)
-      outs[(one, pdl)] += tuple(np.asarray(a) for a in jax.tree.leaves(hfn(cache)))
+      count = hfn.lower(weights, cache).as_text().count("@jaxllm_w8a16_fused(")
+      assert count == (0 if one == "1" else 4 * config.n_layers + 1)
+      outs[(one, pdl)] += tuple(np.asarray(a) for a in jax.tree.leaves(hfn(weights, cache)))
   ref = outs[("0", "1")]
   logits = ref[-1]
   assert logits.shape == (batch, config.vocab_size) and np.isfinite(logits).all()

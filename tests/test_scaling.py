@@ -32,7 +32,11 @@ scaling = _module(ROOT / "bench" / "scaling.py")
 
 from tiny import write_tiny_model  # noqa: E402
 
+import jax  # noqa: E402
+
 from jaxllm.presets import PRESETS  # noqa: E402
+
+PLATFORM = jax.devices()[0].platform        # what the bench records as env.platform ("cpu", "gpu")
 
 # One decode test and one prompt test of `llama-bench -o jsonl` (every field of test::get_fields, in order).
 LLAMA_BENCH_JSONL = "".join(
@@ -326,7 +330,7 @@ def test_scaling_runs_end_to_end_on_the_tiny_preset(vocab, tmp_path):
   recs = scaling.read_jsonl(str(d / "scaling.jsonl"))
   ours = [(r["batch"], r["requested_kernels"], r["kernels"]) for r in recs[2:] if r.get("requested_kernels")]
   assert [o[:2] for o in ours] == [(2, "auto"), (2, "xla")] and ours[1][2] == "xla"
-  assert recs[2]["env"]["platform"] == "cpu" and recs[2]["decode_tok_s_total"] > 0
+  assert recs[2]["env"]["platform"] == PLATFORM and recs[2]["decode_tok_s_total"] > 0
   peers = sorted((r["peer"], r["quant"], r["batch"]) for r in recs if r.get("peer"))
   assert peers == sorted([("llama-bench", t, 1) for t in ("Q4_0", "Q4_K")] +
                          [("llama-batched-bench", t, b) for t in ("Q4_0", "Q4_K") for b in (1, 2)])
