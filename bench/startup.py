@@ -49,9 +49,9 @@ def two_requests(model: str, cache: str) -> dict:
   """TTFT of the first and second request in one process, after the CLI's warm-up (with its trial run)."""
   code = f"""
 import json, jaxllm
-from jaxllm import store
+from jaxllm import executables
 config, weights, tok = jaxllm.load({model!r}, progress=False)
-engine = jaxllm.Engine(config, weights, tok, max_context=512, cache_executables=store.compile_cache_enabled())
+engine = jaxllm.Engine(config, weights, tok, max_context=512, cache_executables=executables.compile_cache_enabled())
 ids = tok.encode({PROMPT!r})
 engine.warmup(len(ids), trial=True)
 a = engine.generate(ids, 16, ignore_eos=True)

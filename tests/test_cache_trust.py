@@ -1,6 +1,6 @@
-"""The cache directory as a trust boundary (jaxllm.store): private directories, refused shared ones, keys
-that name everything that changes compiled code, unwritable caches that only warn, dead writers'
-temporaries removed, and a test session that keeps out of ~/.cache.
+"""The cache directory as a trust boundary (jaxllm.cachedir, executables, store): private directories,
+refused shared ones, keys that name everything that changes compiled code, unwritable caches that only
+warn, dead writers' temporaries removed, and a test session that keeps out of ~/.cache.
 
 Running as root, chmod does not stop writes: an unwritable cache is a path under a regular file, or a
 write that fails through a monkeypatch (a full disk, a read-only directory)."""
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import models, store
+from jaxllm import cachedir, executables, models, store
 from jaxllm.progress import Stages
 from tiny import write_tiny_model
 
@@ -34,7 +34,7 @@ def cache(tmp_path, monkeypatch):
   """A fresh cache root for one test (not yet made), with the once-per-process warnings forgotten."""
   root = tmp_path / "cache"
   monkeypatch.setenv("JAXLLM_CACHE", str(root))
-  monkeypatch.setattr(store, "_warned", set())
+  monkeypatch.setattr(cachedir, "_warned", set())
   return root
 
 
@@ -61,7 +61,7 @@ def _give_away(path, monkeypatch) -> Path:
     return path
   uid = os.geteuid() + 1
   monkeypatch.setattr(os, "geteuid", lambda: uid)
-  return store.cache_dir()
+  return cachedir.cache_dir()
 
 
 def test_cache_directories_are_made_private(cache, tmp_path):
@@ -69,18 +69,18 @@ def test_cache_directories_are_made_private(cache, tmp_path):
   try:
     path = write_tiny_model(tmp_path / "m.gguf", "llama")
     jaxllm.load(path, progress=False)
-    store.save_executable("k" * 32, _compiled())
+    executables.save_executable("k" * 32, _compiled())
   finally:
     os.umask(old)
-  for d in (cache, store.models_dir(), store.executables_dir()):
+  for d in (cache, cachedir.models_dir(), cachedir.executables_dir()):
     assert _mode(d) == 0o700, (d, oct(_mode(d)))
-  assert store.load_executable("k" * 32) is not None
+  assert executables.load_executable("k" * 32) is not None
 
 
 @pytest.mark.parametrize("where", ["root", "executables", "owner"])
 def test_an_executable_cache_others_could_write_is_not_loaded(cache, monkeypatch, where):
-  store.save_executable("good", _compiled())
-  d = store.executables_dir()
+  executables.save_executable("good", _compiled())
+  d = cachedir.executables_dir()
   (d / "planted.bin").write_bytes(pickle.dumps(_Planted()))
   monkeypatch.delenv(_PLANTED, raising=False)
   if where == "owner":
@@ -88,11 +88,11 @@ def test_an_executable_cache_others_could_write_is_not_loaded(cache, monkeypatch
   else:
     named = cache if where == "root" else d
     os.chmod(named, 0o777 if where == "root" else 0o770)
-  with pytest.warns(store.CacheWarning) as record:
-    assert store.load_executable("planted") is None
+  with pytest.warns(cachedir.CacheWarning) as record:
+    assert executables.load_executable("planted") is None
     assert _PLANTED not in os.environ                                 # the pickle was never opened
-    assert store.load_executable("good") is None
-    store.save_executable("new", _compiled())
+    assert executables.load_executable("good") is None
+    executables.save_executable("new", _compiled())
   assert len(record) == 1, [str(w.message) for w in record]            # once
   message = str(record[0].message)
   assert f"{named} is not private" in message and "run code as you" in message
@@ -101,30 +101,30 @@ def test_an_executable_cache_others_could_write_is_not_loaded(cache, monkeypatch
 
 
 def test_an_executable_file_others_could_write_is_not_loaded(cache, monkeypatch):
-  store.save_executable("good", _compiled())
-  path = store.executables_dir() / "good.bin"
+  executables.save_executable("good", _compiled())
+  path = cachedir.executables_dir() / "good.bin"
   os.chmod(path, 0o666)
-  with pytest.warns(store.CacheWarning, match="writable by its group and others"):
-    assert store.load_executable("good") is None
+  with pytest.warns(cachedir.CacheWarning, match="writable by its group and others"):
+    assert executables.load_executable("good") is None
   os.chmod(path, 0o600)
-  assert store.load_executable("good") is not None
-  os.symlink(path, store.executables_dir() / "link.bin")              # a link is not followed
-  assert store.load_executable("link") is None
+  assert executables.load_executable("good") is not None
+  os.symlink(path, cachedir.executables_dir() / "link.bin")              # a link is not followed
+  assert executables.load_executable("link") is None
 
 
 def test_a_private_cache_loads_its_executables_and_drops_damaged_ones(cache):
-  store.save_executable("good", _compiled())
-  assert store.load_executable("good")(jnp.arange(4.0)).tolist() == [1.0, 3.0, 5.0, 7.0]
-  (store.executables_dir() / "bad.bin").write_bytes(b"not a pickle")
-  assert store.load_executable("bad") is None and not (store.executables_dir() / "bad.bin").exists()
+  executables.save_executable("good", _compiled())
+  assert executables.load_executable("good")(jnp.arange(4.0)).tolist() == [1.0, 3.0, 5.0, 7.0]
+  (cachedir.executables_dir() / "bad.bin").write_bytes(b"not a pickle")
+  assert executables.load_executable("bad") is None and not (cachedir.executables_dir() / "bad.bin").exists()
 
 
 def test_a_models_cache_others_could_write_is_not_used(cache, tmp_path):
   path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
   _, w1, _ = jaxllm.load(path, progress=False)
-  os.chmod(store.models_dir(), 0o777)
+  os.chmod(cachedir.models_dir(), 0o777)
   stages = Stages(quiet=True)
-  with pytest.warns(store.CacheWarning, match=r"converted models cache .* is not private .*choose what the model"):
+  with pytest.warns(cachedir.CacheWarning, match=r"converted models cache .* is not private .*choose what the model"):
     _, w2, _ = jaxllm.load(path, progress=stages)
   assert "read model" in stages.times                                 # converted again, not read from there
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(w1), jax.tree.leaves(w2)))
@@ -132,40 +132,40 @@ def test_a_models_cache_others_could_write_is_not_used(cache, tmp_path):
 
 def test_executable_keys_name_xla_flags_jax_settings_and_the_extension(cache, tmp_path, monkeypatch):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
-  base = store.executable_key("step")
-  assert store.executable_key("step") == base
+  base = executables.executable_key("step")
+  assert executables.executable_key("step") == base
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
-  assert store.executable_key("step") != base
+  assert executables.executable_key("step") != base
   monkeypatch.delenv("XLA_FLAGS")
   with jax.default_matmul_precision("highest"):
-    assert store.executable_key("step") != base
+    assert executables.executable_key("step") != base
   with jax.enable_x64(True):
-    assert store.executable_key("step") != base
-  assert store.executable_key("step") == base
+    assert executables.executable_key("step") != base
+  assert executables.executable_key("step") == base
   ext = tmp_path / "_ffi.cpython-test.so"                             # as found through an editable install's redirect
   ext.write_bytes(b"\x7fELF one build")
   monkeypatch.setitem(sys.modules, "jaxllm._ffi", types.SimpleNamespace(__file__=str(ext)))
-  store.code_version.cache_clear()
+  executables.code_version.cache_clear()
   try:
-    first = store.executable_key("step")
+    first = executables.executable_key("step")
     ext.write_bytes(b"\x7fELF a rebuild")
-    store.code_version.cache_clear()
-    assert store.executable_key("step") != first
+    executables.code_version.cache_clear()
+    assert executables.executable_key("step") != first
   finally:
-    store.code_version.cache_clear()
+    executables.code_version.cache_clear()
 
 
 def test_an_unwritable_cache_warns_once_and_the_run_goes_on(tmp_path, monkeypatch):
   (tmp_path / "file").write_text("a regular file")
   monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "file" / "cache"))   # cannot be made, even by root
-  monkeypatch.setattr(store, "_warned", set())
+  monkeypatch.setattr(cachedir, "_warned", set())
   path = write_tiny_model(tmp_path / "m.gguf", "llama")
-  with pytest.warns(store.CacheWarning) as record:
+  with pytest.warns(cachedir.CacheWarning) as record:
     config, weights, tok = jaxllm.load(path, progress=False)
     jaxllm.load(path, progress=False)
-    store.save_executable("k", _compiled())
-    store.save_executable("k", _compiled())
-    assert store.load_executable("k") is None
+    executables.save_executable("k", _compiled())
+    executables.save_executable("k", _compiled())
+    assert executables.load_executable("k") is None
   messages = [str(w.message) for w in record]
   assert len(messages) == 2, messages                                 # once per cache
   assert all("cannot create" in m and "running without it" in m and "JAXLLM_CACHE" in m for m in messages)
@@ -183,28 +183,28 @@ def test_a_full_disk_mid_conversion_warns_once_and_leaves_nothing(cache, tmp_pat
       raise OSError(errno.ENOSPC, "No space left on device")
     real_save(file, array)
   monkeypatch.setattr(np, "save", save)
-  with pytest.warns(store.CacheWarning) as record:
+  with pytest.warns(cachedir.CacheWarning) as record:
     _, w1, _ = jaxllm.load(path, progress=False)
   assert len(record) == 1 and "No space left" in str(record[0].message), [str(w.message) for w in record]
   assert len(calls) == 3                                              # no more writes once it failed
-  assert not list(store.models_dir().iterdir())                       # the partial entry is gone
+  assert not list(cachedir.models_dir().iterdir())                       # the partial entry is gone
   monkeypatch.setattr(np, "save", real_save)
   _, w2, _ = jaxllm.load(path, progress=False)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(w1), jax.tree.leaves(w2)))
 
 
 def test_a_read_only_executable_cache_warns_once(cache, monkeypatch):
-  store.executables_dir().mkdir(parents=True)
+  cachedir.executables_dir().mkdir(parents=True)
   compiled = _compiled()
 
   def read_only(*args, **kwargs):
     raise PermissionError(errno.EROFS, "Read-only file system")
-  monkeypatch.setattr(store.tempfile, "mkstemp", read_only)
-  with pytest.warns(store.CacheWarning) as record:
-    store.save_executable("a", compiled)
-    store.save_executable("b", compiled)
+  monkeypatch.setattr(executables.tempfile, "mkstemp", read_only)
+  with pytest.warns(cachedir.CacheWarning) as record:
+    executables.save_executable("a", compiled)
+    executables.save_executable("b", compiled)
   assert len(record) == 1 and "Read-only file system" in str(record[0].message)
-  assert not list(store.executables_dir().iterdir())
+  assert not list(cachedir.executables_dir().iterdir())
 
 
 def _age(path, seconds):
@@ -219,11 +219,11 @@ def test_a_killed_conversion_leaves_nothing_behind_for_long(cache, tmp_path):
   code = ("import sys, numpy as np; from jaxllm import store; e = store.Entry('other'); "
           "e.add('x', np.zeros(1000)); print('ready', flush=True); sys.stdin.read()")
   proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-  d = store.models_dir()
+  d = cachedir.models_dir()
   try:
     assert proc.stdout.readline() == "ready\n"
     (other,) = [p for p in d.iterdir() if p.name.startswith(".other.")]
-    _age(other, 2 * store.STALE_SECONDS)                              # a long conversion, still going
+    _age(other, 2 * cachedir.STALE_SECONDS)                              # a long conversion, still going
     assert store.load("some-key") is None and other.exists()
   finally:
     proc.kill()
@@ -235,7 +235,7 @@ def test_a_killed_conversion_leaves_nothing_behind_for_long(cache, tmp_path):
   fresh.mkdir()
   old.mkdir()
   (old / "x.npy").write_bytes(b"0" * 100)
-  _age(old, 2 * store.STALE_SECONDS)
+  _age(old, 2 * cachedir.STALE_SECONDS)
   assert store.load("some-key") is None                               # any use of the cache cleans
   left = sorted(p.name.split(".")[1] for p in d.iterdir())
   assert left == ["fresh", "live"], left
@@ -248,12 +248,12 @@ def test_a_killed_conversion_leaves_nothing_behind_for_long(cache, tmp_path):
 def test_a_fifo_as_a_lock_file_does_not_block_the_cleaning(cache):
   """A FIFO planted where a temporary's lock file goes: opening it for writing would block forever; it is
   treated as no lock (an old temporary goes, a fresh one stays), at once."""
-  d = store.models_dir()
+  d = cachedir.models_dir()
   d.mkdir(parents=True, exist_ok=True)
   for name in (".planted.abc", ".fresh.abc"):
     (d / name).mkdir()
-    os.mkfifo(d / name / store._LOCK)
-  _age(d / ".planted.abc", 2 * store.STALE_SECONDS)
+    os.mkfifo(d / name / cachedir._LOCK)
+  _age(d / ".planted.abc", 2 * cachedir.STALE_SECONDS)
   t0 = time.perf_counter()
   assert store.load("some-key") is None
   assert time.perf_counter() - t0 < 1.0
@@ -261,23 +261,23 @@ def test_a_fifo_as_a_lock_file_does_not_block_the_cleaning(cache):
 
 
 def test_stale_executable_temporaries_are_removed(cache):
-  store.save_executable("first", _compiled())
-  d = store.executables_dir()
+  executables.save_executable("first", _compiled())
+  d = cachedir.executables_dir()
   (d / ".old.x1").write_bytes(b"half an executable")
   (d / ".new.x2").write_bytes(b"being written")
-  _age(d / ".old.x1", 2 * store.STALE_SECONDS)
-  assert store.load_executable("first") is not None
+  _age(d / ".old.x1", 2 * cachedir.STALE_SECONDS)
+  assert executables.load_executable("first") is not None
   assert sorted(p.name for p in d.iterdir()) == [".new.x2", "first.bin"]
 
 
 def test_the_test_session_keeps_out_of_the_users_cache():
   home_cache = Path.home() / ".cache"
-  code = "from jaxllm import store; print(store.cache_dir(), store.executables_dir(), store.models_dir())"
+  code = "from jaxllm import cachedir; print(cachedir.cache_dir(), cachedir.executables_dir(), cachedir.models_dir())"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-  here = [store.cache_dir(), store.models_dir(), store.compile_dir(), store.executables_dir()]
+  here = [cachedir.cache_dir(), cachedir.models_dir(), cachedir.compile_dir(), cachedir.executables_dir()]
   for p in here + [Path(p) for p in out] + [Path(os.environ.get("XDG_CACHE_HOME", home_cache))]:
     assert not p.resolve().is_relative_to(home_cache.resolve()), p
-  assert models.cache_dir() == store.cache_dir()                       # demo-model downloads go there too
+  assert models.cache_dir() == cachedir.cache_dir()                       # demo-model downloads go there too
 
 
 def test_every_demo_model_is_pinned():
@@ -304,6 +304,6 @@ def test_a_demo_model_in_a_shared_directory_is_checked_before_use(cache, monkeyp
     warnings.simplefilter("error")
     assert models.fetch_demo_model("tiny").read_bytes() == fake       # private: the user's own file
   os.chmod(cache, 0o777)
-  with pytest.warns(store.CacheWarning, match="checked against its sha256"):
+  with pytest.warns(cachedir.CacheWarning, match="checked against its sha256"):
     assert models.fetch_demo_model("tiny").read_bytes() == good
   assert len(downloads) == 1

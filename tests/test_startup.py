@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm import store
+from jaxllm import cachedir, store
 from jaxllm.generate import main as cli_main
 from jaxllm.progress import Stages
 from tiny import write_tiny_model
@@ -54,7 +54,7 @@ def test_a_damaged_entry_is_converted_again(tmp_path, monkeypatch, default):
   path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
   _, w1, _ = jaxllm.load(path, quant="w8a16", progress=False)
   key = store.model_key(path, "w8a16", jax.numpy.dtype(load_module.default_dtype()).name)   # the dtype load() chose
-  victim = store.models_dir() / key / "w_down.w.npy"
+  victim = cachedir.models_dir() / key / "w_down.w.npy"
   victim.write_bytes(victim.read_bytes()[:-100])                      # truncated
   stages = Stages(quiet=True)
   _, w2, _ = jaxllm.load(path, quant="w8a16", progress=stages)
@@ -81,7 +81,7 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
   a.commit(config, tok.to_state())
   b.commit(config, tok.to_state())                                    # loses the race: no error
   assert store.load(key)[2]["x"].tolist() == list(range(10))
-  assert not [p for p in store.models_dir().iterdir() if p.name.startswith(f".{key}.")]
+  assert not [p for p in cachedir.models_dir().iterdir() if p.name.startswith(f".{key}.")]
 
 
 def test_engine_executables_load_from_disk(tmp_path, monkeypatch):
@@ -90,7 +90,7 @@ def test_engine_executables_load_from_disk(tmp_path, monkeypatch):
   prompt = tok.encode("the cat sat")
   first = jaxllm.Engine(config, weights, tok, max_context=64, cache_executables=True)
   a = first.generate(prompt, 8, ignore_eos=True)
-  saved = sorted(p.name for p in store.executables_dir().glob("*.bin"))
+  saved = sorted(p.name for p in cachedir.executables_dir().glob("*.bin"))
   assert len(saved) >= 2
   second = jaxllm.Engine(config, weights, tok, max_context=64, cache_executables=True)
   import jaxllm.programs as programs_mod
@@ -100,18 +100,18 @@ def test_engine_executables_load_from_disk(tmp_path, monkeypatch):
   with monkeypatch.context() as m:
     m.setattr(programs_mod, "_compile", no_compiling)
     b = second.generate(prompt, 8, ignore_eos=True)
-  assert a.ids == b.ids and sorted(p.name for p in store.executables_dir().glob("*.bin")) == saved
+  assert a.ids == b.ids and sorted(p.name for p in cachedir.executables_dir().glob("*.bin")) == saved
   other = jaxllm.Engine(config, weights, tok, max_context=96, cache_executables=True)   # other shapes: new keys
   other.generate(prompt, 2, ignore_eos=True)
-  assert len(list(store.executables_dir().glob("*.bin"))) > len(saved)
+  assert len(list(cachedir.executables_dir().glob("*.bin"))) > len(saved)
 
 
 def test_clear_cache(tmp_path, capsys):
   path = write_tiny_model(tmp_path / "m.gguf", "llama")
   jaxllm.load(path, progress=False)
-  assert any(store.models_dir().iterdir())
+  assert any(cachedir.models_dir().iterdir())
   assert cli_main(["--clear-cache"]) == 0
-  assert not store.models_dir().exists() and "removed" in capsys.readouterr().err
+  assert not cachedir.models_dir().exists() and "removed" in capsys.readouterr().err
 
 
 def test_cli_stages_quiet_and_json(tmp_path, capsys):

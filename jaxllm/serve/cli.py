@@ -62,7 +62,7 @@ def _check(args) -> None:
 def make_loader(args, model: str):
   """The function that loads the model and starts the scheduler (run on a thread while /health says 503)."""
   def load():
-    from jaxllm import store
+    from jaxllm import executables
     from jaxllm.engine import Engine
     from jaxllm.load import load as load_model
     from jaxllm.progress import Stages
@@ -76,7 +76,7 @@ def make_loader(args, model: str):
                        "was trained for")
     engine = Engine(config, weights, tok, max_context=context, kernels=args.kernels,
                     graphs_on=False if args.no_graphs else None, prefill_chunk=args.prefill_chunk,
-                    cache_executables=not args.no_compile_cache and store.compile_cache_enabled(),
+                    cache_executables=not args.no_compile_cache and executables.compile_cache_enabled(),
                     tokens_per_call=args.tokens_per_call)
     with stages.stage(f"compile {args.max_batch} slots"):
       scheduler = Scheduler(engine, slots=args.max_batch, max_waiting=args.max_waiting,
