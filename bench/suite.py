@@ -118,7 +118,7 @@ def _rows(records, kernels, loop, graphs=True):
 
 
 def section_ab(records: list[dict], d: str, png: str) -> list[str]:
-  from jaxllm.bench import ab_table
+  from jaxllm.bench_report import ab_table
   out = ["## Graphs on vs off (paired processes)", "",
          f"`python -m jaxllm.bench {records[0]['model']} --ab graphs --pairs N --kernels both --loop both --repeat 3 "
          "--graph-state` (`ab.jsonl`). Each pair is one process with command buffers on, then one with them off; "

@@ -11,7 +11,7 @@ import importlib.util
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxllm"
-MAX_LINES = 550
+MAX_LINES = 500
 
 
 def _modules() -> dict[str, pathlib.Path]:
