@@ -45,6 +45,9 @@ class Weights:
   q_norm: jax.Array | None = None  # [L, Dh] f32 (qwen3)
   k_norm: jax.Array | None = None  # [L, Dh] f32 (qwen3)
   rope_freqs: jax.Array | None = None  # [Dh/2] f32 divisors (llama3 scaling)
+  # Weights laid out over a mesh (jaxllm.parallel.shard_weights): their TensorParallel, which forward and
+  # logits hand them to; None on one device. Static: part of what a compiled function is for.
+  tp: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def embed(weights: Weights, tokens: jax.Array) -> jax.Array:
@@ -61,7 +64,7 @@ def _write_cache(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Ar
 
 def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache, start: jax.Array,
           writes: jax.Array, angles: jax.Array, *, kernels: str,
-          cache_layer: int | jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+          cache_layer: int | jax.Array | None = None, reduce=None) -> tuple[jax.Array, KVCache]:
   """Transformer block i.
 
   Args:
@@ -72,6 +75,8 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
     angles: [B, T, Dh/2] RoPE angles of the new tokens' positions.
     cache_layer: the layer's index into the cache when it differs from i (a traced index under
       forward(layers="scan")); default i.
+    reduce: applied to the O and down projections' outputs [B, T, D] f32 before they join the residual: a
+      psum over the shards under tensor parallelism (jaxllm.parallel); None: as they are.
   Returns:
     x [B, T, D] and the cache with this layer's new keys/values written.
   """
@@ -100,11 +105,12 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
     attn = decode_attention(q[:, 0], kl, vl, 0, start + 1, kernels=kernels)[:, None]
   else:
     attn = prefill_attention(q, cache.k, cache.v, li, start, kernels=kernels)
-  x = x + linear(attn.reshape(b, t, c.q_dim), weights.wo, i, kernels=kernels).astype(jnp.float32)
+  reduce = reduce or (lambda y: y)
+  x = x + reduce(linear(attn.reshape(b, t, c.q_dim), weights.wo, i, kernels=kernels).astype(jnp.float32))
   h = rms_norm(x, weights.ffn_norm[i], c.rms_eps).astype(dtype)
   gate, up = jnp.split(linear(h, weights.w_gate_up, i, kernels=kernels), 2, axis=-1)
   act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
-  x = x + linear(act, weights.w_down, i, kernels=kernels).astype(jnp.float32)
+  x = x + reduce(linear(act, weights.w_down, i, kernels=kernels).astype(jnp.float32))
   return x, cache
 
 
@@ -129,8 +135,8 @@ def _layer_slices(weights: Weights) -> dict:
 
 
 def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
-            valid: jax.Array | None = None, *, kernels: str = "xla",
-            layers: str | None = None) -> tuple[jax.Array, KVCache]:
+            valid: jax.Array | None = None, *, kernels: str = "xla", layers: str | None = None,
+            embed_fn=embed, reduce=None) -> tuple[jax.Array, KVCache]:
   """Runs T new tokens per sequence, written to the cache from position start[b].
 
   layers: "unrolled" (a Python loop: every layer in the program, which XLA's command buffers need) or
@@ -142,9 +148,13 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
     start: [B] int32 cache position of each sequence's first new token.
     valid: [B, T] bool, the tokens whose keys/values are written (padding and stopped sequences are
       not); all when None. Positions past the cache are never written.
+    embed_fn, reduce: the embedding lookup and layer()'s reduce; jaxllm.parallel's for one shard.
   Returns:
     hidden [B, T, D] f32 after the final norm, and the updated cache.
+  Weights laid out over a mesh (weights.tp) run there (jaxllm.parallel), each shard this function.
   """
+  if weights.tp is not None:
+    return weights.tp.forward(config, weights, cache, tokens, start, valid, kernels=kernels, layers=layers)
   layers = default_layers() if layers is None else layers
   if layers not in LAYER_MODES:
     raise ValueError(f"layers must be one of {LAYER_MODES} or None, got {layers!r}")
@@ -152,7 +162,7 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
   s = cache.max_len
   writes = positions if valid is None else jnp.where(valid, positions, s)
   angles = rope_angles(config, positions, weights.rope_freqs)
-  x = embed(weights, jnp.clip(tokens, 0, config.vocab_size - 1))
+  x = embed_fn(weights, jnp.clip(tokens, 0, config.vocab_size - 1))
   if layers == "scan":
     def body(carry, xs):
       x, k, v, li = carry
@@ -162,19 +172,20 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
                                  **{f: getattr(weights, f).at(li) for f in LAYER_FIELDS
                                     if isinstance(getattr(weights, f), Mixed)})
       x, kv = layer(config, view, 0, x, dataclasses.replace(cache, k=k, v=v), start, writes, angles,
-                    kernels=kernels, cache_layer=li)
+                    kernels=kernels, cache_layer=li, reduce=reduce)
       return (x, kv.k, kv.v, li + 1), None
     (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), _layer_slices(weights))
     cache = dataclasses.replace(cache, k=k, v=v)
   else:
     for i in range(config.n_layers):
-      x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels)
+      x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels, reduce=reduce)
   return rms_norm(x, weights.out_norm, config.rms_eps), cache
 
 
 def use_fused(config: Config, weights: Weights, cache: KVCache, batch: int, kernels: str) -> bool:
-  """Whether the decode step runs through the fused kernels (kernels "ffi", supported model and batch)."""
-  return (kernels == "ffi" and "fused" in select.ffi_ops()
+  """Whether the decode step runs through the fused kernels (kernels "ffi", supported model and batch; one
+  device: weights on a mesh run model.forward's layers)."""
+  return (kernels == "ffi" and weights.tp is None and "fused" in select.ffi_ops()
           and fused.fused_decode_reason(config, weights, cache, batch) is None)
 
 
@@ -237,5 +248,7 @@ def _decode_fused(config, weights, cache, tokens, pos, active, head):
 
 
 def logits(weights: Weights, hidden: jax.Array, dtype, *, kernels: str = "xla") -> jax.Array:
-  """hidden [..., D] -> logits [..., V] f32 through the (quantized) LM head."""
+  """hidden [..., D] -> logits [..., V] f32 through the (quantized) LM head (on weights.tp's mesh if any)."""
+  if weights.tp is not None:
+    return weights.tp.logits(weights, hidden, dtype, kernels=kernels)
   return linear(hidden.astype(dtype), weights.head, kernels=kernels).astype(jnp.float32)

@@ -1,0 +1,107 @@
+"""Tensor parallel against one device, run in a process of its own with 4 simulated CPU devices (XLA_FLAGS must
+be set before jax starts, so tests/test_parallel.py runs this as a script). Prints one JSON line per case.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel_check.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import model, parallel
+from jaxllm.cache import create_cache
+from jaxllm.presets import PRESETS
+from jaxllm.weights import random_weights
+
+# Small models of each family's features: qwen2 (QKV bias), qwen3 (q/k norms), llama (llama3 RoPE factors,
+# tied embeddings); 8 query heads over 2 or 4 KV heads, so N = 4 covers both G >= N and G < N (replicated).
+SHAPE = dict(n_layers=2, d_model=256, n_heads=8, head_dim=64, d_ff=512, vocab_size=512)
+FAMILIES = {
+    "qwen2": PRESETS["qwen2.5-0.5b"].replace(n_kv_heads=2, **SHAPE),
+    "qwen3": PRESETS["qwen3-0.6b"].replace(n_kv_heads=4, **SHAPE),
+    "llama": PRESETS["llama-3.2-1b"].replace(n_kv_heads=2, tied_embeddings=True, **SHAPE),
+}
+
+
+def _kv_by_head(tp, cache_k: np.ndarray) -> np.ndarray:
+  """A sharded cache's keys [L, B, N * G_local, S, Dh] as the model's heads [L, B, G, S, Dh] (the first copy
+  of a replicated head)."""
+  out = {}
+  g_local = tp.local.n_kv_heads
+  for s in range(tp.n):
+    for j, head in enumerate(parallel.kv_heads_of(tp, s)):
+      out.setdefault(head, cache_k[:, :, s * g_local + j])
+  return np.stack([out[h] for h in range(tp.config.n_kv_heads)], axis=2)
+
+
+def check(name: str, kernels: str, quant: str) -> list[dict]:
+  config = FAMILIES[name]
+  weights = random_weights(config, seed=1, quant=quant, dtype=jnp.float32)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (3, 6)), jnp.int32)
+  start = jnp.asarray([0, 4, 9], jnp.int32)
+  valid = jnp.asarray(rng.random((3, 6)) < 0.8)
+  cache = create_cache(config, 3, 32, jnp.float32)
+  cache = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype) if a.ndim == 5 else a, cache)
+
+  def run(w, c):
+    hidden, c = model.forward(config, w, c, tokens, start, valid, kernels=kernels)
+    return hidden, model.logits(w, hidden, jnp.float32, kernels=kernels), c
+
+  hidden0, logits0, cache0 = jax.jit(run)(weights, cache)
+  out = []
+  for n in (1, 2, 4):
+    tp = parallel.plan(config, parallel.make_mesh(n))
+    sharded = parallel.shard_weights(weights, tp)
+    # The same cache contents, each shard holding its heads (copies of a replicated one).
+    heads = [h for s in range(n) for h in parallel.kv_heads_of(tp, s)]
+    c = create_cache(parallel.cache_config(tp), 3, 32, jnp.float32)
+    c = jax.tree.map(lambda a, a0: a0[:, :, heads] if a.ndim == 5 else a, c, cache)
+    hidden, logits, c = jax.jit(run)(sharded, parallel.shard_cache(c, tp))
+    ok_shards = len(sharded.wqkv.w.sharding.device_set) == n and len(c.k.sharding.device_set) == n
+    out.append({"family": name, "kernels": kernels, "quant": quant, "n": n, "sharded": ok_shards,
+                "hidden": float(np.abs(np.asarray(hidden) - np.asarray(hidden0)).max()),
+                "logits": float(np.abs(np.asarray(logits) - np.asarray(logits0)).max()),
+                "logits_scale": float(np.abs(np.asarray(logits0)).max()),
+                "k": float(np.abs(_kv_by_head(tp, np.asarray(c.k)) - np.asarray(cache0.k)).max()),
+                "v": float(np.abs(_kv_by_head(tp, np.asarray(c.v)) - np.asarray(cache0.v)).max()),
+                "argmax_same": bool((np.argmax(logits, -1) == np.argmax(logits0, -1)).all())})
+  return out
+
+
+def errors() -> list[str]:
+  """The messages for models that do not split."""
+  msgs = []
+  mesh = parallel.make_mesh(4)
+  for bad in (FAMILIES["qwen2"].replace(n_heads=6, n_kv_heads=3), FAMILIES["qwen2"].replace(vocab_size=510)):
+    try:
+      parallel.plan(bad, mesh)
+      msgs.append("no error")
+    except ValueError as e:
+      msgs.append(str(e))
+  try:
+    parallel.make_mesh(8)
+  except ValueError as e:
+    msgs.append(str(e))
+  return msgs
+
+
+def main() -> int:
+  if len(jax.devices()) < 4:
+    print(f"needs 4 devices (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}", file=sys.stderr)
+    return 2
+  for name in FAMILIES:
+    for kernels, quant in (("xla", "w8a16"), ("ffi", "w8a16"), ("xla", "none")):
+      for rec in check(name, kernels, quant):
+        print(json.dumps(rec), flush=True)
+  print(json.dumps({"errors": errors()}), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
