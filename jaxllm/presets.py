@@ -38,6 +38,10 @@ PRESETS = {
     "qwen2.5-14b": Config(arch="qwen2", n_layers=48, d_model=5120, n_heads=40, n_kv_heads=8, head_dim=128,
                           d_ff=13824, vocab_size=152064, rms_eps=1e-5, rope_base=1e6, rope_style="neox",
                           context_length=32768, tied_embeddings=False, qkv_bias=True),
+    # For tensor parallel over several GPUs (jaxllm.parallel): W8A16 is 33 GB, a step reads it all.
+    "qwen2.5-32b": Config(arch="qwen2", n_layers=64, d_model=5120, n_heads=40, n_kv_heads=8, head_dim=128,
+                          d_ff=27648, vocab_size=152064, rms_eps=1e-5, rope_base=1e6, rope_style="neox",
+                          context_length=32768, tied_embeddings=False, qkv_bias=True),
 }
 # A two-layer model for smoke runs of the bench and its multi-process modes (seconds, not minutes).
 PRESETS["tiny"] = PRESETS["smollm2-135m"].replace(n_layers=2, vocab_size=512)

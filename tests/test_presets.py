@@ -10,7 +10,7 @@ from jaxllm.rope import llama3_rope_freqs, rope_inv_freq
 # model ties it to the embedding; a decode step reads the same bytes either way.
 PUBLISHED = {"qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
              "llama-3.2-1b": 1.24, "llama-3.1-8b": 8.03, "qwen3-8b": 8.19, "qwen2.5-14b": 14.77,
-             "qwen3-0.6b": 0.6}
+             "qwen3-0.6b": 0.6, "qwen2.5-32b": 32.5}
 
 
 def _parameters(c) -> int:
