@@ -9,6 +9,10 @@ are read on the host, so the device never waits for the host; `pipelined=False` 
 the next dispatch (the streaming baseline). A call is one decode step, or K (`tokens_per_call`, 8 by
 default where the GPU runs the fused step) whose tokens arrive together.
 
+A request under a grammar (`constraints`: jaxllm.structured's Constraint per row) runs the masked programs
+(its Sampler carries each row's token mask) one step a call, never ahead: each token goes to its row's
+Constraint, whose next mask is written into the state before the next step.
+
 Prompts run in chunks of `prefill_chunk` tokens (one executable per chunk size; the last chunk padded to
 a power of two), each attending to what the cache already holds, so no intermediate grows with the
 prompt beyond O(chunk x S). With `reuse_cache=True` a request whose prompt starts with the tokens the
@@ -39,7 +43,7 @@ from jaxllm.config import Config
 from jaxllm.decode import DecodeState, eog_table
 from jaxllm.model import Weights
 from jaxllm.programs import Programs, _all_greedy, greedy_mode
-from jaxllm.sampling import NONFINITE, Sampler, SamplingParams, rows_of
+from jaxllm.sampling import NONFINITE, Sampler, SamplingParams, full_mask, rows_of
 from jaxllm.text import GenerationResult, SequenceOutput
 from jaxllm.tokenizer import Tokenizer
 
@@ -112,8 +116,9 @@ class Engine(Programs):
     return cache
 
   def warmup(self, prompt_len: int, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-             batch: int = 1, trial: bool = False) -> None:
-    """Compiles what a request of this (longest) prompt length will run, outside any timing.
+             batch: int = 1, trial: bool = False, masked: bool = False) -> None:
+    """Compiles what a request of this (longest) prompt length will run, outside any timing (masked: a
+    request under a grammar).
 
     trial=True also runs a request through the same executables (token 0s, at most one full chunk plus
     the same last chunk, two new tokens) and throws it away, so what a first run costs beyond compiling
@@ -123,12 +128,16 @@ class Engine(Programs):
     sizes = self._chunks(prompt_len)
     for size in sizes[:-1]:
       self.extend_fn(batch, size)
-    self.prefill_fn(batch, sizes[-1], greedy)
-    self.advance_fn(batch, greedy)
+    self.prefill_fn(batch, sizes[-1], greedy, masked)
+    if masked:
+      self.step_fn(batch, greedy, masked=True)
+    else:
+      self.advance_fn(batch, greedy)
     if trial:
       n = prompt_len if len(sizes) == 1 else prompt_len - (len(sizes) - 2) * self.prefill_chunk
       n = min(n, self.max_context - 2)
-      self.generate_batch([[0] * n] * batch, 2, params, ignore_eos=True)
+      self.generate_batch([[0] * n] * batch, 2, params, ignore_eos=True,
+                          constraints=[None] * batch if masked else None)
       self._history = None
 
   def compile_program(self, key: tuple, fn: Callable, donate: int | tuple[int, ...], args) -> Callable:
@@ -165,9 +174,9 @@ class Engine(Programs):
     return out
 
   def _prefill(self, prompts: Sequence[Sequence[int]], sampler: Sampler, limits: np.ndarray, eog: np.ndarray,
-               greedy: bool, reuse: bool) -> tuple[DecodeState, list[int]]:
+               greedy: bool, reuse: bool, masked: bool = False) -> tuple[DecodeState, list[int]]:
     """Runs the prompts chunk by chunk (from what the cache already holds, with reuse); returns the state
-    and, per row, how many prompt tokens were reused."""
+    and, per row, how many prompt tokens were reused. masked: the sampler carries token masks."""
     b = len(prompts)
     starts = self._reusable(prompts) if reuse else [0] * b
     cache = self._take_cache(b)
@@ -187,41 +196,61 @@ class Engine(Programs):
         cache, last = self.extend_fn(b, size)(self.weights, cache, tokens, lengths, start, last)
       else:
         pos = (np.asarray(starts) + n).astype(np.int32)
-        state = self.prefill_fn(b, size, greedy)(self.weights, cache, tokens, lengths, start, last, pos, sampler,
-                                                 limits, eog)
+        state = self.prefill_fn(b, size, greedy, masked)(self.weights, cache, tokens, lengths, start, last, pos,
+                                                         sampler, limits, eog)
       offset += size
     return state, starts
 
-  def _setup(self, prompts, max_tokens, params, seed, ignore_eos):
-    """Host arrays for a request: sampler, per-row token limits and end-of-generation tables."""
+  def _setup(self, prompts, max_tokens, params, seed, ignore_eos, constraints=None):
+    """Host arrays for a request: sampler (with each row's first token mask where constraints are given: a
+    Constraint or None per row), per-row token limits and end-of-generation tables."""
     b = len(prompts)
     rows = rows_of(params, b)
-    sampler = Sampler.create(rows, b, seed, history=prompts, vocab_size=self.config.vocab_size)
+    sampler = Sampler.create(rows, b, seed, history=prompts, vocab_size=self.config.vocab_size,
+                             masks=None if constraints is None else self._masks(constraints))
     limits = np.asarray([min(self.max_context, len(p) + max_tokens - 1) for p in prompts], np.int32)
     eog_ids = () if ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
     return sampler, limits, eog_table(eog_ids, b), greedy_mode(rows)
 
+  def _masks(self, constraints) -> np.ndarray:
+    """The rows' next token masks [B, ceil(V / 32)]: each Constraint's, every token for a row without one."""
+    if not isinstance(constraints, (list, tuple)):
+      raise ValueError(f"constraints must be a list of one Constraint or None per row, got {constraints!r}")
+    masks = full_mask(len(constraints), self.config.vocab_size)
+    for r, c in enumerate(constraints):
+      if c is not None:
+        masks[r] = c.mask
+    return masks
+
   def stream_tokens(self, prompts: Sequence[Sequence[int]], max_tokens: int,
                     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), seed: int = 0,
-                    pipelined: bool = True, ignore_eos: bool = False,
-                    reuse_cache: bool = False) -> Iterator[tuple[np.ndarray, float]]:
+                    pipelined: bool = True, ignore_eos: bool = False, reuse_cache: bool = False,
+                    constraints: Sequence | None = None) -> Iterator[tuple[np.ndarray, float]]:
     """Yields (tokens [B], seconds since submission) for up to max_tokens decode positions: the
     prefill's token, then one per decode step, until every sequence is done on the device or the caller
     stops iterating. Pipelined: step i+1 is dispatched before token i is read. A token is NONFINITE (-1)
-    where the model's logits were not finite."""
+    where the model's logits were not finite. constraints: one jaxllm.structured.Constraint (or None) per row:
+    each row draws under its grammar's mask, one step a call (never pipelined), its Constraint advanced by each
+    token before it is yielded."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
       raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
     if not prompts:
       raise ValueError("no prompts given")
     for p in prompts:
       self.check_prompt(p)
-    sampler, limits, eog, greedy = self._setup(prompts, max_tokens, params, seed, ignore_eos)
+    if constraints is not None and len(constraints) != len(prompts):
+      raise ValueError(f"constraints must hold one Constraint or None per prompt ({len(prompts)}), "
+                       f"got {len(constraints)}")
+    sampler, limits, eog, greedy = self._setup(prompts, max_tokens, params, seed, ignore_eos, constraints)
     if not self._lock.acquire(blocking=False):
       raise RuntimeError("this Engine is running a request in another thread: an Engine serves one request at "
                          "a time (use one Engine per thread)")
     try:
       self._close_abandoned()
-      gen = self._stream(prompts, max_tokens, sampler, limits, eog, greedy, pipelined, reuse_cache)
+      if constraints is None:
+        gen = self._stream(prompts, max_tokens, sampler, limits, eog, greedy, pipelined, reuse_cache)
+      else:
+        gen = self._stream_masked(prompts, max_tokens, sampler, limits, eog, greedy, reuse_cache, list(constraints))
       self._active, self._active_thread = gen, threading.current_thread()
     finally:
       self._lock.release()
@@ -308,17 +337,47 @@ class Engine(Programs):
           pending.append(kept(out))
           in_flight += k
     finally:
-      if any(a.is_deleted() for a in jax.tree.leaves(state)):
-        # Interrupted (Ctrl-C) between a call that donated the state and the assignment of what it returned:
-        # the buffers are gone, so is the cache; the next request starts from a new one.
-        self._cache, self._history = None, None
-      else:
-        # What the cache now holds, per row: the prompt and the generated tokens written before it stopped.
-        pos = np.asarray(state.pos)
-        gen = np.stack(read, axis=1) if read else np.zeros((len(prompts), 0), np.int32)
-        self._history = [list(p) + [int(t) for t in gen[r, :max(0, pos[r] - len(p))]]
-                         for r, p in enumerate(prompts)]
-        self._cache = state.cache
+      self._keep(state, prompts, read)
+
+  def _stream_masked(self, prompts, steps, sampler, limits, eog, greedy, reuse, constraints):
+    """_stream for rows under grammars: one step a call and none ahead (a row's next mask needs the token it
+    has just drawn). Each token goes to its row's Constraint before it is yielded; a row is done at an
+    end-of-generation or NONFINITE token, its quota, or once its grammar is complete."""
+    t0 = time.perf_counter()
+    state, self.last_reused = self._prefill(prompts, sampler, limits, eog, greedy, reuse, masked=True)
+    step = self.step_fn(len(prompts), greedy, masked=True)
+    stoppers = [set(row.tolist()) | {NONFINITE} for row in eog]
+    quota = [int(limits[r]) - len(p) + 1 for r, p in enumerate(prompts)]
+    done = [False] * len(prompts)
+    read: list[np.ndarray] = []
+    try:
+      while True:
+        tokens = np.asarray(state.tokens)
+        read.append(tokens)
+        for r, c in enumerate(constraints):
+          if c is not None and not done[r] and int(tokens[r]) not in stoppers[r]:
+            c.advance(int(tokens[r]))
+        yield tokens, time.perf_counter() - t0
+        done = [d or int(t) in stop or len(read) >= q or (c is not None and (c.complete or c.error is not None))
+                for d, t, stop, q, c in zip(done, tokens, stoppers, quota, constraints)]
+        if all(done) or len(read) >= steps:
+          break
+        sampler = dataclasses.replace(state.sampler, mask=self._masks(constraints))
+        state = step(self.weights, dataclasses.replace(state, sampler=sampler))
+    finally:
+      self._keep(state, prompts, read)
+
+  def _keep(self, state: DecodeState, prompts, read: list[np.ndarray]) -> None:
+    """Keeps a finished stream's cache and what it holds per row (the prompt and the tokens written)."""
+    if any(a.is_deleted() for a in jax.tree.leaves(state)):
+      # Interrupted (Ctrl-C) between a call that donated the state and the assignment of what it returned:
+      # the buffers are gone, so is the cache; the next request starts from a new one.
+      self._cache, self._history = None, None
+      return
+    pos = np.asarray(state.pos)
+    gen = np.stack(read, axis=1) if read else np.zeros((len(prompts), 0), np.int32)
+    self._history = [list(p) + [int(t) for t in gen[r, :max(0, pos[r] - len(p))]] for r, p in enumerate(prompts)]
+    self._cache = state.cache
 
   def stream_ids(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
                  seed: int = 0, pipelined: bool = True, reuse_cache: bool = False) -> Iterator[tuple[int, float]]:
@@ -347,23 +406,27 @@ class Engine(Programs):
 
   def generate(self, prompt_ids: Sequence[int], max_tokens: int = 32, params: SamplingParams = SamplingParams(),
                seed: int = 0, stop: Sequence[str] = (), ignore_eos: bool = False, pipelined: bool = True,
-               on_text: Callable[[str], None] | None = None, reuse_cache: bool = False) -> GenerationResult:
-    """Generates from token ids; `on_text` receives text as it becomes final (for streaming)."""
+               on_text: Callable[[str], None] | None = None, reuse_cache: bool = False,
+               constraint=None) -> GenerationResult:
+    """Generates from token ids; `on_text` receives text as it becomes final (for streaming); constraint: a
+    jaxllm.structured.Constraint the output follows (a grammar's)."""
     return self.generate_batch([prompt_ids], max_tokens, params, seed, stop, ignore_eos, pipelined,
                                on_text=None if on_text is None else (lambda b, piece: on_text(piece)),
-                               reuse_cache=reuse_cache)[0]
+                               reuse_cache=reuse_cache, constraints=None if constraint is None else [constraint])[0]
 
   def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int = 32,
                      params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), seed: int = 0,
                      stop: Sequence[str] = (), ignore_eos: bool = False, pipelined: bool = True,
                      on_text: Callable[[int, str], None] | None = None,
-                     reuse_cache: bool = False) -> list[GenerationResult]:
+                     reuse_cache: bool = False, constraints: Sequence | None = None) -> list[GenerationResult]:
     """Generates for several prompts of any lengths at once, each stopping on its own.
 
     Each sequence has its own positions, visible length, sampling settings (one SamplingParams per prompt,
     or one for all) and PRNG key on the device, so its padding never reaches attention, and its output
     equals running it alone. `on_text(b, text)` streams sequence b's text. With reuse_cache, prompts that
     start with what the cache holds from the previous call (same batch size) prefill only the rest.
+    constraints: one jaxllm.structured.Constraint or None per prompt; a sequence whose grammar completes
+    ends with finish_reason "grammar".
     """
     if self.tokenizer is None and stop:
       raise ValueError("stop strings need a tokenizer")
@@ -378,11 +441,14 @@ class Engine(Programs):
                       stop, eog) for p in prompts]
     steps = max(s.limit for s in seqs)
     stream = self.stream_tokens([s.prompt_ids for s in seqs], steps, params, seed, pipelined, ignore_eos,
-                                reuse_cache)
+                                reuse_cache, constraints)
     try:
       for tokens, t in stream:
         for b, s in enumerate(seqs):
           piece = s.push(int(tokens[b]), t * 1e3)
+          c = constraints[b] if constraints is not None else None
+          if c is not None and (c.complete or c.error is not None):
+            piece += s.end("grammar" if c.complete else "error", c.error)
           if on_text and piece:
             on_text(b, piece)
         if all(s.finish for s in seqs):

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
                  help="decode steps per executable call: the host dispatches and reads once per K tokens, "
                       "which arrive together (default: 8 where the GPU runs the fused step and on the CPU, else 1)")
+  p.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under the JSON schema in FILE "
+                 "(each token drawn under the grammar's mask, by llguidance; docs/server.md)")
+  p.add_argument("--json-object", action="store_true", help="the output is a JSON object (any)")
   p.add_argument("--show-tokens", action="store_true", help="print token ids as well as text")
   p.add_argument("--json", action="store_true", help="print one JSON object at the end (-i: one per turn) instead of text")
   p.add_argument("--quiet", "-q", action="store_true", help="no start-up lines or summary on stderr")
@@ -177,7 +180,38 @@ def _check_args(args) -> list[str]:
   if args.escape:
     texts = [unescape(t) for t in texts]
     args.stop = [unescape(t) for t in args.stop]
+  args.schema = _read_schema(args)
   return texts
+
+
+def _read_schema(args) -> dict | None:
+  """The JSON schema of --json-schema FILE ({"type": "object"} for --json-object), or None."""
+  if args.json_schema and args.json_object:
+    raise SystemExit("error: give --json-schema FILE or --json-object, not both")
+  if not args.json_schema:
+    return {"type": "object"} if args.json_object else None
+  try:
+    schema = json.loads(_read_text(args.json_schema, "--json-schema"))
+  except ValueError as e:
+    schema = e
+  if not isinstance(schema, dict):
+    got = f"text that is not JSON ({schema})" if isinstance(schema, ValueError) else \
+        f"{type(schema).__name__} {json.dumps(schema)[:60]}"
+    raise SystemExit(f"error: --json-schema {args.json_schema!r} must hold a JSON schema (a JSON object), got {got}")
+  return schema
+
+
+def _grammar(args, tok, vocab_size: int):
+  """The compiled grammar of the schema (_read_schema's), or None; a schema llguidance cannot enforce is a
+  one-line error."""
+  if args.schema is None:
+    return None
+  from jaxllm.structured import GrammarCompiler
+  where = f"--json-schema {args.json_schema!r}" if args.json_schema else "--json-object"
+  try:
+    return GrammarCompiler(tok, vocab_size).json_schema(args.schema)
+  except (ImportError, ValueError) as e:
+    raise SystemExit(f"error: {where}: {e}") from None
 
 
 def _check_whole_context(max_context: int) -> None:
@@ -265,6 +299,7 @@ def _main(argv) -> int:
     print(f"[jaxllm] warning: context {max_context} is longer than the model's trained {config.context_length}",
           file=sys.stderr)
   params = _settle(params, args.repeat_last_n, max_context, config.vocab_size)
+  grammar = _grammar(args, tok, config.vocab_size)
   try:
     engine = Engine(config, weights, tok, max_context=max_context, kernels=args.kernels,
                     graphs_on=False if args.no_graphs else None,
@@ -276,13 +311,13 @@ def _main(argv) -> int:
     raise SystemExit(f"error: {e}") from None
 
   with stages.stage("compile and warm up") as info:
-    engine.warmup(longest, params, batch=max(1, len(all_ids)), trial=True)
+    engine.warmup(longest, params, batch=max(1, len(all_ids)), trial=True, masked=grammar is not None)
     info["line"] = compile_line(engine.built, engine.cache_executables)
   greedy = greedy_mode(params)
   graph_state = graphs.graph_state(engine, greedy) if args.show_graph_state else None
   if graph_state is not None:
     print("[jaxllm] graph state: " + json.dumps(graph_state), file=sys.stderr)
-  run = _Run(args, engine, params, model, max_tokens, max_context, stages, graph_state, t_start)
+  run = _Run(args, engine, params, model, max_tokens, max_context, stages, graph_state, t_start, grammar)
   if args.interactive:
     return run.interactive(system)
   if len(all_ids) > 1:
@@ -293,10 +328,14 @@ def _main(argv) -> int:
 class _Run:
   """What main() has set up: the engine and the settings, and how each mode reports."""
 
-  def __init__(self, args, engine, params, model, max_tokens, max_context, stages, graph_state, t_start):
+  def __init__(self, args, engine, params, model, max_tokens, max_context, stages, graph_state, t_start, grammar):
     self.args, self.engine, self.params, self.model = args, engine, params, model
     self.max_tokens, self.max_context, self.stages, self.graph_state = max_tokens, max_context, stages, graph_state
-    self.t_start = t_start
+    self.t_start, self.grammar = t_start, grammar
+
+  def _constraint(self):
+    """A fresh matcher of the grammar (--json-schema) for one answer, or None."""
+    return None if self.grammar is None else self.grammar.constraint()
 
   def _read_turn(self, on_terminal: bool) -> str:
     """One line of the chat. The prompt `> ` is shown only on a terminal, on stderr with --json (stdout
@@ -335,7 +374,8 @@ class _Run:
   def _generate(self, ids, on_text=None, reuse=False):
     a = self.args
     return self.engine.generate(ids, self.max_tokens, self.params, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
-                                pipelined=a.loop == "pipelined", on_text=on_text, reuse_cache=reuse)
+                                pipelined=a.loop == "pipelined", on_text=on_text, reuse_cache=reuse,
+                                constraint=self._constraint())
 
   def single(self, prompt_ids) -> int:
     a = self.args
@@ -356,8 +396,9 @@ class _Run:
   def batch(self, all_ids) -> int:
     """Several prompts generated together; each one's text printed once it is done."""
     a, e = self.args, self.engine
+    constraints = None if self.grammar is None else [self._constraint() for _ in all_ids]
     results = e.generate_batch(all_ids, self.max_tokens, self.params, seed=a.seed, stop=a.stop,
-                               ignore_eos=a.ignore_eos, pipelined=a.loop == "pipelined")
+                               ignore_eos=a.ignore_eos, pipelined=a.loop == "pipelined", constraints=constraints)
     total = sum(len(r.ids) for r in results)
     span_ms = max(r.token_times_ms[-1] for r in results if r.token_times_ms) - \
         min(r.token_times_ms[0] for r in results if r.token_times_ms)

@@ -9,7 +9,8 @@ engine and compiles again without them; with cache_executables it keeps executab
 
 greedy_mode names the decode step a request needs: sampling settings are data in the DecodeState, so one
 executable serves every request of a batch size and mode. The mode is part of every prefill and decode key
-(and so of the disk cache's): it decides the static flags, the Sampler's wide_top_k among them.
+(and so of the disk cache's): it decides the static flags, the Sampler's wide_top_k among them. `masked`
+programs take a Sampler with a token mask (a grammar's, per row: Sampler.mask) and apply it; their keys say so.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from jaxllm.config import Config
 from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
 from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights, default_layers, use_fused
-from jaxllm.sampling import Sampler, SamplingParams, candidates_kernel, rows_of
+from jaxllm.sampling import Sampler, SamplingParams, candidates_kernel, full_mask, rows_of
 
 MIN_BUCKET = 16
 # Tokens per prefill chunk, measured (docs/results/2026-12-01-h200-prefill.md): on the H200 a 32000-token
@@ -118,6 +119,11 @@ def _greedy_only(greedy: bool | str) -> bool:
 def _wide(greedy: bool | str) -> bool:
   """Whether a greedy mode (greedy_mode) runs the wide step (its Sampler's static wide_top_k)."""
   return greedy in ("wide", "wide-penalized")
+
+
+def _masked_key(masked: bool) -> tuple:
+  """What a masked program adds to its key (nothing for the others: their keys, on disk too, stay as they were)."""
+  return ("masked",) if masked else ()
 
 
 def _step_flags(greedy: bool | str) -> dict:
@@ -218,16 +224,18 @@ class Programs:
     compute = jnp.dtype(self.dtype).name if jnp.dtype(self.dtype) != jnp.dtype(self.cache_dtype) else ""
     return KVCache(k=kv, v=kv, compute=compute)
 
-  def _sampler_spec(self, batch: int, greedy: bool | str = True) -> Sampler:
-    """The abstract Sampler of a request in this greedy mode (the wide modes' with wide_top_k)."""
-    return dataclasses.replace(_spec(Sampler.create(SamplingParams(), batch)), wide_top_k=_wide(greedy))
+  def _sampler_spec(self, batch: int, greedy: bool | str = True, masked: bool = False) -> Sampler:
+    """The abstract Sampler of a request in this greedy mode (the wide modes' with wide_top_k; masked: with a
+    token mask)."""
+    masks = full_mask(batch, self.config.vocab_size) if masked else None
+    return dataclasses.replace(_spec(Sampler.create(SamplingParams(), batch, masks=masks)), wide_top_k=_wide(greedy))
 
-  def _state_spec(self, batch: int, greedy: bool | str = True) -> DecodeState:
+  def _state_spec(self, batch: int, greedy: bool | str = True, masked: bool = False) -> DecodeState:
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     return DecodeState(cache=self._cache_spec(batch), tokens=vec, pos=vec,
                        done=jax.ShapeDtypeStruct((batch,), jnp.bool_), limit=vec,
                        eog=jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32),
-                       sampler=self._sampler_spec(batch, greedy))
+                       sampler=self._sampler_spec(batch, greedy, masked))
 
   def extend_fn(self, batch: int, size: int) -> Callable:
     """Compiled extend(weights, cache, tokens [B, size], lengths, start, last) -> (cache, last)."""
@@ -237,40 +245,42 @@ class Programs:
             jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32))
     return self._build(("extend", batch, size), fn, 1, args)                 # (weights, cache, ...)
 
-  def prefill_fn(self, batch: int, bucket: int, greedy: bool | str) -> Callable:
+  def prefill_fn(self, batch: int, bucket: int, greedy: bool | str, masked: bool = False) -> Callable:
     """Compiled final prefill chunk (weights, cache, tokens [B, bucket], lengths, start, last, pos, sampler,
-    limit, eog) -> DecodeState."""
+    limit, eog) -> DecodeState; masked: the sampler carries token masks."""
     fn = functools.partial(_final_chunk, self.config, greedy_only=_greedy_only(greedy), kernels=self.kernels,
                            layers=self.prefill_layers)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     args = (self.weights, self._cache_spec(batch), jax.ShapeDtypeStruct((batch, bucket), jnp.int32), vec, vec,
             jax.ShapeDtypeStruct((batch, self.config.d_model), jnp.float32), vec,
-            self._sampler_spec(batch, greedy), vec, jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
-    return self._build(("prefill", batch, bucket, greedy), fn, 1, args)
+            self._sampler_spec(batch, greedy, masked), vec, jax.ShapeDtypeStruct((batch, MAX_EOG), jnp.int32))
+    return self._build(("prefill", batch, bucket, greedy) + _masked_key(masked), fn, 1, args)
 
-  def step_fn(self, batch: int = 1, greedy: bool | str = True) -> Callable:
+  def step_fn(self, batch: int = 1, greedy: bool | str = True, masked: bool = False) -> Callable:
     """Compiled decode_step(weights, state) -> state, the state donated.
 
     greedy: True (every row greedy, no penalties: the fused path's argmax head), "penalized" (every row
     greedy, some with penalties), "sampled" (sampling, no penalties), False (sampling with penalties), or
-    "wide" / "wide-penalized" (the same two with the wide top-k step), as greedy_mode says.
+    "wide" / "wide-penalized" (the same two with the wide top-k step), as greedy_mode says. masked: the
+    state's Sampler carries token masks (the step then never takes the argmax head: decode_step).
     """
-    return self._build(("step", batch, greedy), *self.decode_program(batch, greedy, 1))
+    return self._build(("step", batch, greedy) + _masked_key(masked), *self.decode_program(batch, greedy, 1, masked))
 
   def steps_fn(self, batch: int, greedy: bool | str, k: int) -> Callable:
     """Compiled decode_steps(weights, state, block [k, B]) -> (state, block): k steps per call, the state
     and the token block donated."""
     return self._build(("steps", batch, greedy, k, self.device_loop), *self.decode_program(batch, greedy, k))
 
-  def decode_program(self, batch: int, greedy: bool | str, k: int) -> tuple[Callable, int | tuple, tuple]:
+  def decode_program(self, batch: int, greedy: bool | str, k: int,
+                     masked: bool = False) -> tuple[Callable, int | tuple, tuple]:
     """(function, donated arguments, abstract arguments) of the decode executable of k steps per call:
-    decode_step for k = 1, decode_steps with its [k, B] token block otherwise."""
+    decode_step for k = 1, decode_steps with its [k, B] token block otherwise (masked: a state with token masks)."""
     flags = dict(_step_flags(greedy), layers=self.decode_layers)
+    state = self._state_spec(batch, greedy, masked)
     if k == 1:
-      return (functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1,
-              (self.weights, self._state_spec(batch, greedy)))
+      return (functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1, (self.weights, state))
     return (functools.partial(decode_steps, self.config, kernels=self.kernels, loop=self.device_loop, **flags), (1, 2),
-            (self.weights, self._state_spec(batch, greedy), jax.ShapeDtypeStruct((k, batch), jnp.int32)))
+            (self.weights, state, jax.ShapeDtypeStruct((k, batch), jnp.int32)))
 
   def tokens_per_call_for(self, batch: int) -> int:
     """Decode steps per executable call at this batch size: the engine's tokens_per_call, or by default

@@ -22,6 +22,9 @@ GPU's FFI path from one CUDA kernel (jaxllm.kernels.ffi.top_candidates: radix se
 sorts; in a lab build JAXLLM_CANDIDATES_KERNEL=0 keeps the jnp path, see candidates_kernel). The wide
 step's sort is XLA's on every backend (the kernel takes at most MAX_TOP_K candidates).
 A row whose logits are not all finite samples token -1 and is reported, never drawn from.
+A Sampler may carry a token mask (Sampler.mask, a grammar's: jaxllm.structured): a packed bitmask per row,
+token t allowed where bit t % 32 of word t // 32 is set; every other token's logit is -inf before all of the
+above, so no path of sample() can draw it. A row without a grammar has every bit set.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ REPEAT_LAST_N = 64       # last tokens the penalties look at by default (llama.c
 MAX_REPEAT_LAST_N = 4096  # the most they look at: each row's window of recent tokens (docs/usage.md)
 CANDIDATE_BLOCK = 128    # logits per block in the two-stage top-k
 NONFINITE = -1           # the token a row with NaN or inf logits gets
+MASK_BITS = 32           # tokens per word of a token mask (uint32)
 # Sampling settings' bounds: within them a finite logit stays finite through temperature and penalties
 # (|logit| / 1e-3, |logit| x 100 and 100 x MAX_REPEAT_LAST_N stay far inside f32).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
@@ -127,6 +131,8 @@ class Sampler:
   recent [B, W] (W = MAX_REPEAT_LAST_N) holds each row's last W tokens, token i in slot i % W (any id >= V
   where there is none); seen [B] counts the row's tokens so far (its history and the tokens pushed since), so
   slot s holds the token (seen - 1 - s) % W places back; last_n [B] is how many of them the penalties look at.
+  mask [B, ceil(V / 32)] uint32, or None: the tokens each row may draw (see the module docstring); None (no
+  array at all in the pytree) where no row has a grammar, and then a step may take the fused argmax head.
   wide_top_k (static): some row samples with a top_k above MAX_TOP_K, so sample() runs the wide step; a
   Sampler without it draws such a row among the MAX_TOP_K candidates. Sampler.create sets it from the rows.
   """
@@ -141,19 +147,26 @@ class Sampler:
   recent: jax.Array
   seen: jax.Array
   last_n: jax.Array
+  mask: jax.Array | None = None
   wide_top_k: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @staticmethod
   def create(params: SamplingParams | Sequence[SamplingParams], batch: int, seed: int = 0,
-             history: Sequence[Sequence[int]] | None = None, vocab_size: int = 0) -> "Sampler":
+             history: Sequence[Sequence[int]] | None = None, vocab_size: int = 0,
+             masks: np.ndarray | None = None) -> "Sampler":
     """Host arrays for `batch` rows: one SamplingParams for all, or one per row.
 
     A row's key is made from params.seed when the row sets one, else from seed + row (threefry's seeding,
     computed on the host: jax.random.PRNGKey(s) for s < 2^32).
     history: each row's tokens so far (the prompt), whose last MAX_REPEAT_LAST_N tokens fill the window;
     vocab_size marks empty window slots (any id >= V; 0 leaves the window empty).
+    masks: [batch, ceil(V / 32)] uint32 token masks (full_mask for rows without a grammar), or None.
     """
     rows = rows_of(params, batch)
+    if masks is not None:
+      masks = np.asarray(masks)
+      if masks.dtype != np.uint32 or masks.ndim != 2 or masks.shape[0] != batch:
+        raise ValueError(f"masks must be uint32 [{batch}, ceil(V / {MASK_BITS})], got {masks.dtype} {masks.shape}")
     seeds = [p.seed if p.seed is not None else seed + b for b, p in enumerate(rows)]
     if not all(isinstance(s, (int, np.integer)) and 0 <= s < 2 ** 63 for s in seeds):
       raise ValueError(f"seeds must be integers in [0, 2^63), got {seeds[:4]}")
@@ -172,7 +185,7 @@ class Sampler:
                    repeat_penalty=col("repeat_penalty", np.float32),
                    presence_penalty=col("presence_penalty", np.float32),
                    frequency_penalty=col("frequency_penalty", np.float32), keys=keys, recent=recent, seen=seen,
-                   last_n=col("repeat_last_n", np.int32), wide_top_k=any(p.wide_top_k for p in rows))
+                   last_n=col("repeat_last_n", np.int32), mask=masks, wide_top_k=any(p.wide_top_k for p in rows))
 
   def push(self, tokens: jax.Array, index: jax.Array, active: jax.Array) -> "Sampler":
     """Puts each active row's new token (its `index`-th token, [B]) into the penalty window."""
@@ -182,6 +195,23 @@ class Sampler:
     new = jnp.where(active, tokens, recent[b, slot])
     seen = jnp.where(active, index + 1, self.seen).astype(jnp.int32)
     return dataclasses.replace(self, recent=recent.at[b, slot].set(new), seen=seen)
+
+
+def mask_words(vocab_size: int) -> int:
+  """Words of a token mask for a vocabulary of vocab_size tokens: ceil(V / 32)."""
+  return -(-vocab_size // MASK_BITS)
+
+
+def full_mask(batch: int, vocab_size: int) -> np.ndarray:
+  """Token masks [batch, ceil(V / 32)] uint32 that allow every token (rows without a grammar)."""
+  return np.full((batch, mask_words(vocab_size)), 0xFFFFFFFF, np.uint32)
+
+
+def allowed_tokens(mask: jax.Array, vocab_size: int) -> jax.Array:
+  """A packed token mask [B, ceil(V / 32)] uint32 unpacked: [B, V] bool, token t from bit t % 32 of word t // 32."""
+  assert mask.shape[-1] == mask_words(vocab_size), (mask.shape, vocab_size)
+  bits = (mask[:, :, None] >> jnp.arange(MASK_BITS, dtype=jnp.uint32)) & 1                  # [B, W, 32]
+  return bits.reshape(mask.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
 def window_of(history: Sequence[int], empty: int) -> np.ndarray:
@@ -309,9 +339,13 @@ def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False, pe
   (candidates).
   sampler.wide_top_k (static) adds the wide step: rows whose top_k exceeds MAX_TOP_K are drawn among the
   tokens wide_keep keeps (with the full draw's noise); every other row draws as it would without it.
+  sampler.mask, where the Sampler has one, sets the logits of the tokens it masks out to -inf first, so the
+  argmax, the full draw, the candidates and the wide step all pass them by (a row has at least one allowed token).
   """
-  x = apply_penalties(logits, sampler) if penalties else logits
   finite = jnp.all(jnp.isfinite(logits), axis=-1)
+  if sampler.mask is not None:
+    logits = jnp.where(allowed_tokens(sampler.mask, logits.shape[-1]), logits, -jnp.inf)
+  x = apply_penalties(logits, sampler) if penalties else logits
   greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
   if greedy_only:
     return jnp.where(finite, greedy_tok, NONFINITE), sampler

@@ -18,7 +18,7 @@ class GenerationResult:
   prompt_ids: list[int]
   ids: list[int]                  # new tokens (the stopping EOS excluded)
   text: str                       # decoded new text (stop string excluded)
-  finish_reason: str              # "eos" | "stop" | "length" | "context" | "error"
+  finish_reason: str              # "eos" | "stop" | "length" | "context" | "grammar" | "error"
   ttft_ms: float                  # prompt submitted -> first new token on the host
   tpot_ms: float                  # mean time per new token after the first
   tok_per_s: float                # decode tokens per second after the first
@@ -114,6 +114,18 @@ class SequenceOutput:
       self.finish = "length" if self.limit >= self.max_tokens else "context"
       piece += self._flush()
     return piece
+
+  def end(self, reason: str, error: str | None = None) -> str:
+    """Ends the sequence for a reason found outside its tokens: its grammar is complete ("grammar"), or refused a
+    token ("error", with `error`); returns the text still held back. A grammar completed by the last token the
+    limit allowed ends it as "grammar", not "length"."""
+    if self.finish in ("length", "context") and reason == "grammar":
+      self.finish = reason
+      return ""
+    if self.finish:
+      return ""
+    self.finish, self.error = reason, error
+    return self._flush()
 
   def _flush(self) -> str:
     if self.stream is None:

@@ -194,6 +194,11 @@ class Tokenizer:
   def token_bytes(self, token_id: int) -> bytes:
     return self._bytes[token_id]
 
+  @property
+  def special_ids(self) -> frozenset[int]:
+    """The ids of control tokens (<|im_start|> and the like): text never spells them, only their ids do."""
+    return self._special
+
   def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
     """Ids -> text; invalid UTF-8 (a character cut at the end) becomes U+FFFD."""
     data = b"".join(self._bytes[i] for i in ids if not (skip_special and i in self._special))
