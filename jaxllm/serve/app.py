@@ -77,7 +77,8 @@ def _sse(data) -> str:
 class _Job:
   """One HTTP generation request: its scheduler requests (one per prompt and choice) and their events."""
 
-  def __init__(self, scheduler: Scheduler, prompts: list[list[int]], limits: list[int], req, params, seed, stop):
+  def __init__(self, scheduler: Scheduler, prompts: list[list[int]], limits: list[int], req, params, seed, stop,
+               grammar=None):
     self.scheduler = scheduler
     self.events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
@@ -87,8 +88,9 @@ class _Job:
     for pi, (prompt, limit) in enumerate(zip(prompts, limits)):
       for j, s in enumerate(P.seeds(seed, req.n)):
         emit = functools.partial(_emit, loop, self.events, pi * req.n + j)
+        constraint = None if grammar is None else grammar.constraint()     # one matcher per choice
         self.requests.append(Request(prompt, limit, emit, params, s, stop, req.ignore_eos, self.logprobs,
-                                     prompt_logprobs))
+                                     prompt_logprobs, constraint))
     self.done: dict[int, Done] = {}
 
   def submit(self) -> None:
@@ -182,7 +184,8 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
   if req.stream_options is not None and not req.stream:
     raise P.ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
   limits = [P.max_new_tokens(req, len(p), scheduler.engine.max_context) for p in prompts]
-  job = _Job(scheduler, prompts, limits, req, params, seed, stop)
+  grammar = await _grammar(scheduler, P.response_schema(req))
+  job = _Job(scheduler, prompts, limits, req, params, seed, stop, grammar)
   job.submit()
   rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
   if req.stream:
@@ -277,6 +280,20 @@ async def _tokens(fn: Callable, *args):
     return await anyio.to_thread.run_sync(functools.partial(fn, *args))
   except ValueError as e:
     raise P.ApiError(400, str(e)) from None
+
+
+async def _grammar(scheduler: Scheduler, schema: dict | None):
+  """The compiled grammar of a response_format's schema (on a worker thread: llguidance compiles it in
+  milliseconds, a large schema in more), or None; a schema it cannot enforce is a 400 saying why."""
+  if schema is None:
+    return None
+  if scheduler.grammars is None:
+    raise P.ApiError(400, f"response_format: structured output is not available on this server: "
+                          f"{scheduler.grammars_error}", param="response_format")
+  try:
+    return await anyio.to_thread.run_sync(scheduler.grammars.json_schema, schema)
+  except ValueError as e:
+    raise P.ApiError(400, f"response_format: {e}", param="response_format") from None
 
 
 def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -6,9 +6,9 @@ SamplingParams, limits). Every refusal is an ApiError carrying OpenAI's error JS
 for bad parameters, types, JSON and prompts that do not fit the context, 404 for an unknown model, 503 when
 the queue is full or the model is loading.
 
-Fields OpenAI defines that this server does not implement yet (tools, response_format other than text,
-logit_bias, suffix, best_of other than n) are refused by name rather than ignored, so a client never gets
-output that silently differs from what it asked for.
+Fields OpenAI defines that this server does not implement yet (tools, logit_bias, suffix, best_of other than
+n) are refused by name rather than ignored, so a client never gets output that silently differs from what it
+asked for. response_format (both endpoints) becomes the JSON schema the output must follow (response_schema).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from jaxllm.sampling import MAX_TOP_K, SamplingParams
+from jaxllm.structured import JSON_OBJECT
 
 MAX_N = 16               # choices per request
 MAX_STOP = 16            # stop strings per request
@@ -89,6 +90,7 @@ class _Common(_Strict):
   stream_options: StreamOptions | None = None
   user: str | None = None
   ignore_eos: bool = False             # vLLM's extension
+  response_format: dict[str, Any] | None = None   # on /v1/completions too, as vLLM takes it
   # OpenAI's bookkeeping fields: accepted, without effect here.
   store: bool | None = None
   metadata: dict[str, str] | None = None
@@ -102,7 +104,6 @@ class ChatRequest(_Common):
   max_completion_tokens: int | None = None
   logprobs: bool = False
   top_logprobs: int | None = None
-  response_format: dict[str, Any] | None = None
   tools: list[Any] | None = None
   tool_choice: Any = None
   parallel_tool_calls: bool | None = None
@@ -170,8 +171,6 @@ def check_supported(req: _Common) -> None:
   if isinstance(req, ChatRequest):
     if req.top_logprobs is not None and not req.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-      _refuse("response_format", "other than {'type': 'text'} is not supported by this server yet")
     if req.tools or req.tool_choice not in (None, "none"):
       _refuse("tools")
   else:
@@ -185,6 +184,40 @@ def check_supported(req: _Common) -> None:
     raise ApiError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {top}", param=name)
   if not 1 <= req.n <= MAX_N:
     raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+
+
+def response_schema(req: _Common) -> dict | None:
+  """The JSON schema that response_format asks the output to follow: None for {"type": "text"} (or none given),
+  any JSON object for {"type": "json_object"}, json_schema.schema for {"type": "json_schema", "json_schema":
+  {"name", "schema", "strict", "description"}}; anything else is a 400 saying what was expected. (Whether the
+  schema is one the grammar library enforces is checked when it is compiled.)"""
+  rf = req.response_format
+  if rf is None:
+    return None
+
+  def bad(message: str) -> None:
+    raise ApiError(400, f"response_format{message}", param="response_format")
+  kind = rf.get("type")
+  allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+  if kind not in allowed:
+    bad(f".type must be 'text', 'json_object' or 'json_schema', got {_short(kind)}")
+  if set(rf) - allowed[kind]:
+    bad(f" of type {kind!r} takes only {sorted(allowed[kind])}, got {sorted(rf)}")
+  if kind == "text":
+    return None
+  if kind == "json_object":
+    return JSON_OBJECT
+  spec = rf.get("json_schema")
+  if not isinstance(spec, dict):
+    bad(f".json_schema must be an object {{name, schema, strict}}, got {_short(spec)}")
+  if set(spec) - {"name", "schema", "strict", "description"}:
+    bad(f".json_schema takes name, schema, strict and description, got {sorted(spec)}")
+  if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), (bool, type(None))):
+    bad(f".json_schema: name must be a string and strict a boolean, got {_short(spec.get('name'))} and "
+        f"{_short(spec.get('strict'))}")
+  if not isinstance(spec.get("schema"), dict):
+    bad(f".json_schema.schema must be a JSON schema (an object), got {_short(spec.get('schema'))}")
+  return spec["schema"]
 
 
 def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:

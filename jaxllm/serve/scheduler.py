@@ -20,6 +20,12 @@ device programs. Each turn of its loop:
      device saw it end may go on decoding while it lies inside a call's rows: it writes only into its own row,
      past what the slot's history records, and its tokens are dropped.
 
+Structured output: a request under a grammar (Request.constraint, jaxllm.structured) draws its first token under
+its grammar's mask (admit_slot) and gives each token it draws to its Constraint. While such a request decodes,
+nothing runs ahead: the turn reads the call in flight first, writes every row's next mask (put_masks; every token
+for rows without a grammar) and dispatches the masked program of one step. A request whose grammar is complete
+ends with "stop". With no such request decoding, the calls are the engine's own, pipelined, as above.
+
 What a request receives (its `emit` callback, on the engine thread): Delta events with the text that became
 final and the token ids, then one Done event with the finish reason and token counts. The engine below knows
 nothing of HTTP.
@@ -34,13 +40,14 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxllm.sampling import SamplingParams
+from jaxllm.sampling import SamplingParams, full_mask
 from jaxllm.serve.metrics import CompileCounter, Metrics
 from jaxllm.serve.slots import FULL, GREEDY, Prefill, SlotPrograms
+from jaxllm.structured import GrammarCompiler
 from jaxllm.text import SequenceOutput
 
 
@@ -89,6 +96,7 @@ class Request:
   ignore_eos: bool = False
   logprobs: int | None = None
   prompt_logprobs: bool = False
+  constraint: Any = None               # a jaxllm.structured.Constraint: the output follows its grammar
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   cancelled: bool = False
@@ -105,7 +113,8 @@ class _Running:
   first: float | None = None
 
 
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "error": "error"}
+_FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "context": "length",
+           "error": "error"}
 
 
 class Scheduler:
@@ -140,6 +149,14 @@ class Scheduler:
     # The decode call in flight: its tokens (on their way to the host) and the request of each row at dispatch.
     self._pending: tuple | None = None
     self.tokenizer = engine.tokenizer
+    # Grammars over the model's vocabulary (response_format); None, with the reason, where they cannot be made.
+    self.grammars: GrammarCompiler | None = None
+    self.grammars_error: str | None = "the model has no tokenizer" if engine.tokenizer is None else None
+    try:
+      if engine.tokenizer is not None:
+        self.grammars = GrammarCompiler(engine.tokenizer, engine.config.vocab_size)
+    except (ImportError, ValueError) as e:
+      self.grammars_error = str(e)
 
   # ---- any thread ----------------------------------------------------------------------------
 
@@ -212,6 +229,10 @@ class Scheduler:
     self._admit()
     self._prefill()
     previous, self._pending = self._pending, None
+    if previous is not None and self._constrained():
+      # A row under a grammar needs the call in flight's tokens for its next mask: nothing runs ahead.
+      self._collect(*previous)
+      previous = None
     if any(r is not None and r.job is None for r in self._running):
       self._pending = self._dispatch()
     if previous is not None:
@@ -259,7 +280,8 @@ class Scheduler:
       p = request.prompt
       limit = min(self.engine.max_context, len(p) + request.max_tokens - 1)
       eog = () if request.ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
-      job = self.programs.plan(slot, p, start, request.params, request.seed, limit, eog)
+      mask = None if request.constraint is None else request.constraint.mask
+      job = self.programs.plan(slot, p, start, request.params, request.seed, limit, eog, mask)
       out = SequenceOutput(list(p), min(request.max_tokens, self.engine.max_context - len(p) + 1),
                            request.max_tokens, self.tokenizer, request.stop, frozenset(eog))
       self._running[slot] = _Running(request, out, job, start)
@@ -280,12 +302,25 @@ class Scheduler:
       if budget <= 0:
         break
 
+  def _constrained(self) -> bool:
+    """Whether some decoding request has a grammar."""
+    return any(r is not None and r.job is None and r.request.constraint is not None for r in self._running)
+
   def _dispatch(self) -> tuple:
-    """Dispatches a decode call for the busy rows: (its tokens on the device, the decoding request per row)."""
+    """Dispatches a decode call for the busy rows: (its tokens on the device, the decoding request per row).
+    With a request under a grammar decoding, the call is the masked step, after every row's mask is written."""
     decoding = [r for r in self._running if r is not None and r.job is None]
     greedy = all(r.request.params.greedy and not r.request.params.penalized for r in decoding)
     count = min(c for c in self.programs.counts if c >= self._busy())
-    tokens = self.programs.decode(count, GREEDY if greedy else FULL)
+    if self._constrained():
+      masks = full_mask(self.slots, self.engine.config.vocab_size)
+      for slot, run in enumerate(self._running):
+        if run is not None and run.job is None and run.request.constraint is not None:
+          masks[slot] = run.request.constraint.mask
+      self.programs.put_masks(masks)
+      tokens = self.programs.decode(count, FULL, masked=True)
+    else:
+      tokens = self.programs.decode(count, GREEDY if greedy else FULL)
     self.metrics.decode_calls[count] = self.metrics.decode_calls.get(count, 0) + 1
     return tokens, [r if r is not None and r.job is None else None for r in self._running[:count]]
 
@@ -334,11 +369,16 @@ class Scheduler:
       run.first = now
       self.metrics.ttft.observe(now - run.request.submitted)
     out, text, before, count = run.output, [], len(run.output.ids), len(run.generated)
+    grammar = run.request.constraint
     for t in tokens:
       if out.finish:
         break
       run.generated.append(t)
       text.append(out.push(t, (now - run.request.submitted) * 1e3))
+      if grammar is not None and out.finish not in ("eos", "error"):
+        grammar.advance(t)
+        if grammar.complete or grammar.error is not None:
+          text.append(out.end("grammar" if grammar.complete else "error", grammar.error))
     new_ids = out.ids[before:]
     self.metrics.generation_tokens += len(run.generated) - count
     logprobs = None

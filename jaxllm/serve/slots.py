@@ -19,7 +19,10 @@ count is a done row, which the step runs but which writes nothing. A request joi
       what a free row's cache holds (prefix reuse);
   decode_rows(weights, state, block [K, count]) -> (state, block)
       the engine's decode program (Engine.decode_program: K steps a call) on rows [0, count), the rest
-      untouched;
+      untouched; the masked variant (one step a call) draws each row under its token mask;
+  put_masks(state, masks [N, ceil(V / 32)]) -> state
+      the token masks of the next masked call: a grammar's for a row under one (jaxllm.structured), every
+      token for the others;
   score_slot(weights, state, slot, tokens [1, T], start [1], targets [1, T]) -> (logprobs [T], top ids and
       logprobs [T, TOP_LOGPROBS])
       the model's log-probabilities of `targets` after each of `tokens` run from `start` in row `slot` (a
@@ -31,6 +34,13 @@ the decode step's two modes (every active row greedy without penalties: the argm
 sampler) the server compiles everything at start-up (SlotPrograms.warmup) and nothing while it serves. A
 prompt is prefilled at batch 1 whatever N is, and its first token and decode steps are the same computation
 as Engine.generate's for that request alone.
+
+Token masks: the state's Sampler always holds a mask per row (uint32 [N, ceil(V / 32)], every bit set for a
+row without a grammar), so admitting a request under a grammar changes data, never a program: admit_slot
+samples its first token under its mask. The decode calls while no busy row has a grammar are the engine's own
+programs (K steps a call, pipelined): decode_rows hands them the rows without the mask, which they never see
+(nor pay for). While some row has one, the call is the masked program of one step, the full sampler over the
+mask (Sampler.mask: then the step never takes the GPU's argmax head, decode.decode_step), after put_masks.
 """
 from __future__ import annotations
 
@@ -46,7 +56,7 @@ from jaxllm.cache import KVCache, check_fits, create_cache
 from jaxllm.engine import snapshot
 from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill, sequence_logits
 from jaxllm.programs import prompt_bucket
-from jaxllm.sampling import Sampler, SamplingParams
+from jaxllm.sampling import Sampler, SamplingParams, full_mask
 
 def counts(slots: int) -> list[int]:
   """The row counts a server of `slots` slots decodes with: powers of two below it, and itself."""
@@ -111,16 +121,31 @@ def swap_rows(state: DecodeState, a, b) -> DecodeState:
   return _put_rows(_put_rows(state, row_b, a), row_a, b)
 
 
-def decode_rows(step, count: int, k: int, weights, state: DecodeState, block):
+def _with_mask(state: DecodeState, mask) -> DecodeState:
+  return dataclasses.replace(state, sampler=dataclasses.replace(state.sampler, mask=mask))
+
+
+def decode_rows(step, count: int, k: int, masked: bool, weights, state: DecodeState, block):
   """`step` (Engine.decode_program's function: one step for k = 1, else k steps with a [k, count] token block)
-  on rows [0, count) of state; returns (state, block [k, count] of the call's tokens)."""
+  on rows [0, count) of state; returns (state, block [k, count] of the call's tokens). masked (static): the
+  step draws under the rows' token masks; else it gets the rows without them (the engine's program as it is),
+  and the masks pass through unchanged."""
+  mask = state.sampler.mask
+  if not masked:
+    state = _with_mask(state, None)
   rows = _rows(state, count)
   if k == 1:
     rows = step(weights, rows)
     block = rows.tokens[None]
   else:
     rows, block = step(weights, rows, block)
-  return (rows if count == state.tokens.shape[0] else _put_rows(state, rows, 0)), block
+  out = rows if count == state.tokens.shape[0] else _put_rows(state, rows, 0)
+  return (out if masked else _with_mask(out, mask)), block
+
+
+def put_masks(state: DecodeState, masks) -> DecodeState:
+  """The state with the token masks [N, ceil(V / 32)] uint32 of the next masked decode call."""
+  return _with_mask(state, masks)
 
 
 def score_slot(config, weights, state: DecodeState, slot, tokens, start, targets, *, kernels, layers):
@@ -199,9 +224,10 @@ class SlotPrograms:
     n, engine = self.slots, self.engine
     cache = create_cache(self.config, n, engine.max_context, engine.dtype, engine.cache_dtype)
     zeros = np.zeros((n,), np.int32)
+    v = self.config.vocab_size
     state = DecodeState(cache=cache, tokens=zeros, pos=zeros, done=np.ones((n,), bool), limit=zeros,
                         eog=np.full((n, MAX_EOG), NO_EOG, np.int32),
-                        sampler=Sampler.create(SamplingParams(), n, vocab_size=self.config.vocab_size))
+                        sampler=Sampler.create(SamplingParams(), n, vocab_size=v, masks=full_mask(n, v)))
     return jax.device_put(state)
 
   def reset(self) -> None:
@@ -217,7 +243,8 @@ class SlotPrograms:
               jax.ShapeDtypeStruct((1, self.config.d_model), jnp.float32))
     if not final:
       return common
-    sampler = _spec(Sampler.create(SamplingParams(), 1, vocab_size=self.config.vocab_size))
+    v = self.config.vocab_size
+    sampler = _spec(Sampler.create(SamplingParams(), 1, vocab_size=v, masks=full_mask(1, v)))
     return common + (vec, sampler, vec, jax.ShapeDtypeStruct((1, MAX_EOG), jnp.int32))
 
   def extend_fn(self) -> Callable:
@@ -238,15 +265,21 @@ class SlotPrograms:
             jax.ShapeDtypeStruct((1,), jnp.int32), tokens)
     return e.compile_program(("slot-score", self.slots, size), fn, (), args)
 
-  def decode_fn(self, count: int, mode: bool) -> Callable:
-    """decode_rows over rows [0, count) in a decode mode (GREEDY or FULL): (weights, state, block) -> (state, block)."""
+  def decode_fn(self, count: int, mode: bool, masked: bool = False) -> Callable:
+    """decode_rows over rows [0, count) in a decode mode (GREEDY or FULL): (weights, state, block) -> (state, block);
+    masked: one step a call, under the rows' token masks."""
     e = self.engine
-    k = e.tokens_per_call_for(count)
-    step, _, args = e.decode_program(count, mode, k)
-    fn = functools.partial(decode_rows, step, count, k)
+    k = 1 if masked else e.tokens_per_call_for(count)
+    step, _, args = e.decode_program(count, mode, k, masked)
+    fn = functools.partial(decode_rows, step, count, k, masked)
     block = jax.ShapeDtypeStruct((k, count), jnp.int32)
-    return e.compile_program(("slot-decode", self.slots, count, mode, k, e.device_loop), fn, (1, 2),
-                             (e.weights, _spec(self.state), block))
+    key = ("slot-decode", self.slots, count, mode, k, e.device_loop) + (("masked",) if masked else ())
+    return e.compile_program(key, fn, (1, 2), (e.weights, _spec(self.state), block))
+
+  def put_masks_fn(self) -> Callable:
+    e = self.engine
+    masks = jax.ShapeDtypeStruct(self.state.sampler.mask.shape, jnp.uint32)
+    return e.compile_program(("slot-masks", self.slots), put_masks, 0, (_spec(self.state), masks))
 
   def swap_fn(self) -> Callable:
     e = self.engine
@@ -254,9 +287,9 @@ class SlotPrograms:
     return e.compile_program(("slot-swap", self.slots), swap_rows, 0, (_spec(self.state), scalar, scalar))
 
   def warmup(self) -> None:
-    """Compiles every program serving can run (each chunk bucket, each row count in both decode modes, the
-    swap) and runs each decode program once on the empty state (every row done: nothing changes), so that
-    serving compiles nothing."""
+    """Compiles every program serving can run (each chunk bucket, each row count in both decode modes and
+    masked, the swap, the masks' write) and runs each decode program once on the empty state (every row done:
+    nothing changes), so that serving compiles nothing."""
     if self.chunked:
       self.extend_fn()
     for b in self.buckets:
@@ -264,15 +297,18 @@ class SlotPrograms:
     self.swap(0, 0)
     for size in self.score_sizes:
       self.score_fn(size)
+    self.put_masks(full_mask(self.slots, self.config.vocab_size))
     for count in self.counts:
       for mode in (GREEDY, FULL):
         np.asarray(self.decode(count, mode))
+      np.asarray(self.decode(count, FULL, masked=True))
 
   # ---- running -------------------------------------------------------------------------------
 
   def plan(self, slot: int, prompt: Sequence[int], start: int, params: SamplingParams, seed: int, limit: int,
-           eog_ids) -> Prefill:
-    """The chunks that bring prompt[start:] into `slot` (its cache already holding prompt[:start])."""
+           eog_ids, mask: np.ndarray | None = None) -> Prefill:
+    """The chunks that bring prompt[start:] into `slot` (its cache already holding prompt[:start]); mask: the
+    token mask [ceil(V / 32)] its first token is drawn under (None: every token)."""
     chunk = self.engine.prefill_chunk
     rest = list(prompt[start:])
     full, tail = divmod(len(rest), chunk)
@@ -286,7 +322,10 @@ class SlotPrograms:
       tokens[0, :n] = prompt[at:at + n]
       chunks.append((tokens, n, at))
       at += n
-    sampler = Sampler.create(params, 1, seed, history=[list(prompt)], vocab_size=self.config.vocab_size)
+    masks = full_mask(1, self.config.vocab_size)
+    if mask is not None:
+      masks[0] = mask
+    sampler = Sampler.create(params, 1, seed, history=[list(prompt)], vocab_size=self.config.vocab_size, masks=masks)
     return Prefill(slot=slot, chunks=chunks, pos=len(prompt), sampler=sampler, limit=limit,
                    eog=eog_table(eog_ids, 1))
 
@@ -308,15 +347,20 @@ class SlotPrograms:
     """Exchanges rows a and b (cache and per-row values)."""
     self.state = self.swap_fn()(self.state, np.int32(a), np.int32(b))
 
-  def decode(self, count: int, mode: bool) -> jax.Array:
-    """Dispatches one decode call (tokens_per_call steps) of rows [0, count) and returns its tokens [K, count]:
-    a device copy already on its way to the host (np.asarray reads it), so the caller may dispatch the next
-    call, which donates the call's own token block, before reading them."""
-    block = self._blocks.pop(count, None)
+  def put_masks(self, masks: np.ndarray) -> None:
+    """Writes the token masks [N, ceil(V / 32)] uint32 that the next masked decode call draws under."""
+    self.state = self.put_masks_fn()(self.state, masks)
+
+  def decode(self, count: int, mode: bool, masked: bool = False) -> jax.Array:
+    """Dispatches one decode call (tokens_per_call steps; masked: one, under the masks put_masks wrote) of rows
+    [0, count) and returns its tokens [K, count]: a device copy already on its way to the host (np.asarray reads
+    it), so the caller may dispatch the next call, which donates the call's own token block, before reading them."""
+    k = 1 if masked else self.engine.tokens_per_call_for(count)
+    block = self._blocks.pop((count, k), None)
     if block is None:
-      block = np.zeros((self.engine.tokens_per_call_for(count), count), np.int32)
-    self.state, block = self.decode_fn(count, mode)(self.engine.weights, self.state, block)
-    self._blocks[count] = block
+      block = np.zeros((k, count), np.int32)
+    self.state, block = self.decode_fn(count, mode, masked)(self.engine.weights, self.state, block)
+    self._blocks[(count, k)] = block
     tokens = snapshot(block)
     tokens.copy_to_host_async()
     return tokens
