@@ -127,8 +127,12 @@ def load_executable(key: str):
   try:
     import pickle
     from jax.experimental.serialize_executable import deserialize_and_load
-    payload, in_tree, out_tree = pickle.loads(blob)
-    return deserialize_and_load(payload, in_tree, out_tree)
+    import jax
+    payload, in_tree, out_tree, device_id = pickle.loads(blob)
+    # The device it was compiled for: left to itself, deserialize_and_load would run it on every device of a
+    # host with several (a 2-GPU machine: "Expected args ... to have 2 shards").
+    device = next(d for d in jax.devices() if d.id == device_id)
+    return deserialize_and_load(payload, in_tree, out_tree, execution_devices=[device])
   except Exception:  # a damaged or foreign file: compile again
     with contextlib.suppress(OSError):
       path.unlink(missing_ok=True)
@@ -139,9 +143,14 @@ def save_executable(key: str, compiled) -> bool:
   """Saves a compiled executable (atomically: a private file renamed into place); True if it did. Where the
   cache cannot be written, warns once and keeps nothing."""
   import pickle
+  import jax
   from jax.experimental.serialize_executable import serialize
+  shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+  devices = {d for s in shardings for d in s.device_set}
+  if len(devices) != 1:              # one device's programs only (a mesh's would need its devices in the key)
+    return False
   try:
-    blob = pickle.dumps(serialize(compiled))
+    blob = pickle.dumps((*serialize(compiled), devices.pop().id))
   except Exception:  # an executable XLA cannot serialize: it is simply not cached
     return False
   d = private_dir(executables_dir(), "compiled executables")

@@ -119,6 +119,25 @@ def test_a_private_cache_loads_its_executables_and_drops_damaged_ones(cache):
   assert executables.load_executable("bad") is None and not (cachedir.executables_dir() / "bad.bin").exists()
 
 
+def test_a_kept_executable_runs_on_its_device_of_several(cache):
+  """On a host of several devices (two simulated CPUs: the flag needs a process of its own), an executable kept
+  in one run loads and runs in the next (it was loaded onto every device and failed: "Expected args to
+  execute_sharded_on_local_devices to have 2 shards"); a program over both devices is not kept."""
+  code = ("import sys, jax, jax.numpy as jnp, numpy as np; from jaxllm import executables; "
+          "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P; "
+          "f = jax.jit(lambda x: x * 2 + 1).lower(jax.ShapeDtypeStruct((4,), jnp.float32)).compile(); "
+          "two = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x')); "
+          "g = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((4,), jnp.float32, sharding=two)).compile(); "
+          "print(executables.save_executable('one', f), executables.save_executable('two', g)) "
+          "if sys.argv[1] == 'save' else print(executables.load_executable('one')(jnp.arange(4.0)).tolist(), "
+          "executables.load_executable('two'))")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  runs = [subprocess.run([sys.executable, "-c", code, step], capture_output=True, text=True, env=env, timeout=120)
+          for step in ("save", "load")]
+  assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
+  assert runs[0].stdout.split() == ["True", "False"] and runs[1].stdout.strip() == "[1.0, 3.0, 5.0, 7.0] None"
+
+
 def test_a_models_cache_others_could_write_is_not_used(cache, tmp_path):
   path = write_tiny_model(tmp_path / "m.gguf", "qwen2")
   _, w1, _ = jaxllm.load(path, progress=False)
