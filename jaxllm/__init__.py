@@ -8,6 +8,7 @@ Public API:
   SamplingParams (a request's settings), Sampler (the same as per-sequence device arrays), eog_table
   DecodeState, KVCache, Weights, Config, Tokenizer, GGUFFile, GGUFError, ChatTemplateError
   DEMO_MODELS, fetch_demo_model, random_weights
+  make_mesh(N): the mesh for Engine(..., mesh=) to run tensor parallel over N devices (jaxllm.parallel)
 """
 from jaxllm import graphs
 from jaxllm.cache import KVCache, create_cache
@@ -19,6 +20,7 @@ from jaxllm.gguf import GGUFError, GGUFFile
 from jaxllm.load import default_dtype, load
 from jaxllm.model import Weights
 from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS, fetch_demo_model
+from jaxllm.parallel import make_mesh
 from jaxllm.sampling import Sampler, SamplingParams
 from jaxllm.scoring import continuation_logprobs, score
 from jaxllm.tokenizer import StreamDecoder, Tokenizer
@@ -30,5 +32,5 @@ __all__ = [
     "ChatTemplateError", "Config", "DEFAULT_MODEL", "DEMO_MODELS", "DecodeState", "Engine", "GGUFError", "GGUFFile",
     "GenerationResult", "KVCache", "Sampler", "SamplingParams", "StreamDecoder", "Tokenizer", "Weights",
     "continuation_logprobs", "create_cache", "decode_step", "default_dtype", "eog_table", "extend",
-    "fetch_demo_model", "load", "prefill", "random_weights", "score", "sequence_logits",
+    "fetch_demo_model", "load", "make_mesh", "prefill", "random_weights", "score", "sequence_logits",
 ]

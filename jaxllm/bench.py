@@ -211,8 +211,18 @@ def run(args) -> list[dict]:
   from jaxllm.timing import host_timings
   from jaxllm.weights import resolve_quant
   t_load = time.perf_counter()
+  from jaxllm.parallel import make_mesh
+  if args.tp > 1 and args.quant == "auto":
+    args.quant = "w8a16"                    # tensor parallel splits W8A16 weights (not the CPU's 4-bit blocks)
   config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
   jax.block_until_ready(weights)
+  try:
+    mesh = make_mesh(args.tp) if args.tp != 1 else None
+    if mesh is not None:
+      from jaxllm.parallel import plan
+      plan(config, mesh)                      # a model that does not split: one line, before anything runs
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
   load_s = time.perf_counter() - t_load
   rng = np.random.default_rng(args.seed)
   prompts = [[int(t) for t in rng.integers(0, config.vocab_size, args.prompt_len)] for _ in range(args.batch)]
@@ -229,7 +239,7 @@ def run(args) -> list[dict]:
   for kernels in kernel_list(args.kernels):
     engine = Engine(config, weights, tok, max_context=max_context, kernels=kernels, graphs_on=graphs_on,
                     prefill_chunk=args.prefill_chunk, tokens_per_call=args.tokens_per_call,
-                    device_loop=None if args.device_loop == "auto" else args.device_loop)
+                    device_loop=None if args.device_loop == "auto" else args.device_loop, mesh=mesh)
     for loop in loops:
       check_length(args.decode_len, engine.tokens_per_call_for(args.batch), loop == "pipelined")
     t0 = time.perf_counter()
@@ -250,7 +260,7 @@ def run(args) -> list[dict]:
       m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch
       peak = _peak_memory()                  # before the bandwidth probe below allocates its own buffer
       rec = {"schema_version": SCHEMA_VERSION, "label": args.label, "model": args.model, "synthetic": synthetic,
-             "arch": config.arch, "quant": resolve_quant(args.quant), "kernels": engine.kernels,
+             "arch": config.arch, "quant": resolve_quant(args.quant), "kernels": engine.kernels, "tp": args.tp,
              "graphs_requested": engine.graphs_requested, "graph_state": state,
              "compiler_options": engine.compiler_options, "loop": loop, "batch": args.batch,
              "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,
@@ -302,7 +312,7 @@ def kernel_list(value: str) -> list[str]:
 def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
   cmd = [sys.executable, "-m", "jaxllm.bench", args.model, "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
          "--decode-len", str(args.decode_len), "--repeat", str(args.repeat), "--warmup", str(args.warmup),
-         "--kernels", args.kernels, "--loop", args.loop, "--quant", args.quant, "--out", out, *extra]
+         "--kernels", args.kernels, "--loop", args.loop, "--quant", args.quant, "--tp", str(args.tp), "--out", out, *extra]
   if args.max_context:
     cmd += ["--max-context", str(args.max_context)]
   if args.prefill_chunk:
@@ -401,7 +411,8 @@ def build_parser():
                  help="auto, ffi (fused decode step), ffi-unfused, xla, both (ffi and xla), or a comma list")
   p.add_argument("--loop", choices=("pipelined", "streaming", "both"), default="both")
   p.add_argument("--quant", choices=("auto", "w8a16", "gguf", "none"), default="auto",
-                 help="auto: gguf on the CPU (the file's 4/5/6-bit blocks), w8a16 on the GPU")
+                 help="auto: gguf on the CPU (the file's 4/5/6-bit blocks), w8a16 on the GPU and with --tp")
+  p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over the first N devices")
   p.add_argument("--graphs", choices=("on", "off", "env"), default="env",
                  help="env = JAXLLM_CUDA_GRAPHS / XLA_FLAGS decide")
   p.add_argument("--no-graphs", dest="graphs", action="store_const", const="off")

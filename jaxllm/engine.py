@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import lab
-from jaxllm.cache import KVCache, check_fits, create_cache
+from jaxllm.cache import KVCache, check_fits
 from jaxllm.config import Config
 from jaxllm.decode import DecodeState, eog_table
 from jaxllm.model import Weights
@@ -88,15 +88,17 @@ class Engine(Programs):
     device_loop: how a call of several steps runs them (decode.decode_steps' loop): "unrolled" (K copies of
       the step in the program) or "while" (one copy in a while loop). None (the default): "while" on the CPU
       (K unrolled CPU steps compile for ~20 s instead of ~3), "unrolled" on the GPU.
+    mesh: a one-axis mesh (jaxllm.parallel.make_mesh(N)) to run tensor parallel over its N devices: the
+      weights are laid out over it (W8A16 or float), the KV cache split by KV head; None: one device.
   """
 
   def __init__(self, config: Config, weights: Weights, tokenizer: Tokenizer | None, max_context: int,
                kernels: str = "auto", graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
                cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None,
-               device_loop: str | None = None):
+               device_loop: str | None = None, mesh=None):
     super().__init__(config, weights, max_context, kernels=kernels, graphs_on=graphs_on, dtype=dtype,
                      prefill_chunk=prefill_chunk, cache_executables=cache_executables, cache_dtype=cache_dtype,
-                     tokens_per_call=tokens_per_call, device_loop=device_loop)
+                     tokens_per_call=tokens_per_call, device_loop=device_loop, mesh=mesh)
     self.tokenizer = tokenizer
     self._cache: KVCache | None = None
     self._history: list[list[int]] | None = None   # per row: the tokens whose keys the cache holds
@@ -112,7 +114,7 @@ class Engine(Programs):
     if cache is None or cache.k.is_deleted() or cache.batch != batch:
       cache = None
       self._history = None
-      cache = create_cache(self.config, batch, self.max_context, self.dtype, self.cache_dtype)
+      cache = self.new_cache(batch)
     return cache
 
   def warmup(self, prompt_len: int, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),

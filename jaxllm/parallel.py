@@ -195,3 +195,33 @@ def cache_config(tp: TensorParallel) -> Config:
 def shard_cache(cache: KVCache, tp: TensorParallel) -> KVCache:
   """A cache made from cache_config(tp), placed on tp's mesh split by KV head."""
   return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(tp.mesh, s)), cache, cache_specs(cache))
+
+
+def cache_spec(spec: KVCache, tp: TensorParallel) -> KVCache:
+  """A cache's ShapeDtypeStructs (made from cache_config(tp)) with the shardings shard_cache() gives."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(tp.mesh, s)),
+                      spec, cache_specs(spec))
+
+
+def on_mesh(tree, tp: TensorParallel):
+  """The leaves of tree (arrays or ShapeDtypeStructs) laid out on tp's mesh: those already there keep their
+  sharding, the rest are replicated (the per-step values: tokens, positions, the sampler's rows)."""
+  everywhere = NamedSharding(tp.mesh, P())
+
+  def one(a):
+    if isinstance(getattr(a, "sharding", None), NamedSharding) and a.sharding.mesh == tp.mesh:
+      return a
+    if isinstance(a, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere)
+    return jax.device_put(a, everywhere)
+  return jax.tree.map(one, tree)
+
+
+def placing(compiled):
+  """A compiled program that first puts its arguments where it takes them (a no-op for those already there:
+  the engine's own state, which the program's outputs were; the host's new values are copied over)."""
+  shardings = compiled.input_shardings[0]
+
+  def call(*args):
+    return compiled(*jax.device_put(args, shardings))
+  return call

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import executables, graphs
-from jaxllm.cache import KVCache
+from jaxllm import executables, graphs, parallel
+from jaxllm.cache import KVCache, create_cache
 from jaxllm.config import Config
 from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
 from jaxllm.kernels import fused, resolve_kernels, select
@@ -57,10 +57,14 @@ CPU_TOKENS_PER_CALL = 8
 MAX_TOKENS_PER_CALL = 64
 
 
-def _compile(fn, donate: int | tuple[int, ...], options: dict, args) -> Callable:
-  """jit + lower + compile with per-executable XLA options."""
+def _compile(fn, donate: int | tuple[int, ...], options: dict, args, tp=None) -> Callable:
+  """jit + lower + compile with per-executable XLA options; on tp's mesh (jaxllm.parallel), a program that
+  takes the per-step values replicated and puts its arguments there first."""
   donate = (donate,) if isinstance(donate, int) else donate
-  return jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile()
+  if tp is None:
+    return jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile()
+  args = parallel.on_mesh(args, tp)
+  return parallel.placing(jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile())
 
 
 def _trial_args(args):
@@ -138,7 +142,7 @@ class Programs:
   def __init__(self, config: Config, weights: Weights, max_context: int, kernels: str = "auto",
                graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
                cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None,
-               device_loop: str | None = None):
+               device_loop: str | None = None, mesh=None):
     if not isinstance(max_context, int) or max_context < 2:
       raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
     if tokens_per_call is not None and (not isinstance(tokens_per_call, int) or isinstance(tokens_per_call, bool)
@@ -149,7 +153,10 @@ class Programs:
     self.tokens_per_call = tokens_per_call
     self.device_loop = device_loop or ("unrolled" if jax.default_backend() == "gpu" else "while")
     self.config = config
-    self.weights = weights
+    # Tensor parallel (jaxllm.parallel): the weights laid out over the mesh, the cache split by KV head.
+    self.tp = None if mesh is None else parallel.plan(config, mesh)
+    self.weights = weights if self.tp is None else parallel.shard_weights(weights, self.tp)
+    self.cache_config = config if self.tp is None else parallel.cache_config(self.tp)
     self.max_context = int(max_context)
     self.kernels = resolve_kernels(kernels)
     self.graphs_requested = graphs.graphs_requested() if graphs_on is None else bool(graphs_on)
@@ -169,7 +176,8 @@ class Programs:
     self.compile_seconds = 0.0
     # Executables built so far: loaded from the disk cache, compiled, and of those compiled, saved to it.
     self.built = {"loaded": 0, "compiled": 0, "saved": 0}
-    self.cache_executables = cache_executables
+    # Sharded executables are not kept on disk (their key would have to name the devices of the mesh).
+    self.cache_executables = cache_executables and self.tp is None
 
   # ---- compilation ---------------------------------------------------------------------------
 
@@ -193,7 +201,7 @@ class Programs:
         self._exe[key] = compiled
         return compiled
     try:
-      compiled = _compile(fn, donate, self.compiler_options, args)
+      compiled = _compile(fn, donate, self.compiler_options, args, self.tp)
       if self.graphs_active:
         jax.block_until_ready(compiled(*_trial_args(args)))
     except Exception as e:  # XLA reports command-buffer failures as assorted runtime errors
@@ -204,7 +212,7 @@ class Programs:
                     f"{self.graphs_fallback}", RuntimeWarning, stacklevel=3)
       self.compiler_options = graphs.compiler_options(False)
       self._exe.clear()
-      compiled = _compile(fn, donate, self.compiler_options, args)
+      compiled = _compile(fn, donate, self.compiler_options, args, self.tp)
       disk_key = None                   # the options changed: this key no longer describes the executable
     self.built["compiled"] += 1
     if disk_key is not None:
@@ -219,10 +227,16 @@ class Programs:
     return self.graphs_requested and self.graphs_fallback is None and _graphs_possible()
 
   def _cache_spec(self, batch: int) -> KVCache:
-    c = self.config
+    c = self.cache_config
     kv = jax.ShapeDtypeStruct((c.n_layers, batch, c.n_kv_heads, self.max_context, c.head_dim), self.cache_dtype)
     compute = jnp.dtype(self.dtype).name if jnp.dtype(self.dtype) != jnp.dtype(self.cache_dtype) else ""
-    return KVCache(k=kv, v=kv, compute=compute)
+    spec = KVCache(k=kv, v=kv, compute=compute)
+    return spec if self.tp is None else parallel.cache_spec(spec, self.tp)
+
+  def new_cache(self, batch: int) -> KVCache:
+    """A KV cache for `batch` sequences (on the mesh, split by KV head, under tensor parallel)."""
+    cache = create_cache(self.cache_config, batch, self.max_context, self.dtype, self.cache_dtype)
+    return cache if self.tp is None else parallel.shard_cache(cache, self.tp)
 
   def _sampler_spec(self, batch: int, greedy: bool | str = True, masked: bool = False) -> Sampler:
     """The abstract Sampler of a request in this greedy mode (the wide modes' with wide_top_k; masked: with a

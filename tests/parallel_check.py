@@ -74,6 +74,26 @@ def check(name: str, kernels: str, quant: str) -> list[dict]:
   return out
 
 
+def engine_tokens() -> list[dict]:
+  """Greedy and penalized tokens of an Engine on N = 1, 2, 4: a batch of two prompts of different lengths,
+  the longer over two prefill chunks, and that prompt alone."""
+  from jaxllm import Engine, SamplingParams
+  config = FAMILIES["qwen2"]
+  weights = random_weights(config, seed=2, dtype=jnp.float32)
+  prompts = [[1, 5, 9, 3, 4, 8, 2, 7, 11, 13] * 3, [7, 2]]
+  out = []
+  for kernels, ns in (("ffi", (1, 2, 4)), ("xla", (1, 4))):
+    for n in ns:
+      engine = Engine(config, weights, None, max_context=64, kernels=kernels, prefill_chunk=16,
+                      mesh=None if n == 1 else parallel.make_mesh(n))
+      out.append({"kernels": kernels, "n": n, "on": len(engine.weights.wqkv.w.sharding.device_set),
+                  "batch": [r.ids for r in engine.generate_batch(prompts, 12, SamplingParams(), ignore_eos=True)],
+                  "alone": engine.generate(prompts[0], 12, ignore_eos=True).ids,
+                  "penalized": [r.ids for r in engine.generate_batch(prompts, 12, SamplingParams(repeat_penalty=1.3),
+                                                                    ignore_eos=True)]})
+  return out
+
+
 def errors() -> list[str]:
   """The messages for models that do not split."""
   msgs = []
@@ -95,10 +115,12 @@ def main() -> int:
   if len(jax.devices()) < 4:
     print(f"needs 4 devices (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}", file=sys.stderr)
     return 2
-  for name in FAMILIES:
-    for kernels, quant in (("xla", "w8a16"), ("ffi", "w8a16"), ("xla", "none")):
-      for rec in check(name, kernels, quant):
-        print(json.dumps(rec), flush=True)
+  cases = [(name, "ffi", "w8a16") for name in FAMILIES] + [("qwen2", "xla", "w8a16"), ("qwen3", "xla", "none")]
+  for name, kernels, quant in cases:
+    for rec in check(name, kernels, quant):
+      print(json.dumps(rec), flush=True)
+  for rec in engine_tokens():
+    print(json.dumps({"engine": rec}), flush=True)
   print(json.dumps({"errors": errors()}), flush=True)
   return 0
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jaxllm import generate
+from jaxllm import cli_options
 from jaxllm.generate import build_parser, main as cli_main, unescape
 from jaxllm.sampling import MAX_REPEAT_LAST_N, MAX_TOP_K, REPEAT_LAST_N
 from tiny import write_tiny_model
@@ -210,7 +210,7 @@ def _spy_params(monkeypatch) -> list:
 def test_repeat_last_n_is_a_window_up_to_the_maximum(path, capsys, monkeypatch, tmp_path):
   """--repeat-last-n N for any N up to the sampler's window reaches the sampler as N (only 64 and 0 were taken
   before); -1 is the whole context where it fits the window; other values are one-line errors."""
-  assert (generate.REPEAT_LAST_N, generate.MAX_REPEAT_LAST_N) == (REPEAT_LAST_N, MAX_REPEAT_LAST_N)
+  assert (cli_options.REPEAT_LAST_N, cli_options.MAX_REPEAT_LAST_N) == (REPEAT_LAST_N, MAX_REPEAT_LAST_N)
   bad = [(["--repeat-last-n", "-2"], rf"must be in \[0, {MAX_REPEAT_LAST_N}\] .* or -1 \(the whole context\), got -2"),
          (["--repeat-last-n", str(MAX_REPEAT_LAST_N + 1)], rf"must be in \[0, {MAX_REPEAT_LAST_N}\]"),
          (["--repeat-last-n", "-1", "-c", "8192"], rf"-1 \(the whole context\) takes a context of at most "
@@ -235,7 +235,7 @@ def test_repeat_last_n_is_a_window_up_to_the_maximum(path, capsys, monkeypatch, 
 def test_top_k_up_to_the_vocabulary(path, capsys, monkeypatch):
   """--top-k above the candidates (it was refused above 128) runs the wide step; k <= 0 and k >= the
   vocabulary (262 tokens here) mean no top-k, as in llama.cpp."""
-  assert generate.MAX_TOP_K == MAX_TOP_K
+  assert cli_options.MAX_TOP_K == MAX_TOP_K
   seen = _spy_params(monkeypatch)
   for k in ("200", "1000", "-5"):
     assert cli_main([path, "-p", "x", "-n", "3", "--temp", "1", "--top-k", k, "-s", "1", "--json",

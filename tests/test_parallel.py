@@ -1,7 +1,8 @@
 """Tensor parallel (jaxllm.parallel) on 1, 2 and 4 simulated CPU devices against one device: the forward's
 hidden states, the cache it writes and the logits agree to f32 rounding, and the greedy tokens are the same,
-for each family's features (QKV bias, q/k norms, llama3 RoPE factors and a tied head), on the XLA and FFI paths,
-W8A16 and float, with KV heads both split (G >= N) and replicated (G < N). A model that does not split is a
+for each family's features (QKV bias, q/k norms, llama3 RoPE factors and a tied head), on the FFI path and (some)
+the XLA path, W8A16 and float, with KV heads both split (G >= N) and replicated (G < N); and an Engine's tokens,
+batched, over prefill chunks, greedy and penalized. A model that does not split is a
 ValueError saying what does not divide.
 
 The devices are XLA's host-platform count, which must be set before jax starts: tests/parallel_check.py runs in
@@ -32,6 +33,7 @@ def results():
 def test_sharded_forward_equals_one_device(results):
   cases = [r for r in results if "family" in r]
   assert {(r["family"], r["n"]) for r in cases} == {(f, n) for f in ("qwen2", "qwen3", "llama") for n in (1, 2, 4)}
+  assert {(r["kernels"], r["quant"]) for r in cases} == {("ffi", "w8a16"), ("xla", "w8a16"), ("xla", "none")}
   for r in cases:
     assert r["sharded"], r                                       # the weights and the cache are on n devices
     assert r["hidden"] < 2e-5 and r["k"] < 2e-5 and r["v"] < 2e-5, r   # f32 rounding (sums in another order)
@@ -39,6 +41,18 @@ def test_sharded_forward_equals_one_device(results):
     assert r["argmax_same"], r
     if r["n"] == 1:
       assert r["hidden"] == r["logits"] == 0.0, r                 # one shard: the same program
+
+
+def test_engine_tokens_are_the_same_on_1_2_and_4_devices(results):
+  """Greedy and penalized greedy, a batch of two (one prompt over two prefill chunks) and a prompt alone: the
+  same tokens on N = 1, 2, 4, on the XLA and the FFI path (f32)."""
+  runs = [r["engine"] for r in results if "engine" in r]
+  for kernels, ns in (("ffi", [1, 2, 4]), ("xla", [1, 4])):
+    mine = {r["n"]: r for r in runs if r["kernels"] == kernels}
+    assert sorted(mine) == ns and [mine[n]["on"] for n in ns] == ns
+    for what in ("batch", "alone", "penalized"):
+      assert all(mine[n][what] == mine[1][what] for n in ns), (kernels, what)
+    assert mine[1]["batch"][0] == mine[1]["alone"] and mine[1]["batch"] != mine[1]["penalized"]
 
 
 def test_a_model_that_does_not_split_says_why(results):

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prefill every prompt whole, even when a free slot holds its start")
   p.add_argument("--quant", choices=QUANT_CHOICES, default="auto", help="as in generate")
   p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help="as in generate")
+  p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over the first N devices, as in generate")
   p.add_argument("--no-graphs", action="store_true", help="turn CUDA graphs (XLA command buffers) off")
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
                  help="prompt tokens per prefill chunk (default 512 on the CPU, 4096 on the GPU)")
@@ -65,10 +66,12 @@ def make_loader(args, model: str):
     from jaxllm import executables
     from jaxllm.engine import Engine
     from jaxllm.load import load as load_model
+    from jaxllm.parallel import make_mesh
     from jaxllm.progress import Stages
     from jaxllm.serve.scheduler import Scheduler
     stages = Stages(quiet=args.quiet)
-    config, weights, tok = load_model(model, quant=resolve_quant(args.quant), progress=stages,
+    quant = "w8a16" if args.tp != 1 and args.quant == "auto" else args.quant    # tensor parallel splits W8A16
+    config, weights, tok = load_model(model, quant=resolve_quant(quant), progress=stages,
                                       cache=not args.no_cache)
     context = args.max_context or min(DEFAULT_CONTEXT, config.context_length)
     if context > config.context_length:
@@ -77,7 +80,7 @@ def make_loader(args, model: str):
     engine = Engine(config, weights, tok, max_context=context, kernels=args.kernels,
                     graphs_on=False if args.no_graphs else None, prefill_chunk=args.prefill_chunk,
                     cache_executables=not args.no_compile_cache and executables.compile_cache_enabled(),
-                    tokens_per_call=args.tokens_per_call)
+                    tokens_per_call=args.tokens_per_call, mesh=make_mesh(args.tp) if args.tp != 1 else None)
     with stages.stage(f"compile {args.max_batch} slots"):
       scheduler = Scheduler(engine, slots=args.max_batch, max_waiting=args.max_waiting,
                             prefix_reuse=not args.no_prefix_reuse)

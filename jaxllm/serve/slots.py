@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.cache import KVCache, check_fits, create_cache
+from jaxllm.cache import KVCache, check_fits
 from jaxllm.engine import snapshot
 from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill, sequence_logits
 from jaxllm.programs import prompt_bucket
@@ -178,7 +178,13 @@ def admit_slot(config, weights, state: DecodeState, slot, tokens, lengths, start
 
 
 def _spec(tree):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype), tree)
+  """The abstract arguments of a state: shapes, dtypes, and the layout of arrays laid out on a mesh (tensor
+  parallel: the cache split by KV head)."""
+  def one(a):
+    sharding = getattr(a, "sharding", None)
+    sharding = sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+    return jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype, sharding=sharding)
+  return jax.tree.map(one, tree)
 
 
 @dataclasses.dataclass
@@ -222,7 +228,7 @@ class SlotPrograms:
 
   def _empty_state(self) -> DecodeState:
     n, engine = self.slots, self.engine
-    cache = create_cache(self.config, n, engine.max_context, engine.dtype, engine.cache_dtype)
+    cache = engine.new_cache(n)
     zeros = np.zeros((n,), np.int32)
     v = self.config.vocab_size
     state = DecodeState(cache=cache, tokens=zeros, pos=zeros, done=np.ones((n,), bool), limit=zeros,
