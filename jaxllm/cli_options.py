@@ -7,9 +7,9 @@ run of a model converts it and caches the conversion and the compiled steps; lat
 llama.cpp's common flags (-s, -t, -e, -r, -cnv, -ngl, --n-predict, --repeat-last-n) are taken as it takes
 them, or refused with the reason. Ctrl-C ends a run with `interrupted` and exit status 130.
 See docs/usage.md.
-
-This module holds the options (build_parser) and their defaults; jaxllm.generate runs them.
 """
+# This module holds the CLI's options (build_parser, whose --help shows the text above) and their defaults;
+# jaxllm.generate runs them.
 from __future__ import annotations
 
 import argparse

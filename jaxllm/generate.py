@@ -1,12 +1,5 @@
-"""Command line: python -m jaxllm.generate [MODEL] (--prompt TEXT | -f FILE | -i) [options].
-
-MODEL is a .gguf path or a demo-model name (default smollm2-135m). Text streams to stdout as it is
-generated; one line per start-up stage and a closing line with TTFT, TPOT and decode tok/s go to stderr
-(-q keeps them quiet). -i starts an interactive chat that keeps the KV cache of earlier turns. The first
-run of a model converts it and caches the conversion and the compiled steps; later runs start in seconds.
-llama.cpp's common flags (-s, -t, -e, -r, -cnv, -ngl, --n-predict, --repeat-last-n) are taken as it takes
-them, or refused with the reason. Ctrl-C ends a run with `interrupted` and exit status 130.
-See docs/usage.md.
+"""python -m jaxllm.generate: loads the model, generates, streams the text and reports; the options, their
+defaults and the usage text are jaxllm.cli_options's (see docs/usage.md).
 """
 from __future__ import annotations
 

@@ -176,10 +176,10 @@ def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   import jaxllm.programs as programs_mod
   real = programs_mod._compile
 
-  def failing(fn, donate, options, args):
+  def failing(fn, donate, options, args, tp=None):
     if "xla_gpu_enable_command_buffer" not in options:
       raise RuntimeError("INTERNAL: simulated command buffer failure")
-    return real(fn, donate, options, args)
+    return real(fn, donate, options, args, tp)
 
   gf = GGUFFile(tiny_models["qwen2"])
   weights = load_weights(gf, progress=False)
