@@ -209,17 +209,15 @@ def run(args) -> list[dict]:
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.presets import weight_bytes_per_token
   from jaxllm.timing import host_timings
+  from jaxllm.parallel import make_mesh, plan
   from jaxllm.weights import resolve_quant
   t_load = time.perf_counter()
-  from jaxllm.parallel import make_mesh
-  if args.tp > 1 and args.quant == "auto":
-    args.quant = "w8a16"                    # tensor parallel splits W8A16 weights (not the CPU's 4-bit blocks)
-  config, weights, tok, synthetic = load_model(args.model, args.quant, args.seed)
+  quant = resolve_quant(args.quant, tensor_parallel=args.tp != 1)
+  config, weights, tok, synthetic = load_model(args.model, quant, args.seed)
   jax.block_until_ready(weights)
   try:
     mesh = make_mesh(args.tp) if args.tp != 1 else None
     if mesh is not None:
-      from jaxllm.parallel import plan
       plan(config, mesh)                      # a model that does not split: one line, before anything runs
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
@@ -260,7 +258,7 @@ def run(args) -> list[dict]:
       m["decode_tok_s_total"] = m["decode_tok_s"] * args.batch
       peak = _peak_memory()                  # before the bandwidth probe below allocates its own buffer
       rec = {"schema_version": SCHEMA_VERSION, "label": args.label, "model": args.model, "synthetic": synthetic,
-             "arch": config.arch, "quant": resolve_quant(args.quant), "kernels": engine.kernels, "tp": args.tp,
+             "arch": config.arch, "quant": quant, "kernels": engine.kernels, "tp": args.tp,
              "graphs_requested": engine.graphs_requested, "graph_state": state,
              "compiler_options": engine.compiler_options, "loop": loop, "batch": args.batch,
              "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,

@@ -179,8 +179,7 @@ def _main(argv) -> int:
   from jaxllm.load import load
   from jaxllm.parallel import make_mesh
   try:
-    # Tensor parallel splits W8A16 (or float) weights: auto picks W8A16 there on the CPU too.
-    args.quant = resolve_quant("w8a16" if args.tp > 1 and args.quant == "auto" else args.quant)
+    args.quant = resolve_quant(args.quant, tensor_parallel=args.tp != 1)
     config, weights, tok = load(model, quant=args.quant, progress=stages, cache=not args.no_cache)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise SystemExit(f"error: {e}") from None

@@ -173,7 +173,13 @@ def cache_specs(cache: KVCache):
 
 
 def shard_weights(weights: Weights, tp: TensorParallel) -> Weights:
-  """weights (one device's, W8A16 or float) laid out and placed on tp's mesh; the result carries tp."""
+  """weights (one device's, W8A16 or float) laid out and placed on tp's mesh; the result carries tp (weights
+  already laid out for tp come back as they are: their rows are in the sharded order already)."""
+  if weights.tp is not None:
+    if weights.tp == tp:
+      return weights
+    raise ValueError(f"these weights are laid out over another mesh ({weights.tp.n} devices); give one "
+                     "device's weights")
   for name in ("embed", "wqkv", "wo", "w_gate_up", "w_down", "head"):
     if not isinstance(getattr(weights, name), Linear):
       raise ValueError(f"tensor parallel takes W8A16 or float weights (--quant w8a16 or none); {name} is a "

@@ -61,10 +61,9 @@ def _compile(fn, donate: int | tuple[int, ...], options: dict, args, tp=None) ->
   """jit + lower + compile with per-executable XLA options; on tp's mesh (jaxllm.parallel), a program that
   takes the per-step values replicated and puts its arguments there first."""
   donate = (donate,) if isinstance(donate, int) else donate
-  if tp is None:
-    return jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile()
-  args = parallel.on_mesh(args, tp)
-  return parallel.placing(jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile())
+  args = args if tp is None else parallel.on_mesh(args, tp)
+  compiled = jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile()
+  return compiled if tp is None else parallel.placing(compiled)
 
 
 def _trial_args(args):
@@ -190,10 +189,11 @@ class Programs:
     disk_key = None
     if self.cache_executables:
       disk_key = executables.executable_key(key, self.config, self.kernels, jnp.dtype(self.dtype).name,
-                                      jnp.dtype(self.cache_dtype).name, self.max_context,
-                                      sorted(self.compiler_options.items()), fused.layers_call(), fused.cpu_fused(),
-                                      select.ffi_ops(), candidates_kernel(), jax.tree.structure(args),
-                                      [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
+                                            jnp.dtype(self.cache_dtype).name, self.max_context,
+                                            sorted(self.compiler_options.items()), fused.layers_call(),
+                                            fused.cpu_fused(), select.ffi_ops(), candidates_kernel(),
+                                            jax.tree.structure(args),
+                                            [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
       compiled = executables.load_executable(disk_key)
       if compiled is not None:
         self.compile_seconds += time.perf_counter() - t0

@@ -39,12 +39,13 @@ def _check_quant(quant: str) -> None:
     raise ValueError(f"quant must be one of {QUANT_CHOICES}, got {quant!r}")
 
 
-def resolve_quant(quant: str) -> str:
-  """The quantization "auto" means on the default backend: "gguf" on the CPU, "w8a16" elsewhere."""
+def resolve_quant(quant: str, tensor_parallel: bool = False) -> str:
+  """The quantization "auto" means on the default backend: "gguf" on the CPU, "w8a16" elsewhere; under
+  tensor parallel "w8a16" everywhere (jaxllm.parallel splits W8A16 or float weights, not the CPU's blocks)."""
   _check_quant(quant)
   if quant != "auto":
     return quant
-  return "gguf" if jax.default_backend() == "cpu" else "w8a16"
+  return "gguf" if jax.default_backend() == "cpu" and not tensor_parallel else "w8a16"
 
 
 def _layer_parts(c: Config) -> dict[str, tuple[str, ...]]:

@@ -64,6 +64,7 @@ def check(name: str, kernels: str, quant: str) -> list[dict]:
     c = jax.tree.map(lambda a, a0: a0[:, :, heads] if a.ndim == 5 else a, c, cache)
     hidden, logits, c = jax.jit(run)(sharded, parallel.shard_cache(c, tp))
     ok_shards = len(sharded.wqkv.w.sharding.device_set) == n and len(c.k.sharding.device_set) == n
+    ok_shards &= parallel.shard_weights(sharded, tp) is sharded        # laid out already: not reordered again
     out.append({"family": name, "kernels": kernels, "quant": quant, "n": n, "sharded": ok_shards,
                 "hidden": float(np.abs(np.asarray(hidden) - np.asarray(hidden0)).max()),
                 "logits": float(np.abs(np.asarray(logits) - np.asarray(logits0)).max()),

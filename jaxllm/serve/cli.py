@@ -70,9 +70,8 @@ def make_loader(args, model: str):
     from jaxllm.progress import Stages
     from jaxllm.serve.scheduler import Scheduler
     stages = Stages(quiet=args.quiet)
-    quant = "w8a16" if args.tp != 1 and args.quant == "auto" else args.quant    # tensor parallel splits W8A16
-    config, weights, tok = load_model(model, quant=resolve_quant(quant), progress=stages,
-                                      cache=not args.no_cache)
+    config, weights, tok = load_model(model, quant=resolve_quant(args.quant, tensor_parallel=args.tp != 1),
+                                      progress=stages, cache=not args.no_cache)
     context = args.max_context or min(DEFAULT_CONTEXT, config.context_length)
     if context > config.context_length:
       raise ValueError(f"--max-context {context} is longer than the {config.context_length} tokens the model "
