@@ -7,8 +7,9 @@
 #
 # Everything it writes goes to a folder it makes, $OUT/gpu-check (OUT defaults to ./gpu-out), packed at the
 # end into $OUT/gpu-check.tgz; it deletes nothing but that folder of its own. Wheels in .whl/ (packages
-# the machine lacks: gguf, and for tests/test_serve*.py starlette, uvicorn, pydantic, openai and their
-# dependencies, for the machine's Python) are installed into /tmp/site first. On a machine without the network, set
+# the machine lacks: gguf; for tests/test_serve*.py starlette, uvicorn, pydantic, openai; for
+# tests/test_structured.py llguidance and jsonschema; and their dependencies, for the machine's Python; the
+# command is in CONTRIBUTING.md) are installed into /tmp/site first. On a machine without the network, set
 # JAXLLM_TEST_OFFLINE=1: the tests that download a demo model then skip and say so.
 # Knobs: TESTS ("all", files, or empty), GEMV_SWEEP (non-empty: bench/gemv_sweep.cu), STAGES (bench/suite.py stages), WORKERS (test processes, default 12),
 # T_TESTS (seconds for the tests, default 420), PAIRS (suite pairs, default 5).
