@@ -132,8 +132,8 @@ def parse_batched_bench(text: str, preset: str, qtype: str) -> list[dict]:
 class Runner:
   """Runs commands in order under the study's time limit, logging each into <dir>/logs/."""
 
-  def __init__(self, d: str, time_limit: float | None):
-    self.logs = os.path.join(d, "logs")
+  def __init__(self, d: str, time_limit: float | None, tag: str = "scaling"):
+    self.logs, self.tag = os.path.join(d, "logs"), tag
     os.makedirs(self.logs, exist_ok=True)
     self.t0, self.limit, self.notes = time.monotonic(), time_limit, []
 
@@ -153,7 +153,7 @@ class Runner:
     with open(log_path, "w") as log, open(stdout_path or os.devnull, "w") as so:
       log.write("$ " + " ".join(cmd) + "\n")
       log.flush()
-      print(f"[scaling] {name}: {' '.join(cmd)}", file=sys.stderr)
+      print(f"[{self.tag}] {name}: {' '.join(cmd)}", file=sys.stderr)
       try:
         rc = subprocess.run(cmd, stdout=so if stdout_path else log, stderr=log, timeout=self.left()).returncode
       except subprocess.TimeoutExpired:
