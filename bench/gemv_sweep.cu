@@ -27,6 +27,7 @@
 
 #include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
+#include "w8a16_mma_staged.cuh"
 
 using bf16 = __nv_bfloat16;
 namespace w = jaxllm::w8a16;
@@ -232,6 +233,18 @@ Config MakeMma(int m) {
           }};
 }
 
+// The candidate with x staged once per block (bench/w8a16_mma_staged.cuh): KS groups of NW warps, RT 16-row tiles
+// of w a warp, slabs of U chunks.
+template <int MT, int RT, int NW, int KS, int U>
+Config MakeStaged(int m) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "mmastaged_mt%d_rt%d_nw%d_ks%d_u%d", MT, RT, NW, KS, U);
+  return {buf, m, [](int k) { return k % w::mma::kChunk == 0; },
+          [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k, int) {
+            return w::mma_staged::Launch<MT, RT, NW, KS, U>(st, x, q, s, y, m, n, k);
+          }};
+}
+
 template <int ROWS, int U, bool HINT = false, int MINB = 1, w::Conv C = w::Conv::kMagic>
 Config MakeStream() {
   char buf[96];
@@ -328,7 +341,15 @@ int main(int argc, char** argv) {
                    MakeMma<2, 1, 8, 4>(16), MakeMma<2, 1, 4, 4>(16), MakeMma<2, 2, 8, 2>(16), MakeMma<2, 1, 16, 2>(16),
                    MakeMma<2, 1, 8, 8>(16), MakeMma<4, 1, 8, 2>(32), MakeMma<4, 1, 8, 4>(32), MakeMma<4, 2, 8, 2>(32),
                    MakeMma<4, 1, 4, 4>(32), MakeMma<8, 2, 8, 2>(64), MakeMma<8, 1, 8, 2>(64), MakeMma<8, 2, 4, 2>(64),
-                   MakeMma<8, 1, 8, 4>(64), MakeMma<8, 2, 8, 1>(64)})
+                   MakeMma<8, 1, 8, 4>(64), MakeMma<8, 2, 8, 1>(64),
+                   // x staged once per block (M = 16, 32, 64)
+                   MakeStaged<2, 2, 4, 1, 2>(16), MakeStaged<2, 1, 4, 2, 4>(16), MakeStaged<2, 2, 2, 2, 4>(16),
+                   MakeStaged<2, 1, 2, 4, 4>(16), MakeStaged<2, 4, 2, 2, 2>(16),
+                   MakeStaged<4, 2, 4, 1, 2>(32), MakeStaged<4, 1, 4, 2, 2>(32), MakeStaged<4, 2, 2, 2, 2>(32),
+                   MakeStaged<4, 1, 8, 1, 2>(32), MakeStaged<4, 1, 2, 4, 2>(32),
+                   MakeStaged<8, 1, 4, 1, 2>(64), MakeStaged<8, 2, 4, 1, 1>(64), MakeStaged<8, 1, 8, 1, 2>(64),
+                   MakeStaged<8, 2, 2, 2, 2>(64), MakeStaged<8, 1, 4, 2, 2>(64), MakeStaged<8, 2, 4, 2, 1>(64),
+                   MakeStaged<8, 1, 2, 4, 2>(64), MakeStaged<8, 2, 2, 2, 1>(64)})
     configs.push_back(c);
   std::vector<int> ms = {1, 2, 4};
   if (const char* e = std::getenv("GEMV_MS")) {
