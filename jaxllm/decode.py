@@ -147,14 +147,14 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
   layers (static): "unrolled", "scan" or None, the backend's default ("scan" on the CPU; model.forward).
   The state's Sampler brings the last static settings: wide_top_k, set by Sampler.create where some row's
   top_k exceeds sampling.MAX_TOP_K (its step sorts the vocabulary for such rows; sampling.sample), and whether
-  it carries a token mask (Sampler.mask, a grammar's). A state with a mask never takes the LM-head kernel's
-  argmax, which sees no mask: its logits go through sample(), which applies it. Whether the mask is there is
-  the pytree's structure, so it is part of what the step compiles for.
+  it carries a token mask (Sampler.mask, a grammar's) or logit biases (Sampler.bias_ids). A state with either
+  never takes the LM-head kernel's argmax, which sees neither: its logits go through sample(), which applies
+  them. Whether they are there is the pytree's structure, so it is part of what the step compiles for.
   """
   active = ~state.done
   b = state.tokens.shape[0]
   if use_fused(config, weights, state.cache, b, kernels):
-    argmax = greedy_only and not penalties and state.sampler.mask is None
+    argmax = greedy_only and not penalties and state.sampler.mask is None and state.sampler.bias_ids is None
     out, cache = forward_decode_fused_head(config, weights, state.cache, state.tokens, state.pos, active,
                                            greedy=argmax)
     if argmax:

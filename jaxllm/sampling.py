@@ -25,12 +25,17 @@ A row whose logits are not all finite samples token -1 and is reported, never dr
 A Sampler may carry a token mask (Sampler.mask, a grammar's: jaxllm.structured): a packed bitmask per row,
 token t allowed where bit t % 32 of word t // 32 is set; every other token's logit is -inf before all of the
 above, so no path of sample() can draw it. A row without a grammar has every bit set.
+A Sampler may carry logit biases (OpenAI's logit_bias: Sampler.bias_ids, bias_values): per row up to
+MAX_LOGIT_BIAS (token id, bias) pairs added to the logits before the mask and everything above (-100 makes a
+token's draw as good as impossible, +100 as good as certain). Sparse, not a dense [B, V] vector: a row's pairs
+are 2.4 KB to upload where a dense row is V x 4 bytes (600 KB for Qwen2.5's vocabulary) in the state and on
+every admission; the scatter-add onto [B, V] is one pass that the logits' other passes dwarf.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +50,9 @@ MAX_REPEAT_LAST_N = 4096  # the most they look at: each row's window of recent t
 CANDIDATE_BLOCK = 128    # logits per block in the two-stage top-k
 NONFINITE = -1           # the token a row with NaN or inf logits gets
 MASK_BITS = 32           # tokens per word of a token mask (uint32)
+MAX_LOGIT_BIAS = 300     # (token id, bias) pairs per row at most (OpenAI's logit_bias takes 300)
+LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100]
+_NO_BIAS_ID = np.iinfo(np.int32).max   # an unused pair's id: past every vocabulary, so the scatter drops it
 # Sampling settings' bounds: within them a finite logit stays finite through temperature and penalties
 # (|logit| / 1e-3, |logit| x 100 and 100 x MAX_REPEAT_LAST_N stay far inside f32).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
@@ -133,6 +141,8 @@ class Sampler:
   slot s holds the token (seen - 1 - s) % W places back; last_n [B] is how many of them the penalties look at.
   mask [B, ceil(V / 32)] uint32, or None: the tokens each row may draw (see the module docstring); None (no
   array at all in the pytree) where no row has a grammar, and then a step may take the fused argmax head.
+  bias_ids [B, MAX_LOGIT_BIAS] int32 and bias_values [B, MAX_LOGIT_BIAS] f32, or None (both): each row's logit
+  biases (unused pairs: id _NO_BIAS_ID, bias 0); like the mask, a state with them never takes the argmax head.
   wide_top_k (static): some row samples with a top_k above MAX_TOP_K, so sample() runs the wide step; a
   Sampler without it draws such a row among the MAX_TOP_K candidates. Sampler.create sets it from the rows.
   """
@@ -148,12 +158,15 @@ class Sampler:
   seen: jax.Array
   last_n: jax.Array
   mask: jax.Array | None = None
+  bias_ids: jax.Array | None = None
+  bias_values: jax.Array | None = None
   wide_top_k: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @staticmethod
   def create(params: SamplingParams | Sequence[SamplingParams], batch: int, seed: int = 0,
              history: Sequence[Sequence[int]] | None = None, vocab_size: int = 0,
-             masks: np.ndarray | None = None) -> "Sampler":
+             masks: np.ndarray | None = None,
+             biases: Sequence[Mapping[int, float] | None] | None = None) -> "Sampler":
     """Host arrays for `batch` rows: one SamplingParams for all, or one per row.
 
     A row's key is made from params.seed when the row sets one, else from seed + row (threefry's seeding,
@@ -161,12 +174,14 @@ class Sampler:
     history: each row's tokens so far (the prompt), whose last MAX_REPEAT_LAST_N tokens fill the window;
     vocab_size marks empty window slots (any id >= V; 0 leaves the window empty).
     masks: [batch, ceil(V / 32)] uint32 token masks (full_mask for rows without a grammar), or None.
+    biases: per row a {token id: bias} map (None or {}: none), or None for no bias arrays at all (bias_table).
     """
     rows = rows_of(params, batch)
     if masks is not None:
       masks = np.asarray(masks)
       if masks.dtype != np.uint32 or masks.ndim != 2 or masks.shape[0] != batch:
         raise ValueError(f"masks must be uint32 [{batch}, ceil(V / {MASK_BITS})], got {masks.dtype} {masks.shape}")
+    bias_ids, bias_values = (None, None) if biases is None else bias_table(biases, batch, vocab_size)
     seeds = [p.seed if p.seed is not None else seed + b for b, p in enumerate(rows)]
     if not all(isinstance(s, (int, np.integer)) and 0 <= s < 2 ** 63 for s in seeds):
       raise ValueError(f"seeds must be integers in [0, 2^63), got {seeds[:4]}")
@@ -185,7 +200,8 @@ class Sampler:
                    repeat_penalty=col("repeat_penalty", np.float32),
                    presence_penalty=col("presence_penalty", np.float32),
                    frequency_penalty=col("frequency_penalty", np.float32), keys=keys, recent=recent, seen=seen,
-                   last_n=col("repeat_last_n", np.int32), mask=masks, wide_top_k=any(p.wide_top_k for p in rows))
+                   last_n=col("repeat_last_n", np.int32), mask=masks, bias_ids=bias_ids,
+                   bias_values=bias_values, wide_top_k=any(p.wide_top_k for p in rows))
 
   def push(self, tokens: jax.Array, index: jax.Array, active: jax.Array) -> "Sampler":
     """Puts each active row's new token (its `index`-th token, [B]) into the penalty window."""
@@ -195,6 +211,29 @@ class Sampler:
     new = jnp.where(active, tokens, recent[b, slot])
     seen = jnp.where(active, index + 1, self.seen).astype(jnp.int32)
     return dataclasses.replace(self, recent=recent.at[b, slot].set(new), seen=seen)
+
+
+def bias_table(biases: Sequence[Mapping[int, float] | None], batch: int,
+               vocab_size: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Per-row logit biases ({token id: bias}, or None) as (ids [batch, MAX_LOGIT_BIAS] int32, biases
+  [batch, MAX_LOGIT_BIAS] f32): each row's pairs first, then unused ones (id _NO_BIAS_ID, bias 0).
+  Ids must be in [0, vocab_size) (any id >= 0 when vocab_size is 0), biases finite in [-100, 100]."""
+  if len(biases) != batch:
+    raise ValueError(f"biases must hold one map (or None) per row ({batch}), got {len(biases)}")
+  ids = np.full((batch, MAX_LOGIT_BIAS), _NO_BIAS_ID, np.int32)
+  values = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
+  for b, row in enumerate(biases):
+    row = dict(row or {})
+    if len(row) > MAX_LOGIT_BIAS:
+      raise ValueError(f"a row takes at most {MAX_LOGIT_BIAS} logit biases, got {len(row)}")
+    for j, (t, v) in enumerate(row.items()):
+      if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 or (vocab_size and t >= vocab_size):
+        raise ValueError(f"a logit bias's token id must be an integer in [0, {vocab_size or 'V'}), got {t!r}")
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
+        raise ValueError(f"a logit bias must be a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                         f"got {v!r} for token {t}")
+      ids[b, j], values[b, j] = t, v
+  return ids, values
 
 
 def mask_words(vocab_size: int) -> int:
@@ -341,8 +380,12 @@ def sample(logits: jax.Array, sampler: Sampler, *, greedy_only: bool = False, pe
   tokens wide_keep keeps (with the full draw's noise); every other row draws as it would without it.
   sampler.mask, where the Sampler has one, sets the logits of the tokens it masks out to -inf first, so the
   argmax, the full draw, the candidates and the wide step all pass them by (a row has at least one allowed token).
+  sampler.bias_ids / bias_values, where the Sampler has them, are added to the logits before that.
   """
   finite = jnp.all(jnp.isfinite(logits), axis=-1)
+  if sampler.bias_ids is not None:   # unused pairs' ids lie past V: the scatter drops them
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, sampler.bias_ids].add(sampler.bias_values, mode="drop")
   if sampler.mask is not None:
     logits = jnp.where(allowed_tokens(sampler.mask, logits.shape[-1]), logits, -jnp.inf)
   x = apply_penalties(logits, sampler) if penalties else logits

@@ -25,6 +25,8 @@ its grammar's mask (admit_slot) and gives each token it draws to its Constraint.
 nothing runs ahead: the turn reads the call in flight first, writes every row's next mask (put_masks; every token
 for rows without a grammar) and dispatches the masked program of one step. A request whose grammar is complete
 ends with "stop". With no such request decoding, the calls are the engine's own, pipelined, as above.
+A request with logit biases (Request.logit_bias) has them written into its row at admission; while it decodes
+the calls are the masked program too (which applies them), pipelined unless a grammar's row decodes beside it.
 
 What a request receives (its `emit` callback, on the engine thread): Delta events with the text that became
 final and the token ids, then one Done event with the finish reason and token counts. The engine below knows
@@ -97,6 +99,7 @@ class Request:
   logprobs: int | None = None
   prompt_logprobs: bool = False
   constraint: Any = None               # a jaxllm.structured.Constraint: the output follows its grammar
+  logit_bias: dict[int, float] | None = None   # {token id: bias in [-100, 100]} added to the logits
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
   submitted: float = dataclasses.field(default_factory=time.perf_counter)
   cancelled: bool = False
@@ -281,7 +284,7 @@ class Scheduler:
       limit = min(self.engine.max_context, len(p) + request.max_tokens - 1)
       eog = () if request.ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
       mask = None if request.constraint is None else request.constraint.mask
-      job = self.programs.plan(slot, p, start, request.params, request.seed, limit, eog, mask)
+      job = self.programs.plan(slot, p, start, request.params, request.seed, limit, eog, mask, request.logit_bias)
       out = SequenceOutput(list(p), min(request.max_tokens, self.engine.max_context - len(p) + 1),
                            request.max_tokens, self.tokenizer, request.stop, frozenset(eog))
       self._running[slot] = _Running(request, out, job, start)
@@ -308,11 +311,12 @@ class Scheduler:
 
   def _dispatch(self) -> tuple:
     """Dispatches a decode call for the busy rows: (its tokens on the device, the decoding request per row).
-    With a request under a grammar decoding, the call is the masked step, after every row's mask is written."""
+    With a request under a grammar or with logit biases decoding, the call is the masked step, after every
+    row's mask is written."""
     decoding = [r for r in self._running if r is not None and r.job is None]
     greedy = all(r.request.params.greedy and not r.request.params.penalized for r in decoding)
     count = min(c for c in self.programs.counts if c >= self._busy())
-    if self._constrained():
+    if self._constrained() or any(r.request.logit_bias for r in decoding):
       masks = full_mask(self.slots, self.engine.config.vocab_size)
       for slot, run in enumerate(self._running):
         if run is not None and run.job is None and run.request.constraint is not None:

@@ -41,6 +41,9 @@ samples its first token under its mask. The decode calls while no busy row has a
 programs (K steps a call, pipelined): decode_rows hands them the rows without the mask, which they never see
 (nor pay for). While some row has one, the call is the masked program of one step, the full sampler over the
 mask (Sampler.mask: then the step never takes the GPU's argmax head, decode.decode_step), after put_masks.
+Logit biases ride the same way: the state's Sampler always holds MAX_LOGIT_BIAS (id, bias) pairs per row
+(none used for a row without biases), written with the row at admission; the masked program applies them, so
+a row with biases decodes in the masked program (one step a call) beside rows without, in one batch.
 """
 from __future__ import annotations
 
@@ -121,16 +124,18 @@ def swap_rows(state: DecodeState, a, b) -> DecodeState:
   return _put_rows(_put_rows(state, row_b, a), row_a, b)
 
 
-def _with_mask(state: DecodeState, mask) -> DecodeState:
-  return dataclasses.replace(state, sampler=dataclasses.replace(state.sampler, mask=mask))
+def _with_mask(state: DecodeState, mask, bias_ids=None, bias_values=None) -> DecodeState:
+  return dataclasses.replace(state, sampler=dataclasses.replace(state.sampler, mask=mask, bias_ids=bias_ids,
+                                                                bias_values=bias_values))
 
 
 def decode_rows(step, count: int, k: int, masked: bool, weights, state: DecodeState, block):
   """`step` (Engine.decode_program's function: one step for k = 1, else k steps with a [k, count] token block)
   on rows [0, count) of state; returns (state, block [k, count] of the call's tokens). masked (static): the
-  step draws under the rows' token masks; else it gets the rows without them (the engine's program as it is),
-  and the masks pass through unchanged."""
-  mask = state.sampler.mask
+  step draws under the rows' token masks and logit biases; else it gets the rows without them (the engine's
+  program as it is), and they pass through unchanged."""
+  s = state.sampler
+  kept = (s.mask, s.bias_ids, s.bias_values)
   if not masked:
     state = _with_mask(state, None)
   rows = _rows(state, count)
@@ -140,12 +145,13 @@ def decode_rows(step, count: int, k: int, masked: bool, weights, state: DecodeSt
   else:
     rows, block = step(weights, rows, block)
   out = rows if count == state.tokens.shape[0] else _put_rows(state, rows, 0)
-  return (out if masked else _with_mask(out, mask)), block
+  return (out if masked else _with_mask(out, *kept)), block
 
 
 def put_masks(state: DecodeState, masks) -> DecodeState:
-  """The state with the token masks [N, ceil(V / 32)] uint32 of the next masked decode call."""
-  return _with_mask(state, masks)
+  """The state with the token masks [N, ceil(V / 32)] uint32 of the next masked decode call (the rows' logit
+  biases kept: each row's were written with its first token, admit_slot)."""
+  return _with_mask(state, masks, state.sampler.bias_ids, state.sampler.bias_values)
 
 
 def score_slot(config, weights, state: DecodeState, slot, tokens, start, targets, *, kernels, layers):
@@ -233,7 +239,8 @@ class SlotPrograms:
     v = self.config.vocab_size
     state = DecodeState(cache=cache, tokens=zeros, pos=zeros, done=np.ones((n,), bool), limit=zeros,
                         eog=np.full((n, MAX_EOG), NO_EOG, np.int32),
-                        sampler=Sampler.create(SamplingParams(), n, vocab_size=v, masks=full_mask(n, v)))
+                        sampler=Sampler.create(SamplingParams(), n, vocab_size=v, masks=full_mask(n, v),
+                                               biases=[None] * n))
     return jax.device_put(state)
 
   def reset(self) -> None:
@@ -250,7 +257,7 @@ class SlotPrograms:
     if not final:
       return common
     v = self.config.vocab_size
-    sampler = _spec(Sampler.create(SamplingParams(), 1, vocab_size=v, masks=full_mask(1, v)))
+    sampler = _spec(Sampler.create(SamplingParams(), 1, vocab_size=v, masks=full_mask(1, v), biases=[None]))
     return common + (vec, sampler, vec, jax.ShapeDtypeStruct((1, MAX_EOG), jnp.int32))
 
   def extend_fn(self) -> Callable:
@@ -312,9 +319,10 @@ class SlotPrograms:
   # ---- running -------------------------------------------------------------------------------
 
   def plan(self, slot: int, prompt: Sequence[int], start: int, params: SamplingParams, seed: int, limit: int,
-           eog_ids, mask: np.ndarray | None = None) -> Prefill:
+           eog_ids, mask: np.ndarray | None = None, bias: dict[int, float] | None = None) -> Prefill:
     """The chunks that bring prompt[start:] into `slot` (its cache already holding prompt[:start]); mask: the
-    token mask [ceil(V / 32)] its first token is drawn under (None: every token)."""
+    token mask [ceil(V / 32)] its first token is drawn under (None: every token); bias: the row's logit biases
+    ({token id: bias}), which its first token and every masked decode call apply."""
     chunk = self.engine.prefill_chunk
     rest = list(prompt[start:])
     full, tail = divmod(len(rest), chunk)
@@ -331,7 +339,8 @@ class SlotPrograms:
     masks = full_mask(1, self.config.vocab_size)
     if mask is not None:
       masks[0] = mask
-    sampler = Sampler.create(params, 1, seed, history=[list(prompt)], vocab_size=self.config.vocab_size, masks=masks)
+    sampler = Sampler.create(params, 1, seed, history=[list(prompt)], vocab_size=self.config.vocab_size, masks=masks,
+                             biases=[bias])
     return Prefill(slot=slot, chunks=chunks, pos=len(prompt), sampler=sampler, limit=limit,
                    eog=eog_table(eog_ids, 1))
 
