@@ -7,7 +7,8 @@ precompute per grammar, so a request's schema costs milliseconds to compile, not
 
   grammar_tokenizer(tokenizer, vocab_size)  llguidance's view of a GGUF vocabulary: jaxllm's Tokenizer's bytes
                                             per id (control tokens marked special) and its end-of-generation ids
-  GrammarCompiler(tokenizer, vocab_size)    schemas -> Grammar, refused with a ValueError that says why
+  GrammarCompiler(tokenizer, vocab_size)    schemas (json_schema) or Lark sources (lark) -> Grammar, refused
+                                            with a ValueError that says why
   Grammar.constraint()                      one sequence's matcher (Constraint)
   Constraint.mask                           the next token's mask, uint32 [ceil(V / 32)]: token t allowed where
                                             bit t % 32 of word t // 32 is set (sampling.Sampler.mask's layout)
@@ -141,10 +142,22 @@ class GrammarCompiler:
       grammar = self._llg.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_pattern": WHITESPACE})
     except (ValueError, TypeError) as e:
       raise ValueError(f"the JSON schema cannot be read: {e}") from None
+    return self._grammar(grammar, "JSON schema", f" (schema {_short(schema)})")
+
+  def lark(self, source: str) -> Grammar:
+    """The grammar of a Lark source in llguidance's dialect (terminals, rules, %json {schema} for JSON that
+    validates against a schema: jaxllm.serve.tools' call formats); ValueError saying why it cannot be made."""
+    try:
+      grammar = self._llg.LLMatcher.grammar_from_lark(source)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"the grammar cannot be read: {e}") from None
+    return self._grammar(grammar, "grammar")
+
+  def _grammar(self, grammar: str, what: str, detail: str = "") -> Grammar:
     matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
     if matcher.is_error():
-      raise ValueError(f"llguidance cannot enforce this JSON schema: {matcher.get_error().splitlines()[0][:300]} "
-                       f"(schema {_short(schema)})")
+      first = (matcher.get_error().splitlines() or [""])[0][:300]
+      raise ValueError(f"llguidance cannot enforce this {what}: {first}{detail}")
     return Grammar(matcher, self._eog, self._words)
 
 

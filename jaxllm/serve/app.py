@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from jaxllm.serve import protocol as P
+from jaxllm.serve import tools as T
 from jaxllm.serve.scheduler import Delta, Done, QueueFull, Request, Scheduler
 
 MAX_BODY = 16 * 2**20     # bytes of a request body
@@ -78,7 +79,7 @@ class _Job:
   """One HTTP generation request: its scheduler requests (one per prompt and choice) and their events."""
 
   def __init__(self, scheduler: Scheduler, prompts: list[list[int]], limits: list[int], req, params, seed, stop,
-               grammar=None):
+               grammar=None, bias: dict[int, float] | None = None):
     self.scheduler = scheduler
     self.events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
@@ -90,7 +91,7 @@ class _Job:
         emit = functools.partial(_emit, loop, self.events, pi * req.n + j)
         constraint = None if grammar is None else grammar.constraint()     # one matcher per choice
         self.requests.append(Request(prompt, limit, emit, params, s, stop, req.ignore_eos, self.logprobs,
-                                     prompt_logprobs, constraint))
+                                     prompt_logprobs, constraint, bias))
     self.done: dict[int, Done] = {}
 
   def submit(self) -> None:
@@ -178,19 +179,28 @@ def _failure(done: Done) -> P.ApiError:
 
 
 async def _generate(http: HttpRequest, state: ServerState, req, kind: str, prompts: list[list[int]],
-                    echo: list[str] | None = None) -> Response:
+                    echo: list[str] | None = None, tools: list[dict] | None = None, choice: str | None = None
+                    ) -> Response:
+  """tools, choice: the chat request's (protocol.tool_setup): answers are read for calls to them; a choice
+  other than "auto" constrains the output to one call (tools.grammar)."""
   scheduler = state.ready
   params, seed, stop = P.sampling(req)
   if req.stream_options is not None and not req.stream:
     raise P.ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
   limits = [P.max_new_tokens(req, len(p), scheduler.engine.max_context) for p in prompts]
-  grammar = await _grammar(scheduler, P.response_schema(req))
-  job = _Job(scheduler, prompts, limits, req, params, seed, stop, grammar)
+  bias = P.logit_biases(req, scheduler.engine.config.vocab_size)
+  if tools and choice != "auto":
+    lark = T.grammar(tools, choice, T.family(scheduler.tokenizer.chat_template))
+    grammar = await _grammar(scheduler, lark, "tools", scheduler.grammars and scheduler.grammars.lark)
+  else:
+    grammar = await _grammar(scheduler, P.response_schema(req))
+  job = _Job(scheduler, prompts, limits, req, params, seed, stop, grammar, bias)
   job.submit()
   rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
+  names = [t["function"]["name"] for t in tools] if tools else None
   if req.stream:
     include = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(_stream(job, kind, rid, state.model, req.n, include, echo, scheduler.tokenizer),
+    return StreamingResponse(_stream(job, kind, rid, state.model, req.n, include, echo, scheduler.tokenizer, names),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
   texts = {i: (echo[i // req.n] if echo else "") for i in range(len(job.requests))}
@@ -226,6 +236,10 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
               "logprobs": _Logprobs.join(logprobs[i]) if job.logprobs is not None else None}
     if kind == "chat":
       choice["message"] = {"role": "assistant", "content": texts[i]}
+      calls = T.parse(texts[i], names) if names else (None, [])
+      if calls[1]:
+        choice["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+        choice["finish_reason"] = "tool_calls"
     else:
       choice["text"] = texts[i]
     body["choices"].append(choice)
@@ -233,14 +247,18 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
 
 
 async def _stream(job: _Job, kind: str, rid: str, model: str, n: int, include_usage: bool, echo: list[str] | None,
-                  tokenizer):
+                  tokenizer, names: list[str] | None = None):
+  """names: the tools' (chat with tools): each choice's text goes through a tools.ToolStream, calls out as
+  tool_calls deltas."""
   created = P.now()
   scored = {i: _Logprobs(kind, tokenizer) for i in range(len(job.requests))}
+  calls = {i: T.ToolStream(names) for i in range(len(job.requests))} if names else None
 
-  def piece(index: int, text: str | None, finish: str | None = None, logprobs: dict | None = None,
+  def piece(index: int, text: str | dict | None, finish: str | None = None, logprobs: dict | None = None,
             role: bool = False) -> str:
     if kind == "chat":
       delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+      delta = text if isinstance(text, dict) else delta
       choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
       choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -260,17 +278,39 @@ async def _stream(job: _Job, kind: str, rid: str, model: str, n: int, include_us
           logprobs = scored[index].of(p[1:], event.prompt_logprobs, first=p[0])
         if event.logprobs is not None:
           logprobs = scored[index].of(event.ids, event.logprobs)
-        if event.text or logprobs is not None:
+        if calls is not None:
+          for part in _tool_parts(calls[index], calls[index].feed(event.text)):
+            yield piece(index, part)
+          if logprobs is not None:
+            yield piece(index, "", logprobs=logprobs)
+        elif event.text or logprobs is not None:
           yield piece(index, event.text, logprobs=logprobs)
       elif event.finish_reason in ("error", "cancelled"):
         yield _sse(_failure(event).body())
       else:
-        yield piece(index, None, event.finish_reason)
+        finish = event.finish_reason
+        if calls is not None:
+          for part in _tool_parts(calls[index], calls[index].finish()):
+            yield piece(index, part)
+          finish = "tool_calls" if calls[index].calls else finish
+        yield piece(index, None, finish)
     if include_usage:
       yield _sse(P.chunk(kind, rid, model, created, [], job.usage(), True))
     yield "data: [DONE]\n\n"
   finally:
     job.cancel()
+
+
+def _tool_parts(stream: T.ToolStream, parts: list) -> list[str | dict]:
+  """A ToolStream's output as stream pieces: text, or each call's deltas (numbered in the order they came)."""
+  out, first = [], stream.calls - sum(isinstance(p, dict) for p in parts)
+  for part in parts:
+    if isinstance(part, dict):
+      out += T.deltas(part, first)
+      first += 1
+    elif part:
+      out.append(part)
+  return out
 
 
 async def _tokens(fn: Callable, *args):
@@ -282,22 +322,23 @@ async def _tokens(fn: Callable, *args):
     raise P.ApiError(400, str(e)) from None
 
 
-async def _grammar(scheduler: Scheduler, schema: dict | None):
-  """The compiled grammar of a response_format's schema (on a worker thread: llguidance compiles it in
-  milliseconds, a large schema in more), or None; a schema it cannot enforce is a 400 saying why."""
+async def _grammar(scheduler: Scheduler, schema, field: str = "response_format", compile=None):
+  """The compiled grammar of a response_format's schema (or of `compile`'s source: the tools' call grammar), on
+  a worker thread: llguidance compiles it in milliseconds, a large schema in more; None for none. One it
+  cannot enforce is a 400 saying why."""
   if schema is None:
     return None
   if scheduler.grammars is None:
-    raise P.ApiError(400, f"response_format: structured output is not available on this server: "
-                          f"{scheduler.grammars_error}", param="response_format")
+    raise P.ApiError(400, f"{field}: structured output is not available on this server: "
+                          f"{scheduler.grammars_error}", param=field)
   try:
-    return await anyio.to_thread.run_sync(scheduler.grammars.json_schema, schema)
+    return await anyio.to_thread.run_sync(compile or scheduler.grammars.json_schema, schema)
   except ValueError as e:
-    raise P.ApiError(400, f"response_format: {e}", param="response_format") from None
+    raise P.ApiError(400, f"{field}: {e}", param=field) from None
 
 
-def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-  return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> list[int]:
+  return tokenizer.encode(T.render(tokenizer, messages, tools, add_generation_prompt))
 
 
 # ---- endpoints -------------------------------------------------------------------------------------
@@ -310,9 +351,10 @@ def create_app(state: ServerState, loader: Callable[[], Scheduler] | None = None
     req = P.parse(P.ChatRequest, await _json_body(http))
     P.check_model(req.model, state.model)
     P.check_supported(req)
+    tools, choice = P.tool_setup(req)
     scheduler = state.ready
-    ids = await _tokens(_chat_ids, scheduler.tokenizer, P.chat_messages(req))
-    return await _generate(http, state, req, "chat", [ids])
+    ids = await _tokens(_chat_ids, scheduler.tokenizer, P.chat_messages(req), True, tools)
+    return await _generate(http, state, req, "chat", [ids], tools=tools, choice=choice)
 
   async def completions(http: HttpRequest) -> Response:
     req = P.parse(P.CompletionRequest, await _json_body(http))

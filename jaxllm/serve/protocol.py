@@ -6,13 +6,16 @@ SamplingParams, limits). Every refusal is an ApiError carrying OpenAI's error JS
 for bad parameters, types, JSON and prompts that do not fit the context, 404 for an unknown model, 503 when
 the queue is full or the model is loading.
 
-Fields OpenAI defines that this server does not implement yet (tools, logit_bias, suffix, best_of other than
-n) are refused by name rather than ignored, so a client never gets output that silently differs from what it
-asked for. response_format (both endpoints) becomes the JSON schema the output must follow (response_schema).
+Fields OpenAI defines that this server does not implement yet (suffix, best_of other than n) are refused by
+name rather than ignored, so a client never gets output that silently differs from what it asked for.
+response_format (both endpoints) becomes the JSON schema the output must follow (response_schema); logit_bias
+a {token id: bias} map (logit_biases); tools and tool_choice what the chat template and the answer's reading
+take (tool_setup; jaxllm.serve.tools).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import time
 import uuid
@@ -20,7 +23,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from jaxllm.sampling import MAX_TOP_K, SamplingParams
+from jaxllm.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_K, SamplingParams
 from jaxllm.structured import JSON_OBJECT
 
 MAX_N = 16               # choices per request
@@ -28,6 +31,7 @@ MAX_STOP = 16            # stop strings per request
 MAX_STOP_CHARS = 256     # characters per stop string
 MAX_PROMPTS = 64         # prompts in one /v1/completions request
 MAX_LOGPROBS = 20        # top_logprobs / logprobs at most (slots.TOP_LOGPROBS)
+MAX_TOOLS = 128          # functions in one request's tools
 
 
 class ApiError(Exception):
@@ -64,10 +68,44 @@ class TextPart(_Strict):
   text: str
 
 
+class FunctionCall(_Strict):
+  name: str
+  arguments: str                       # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+  id: str | None = None
+  type: Literal["function"] = "function"
+  function: FunctionCall
+
+
 class Message(_Strict):
   role: Literal["system", "developer", "user", "assistant", "tool"]
   content: Union[str, list[TextPart], None] = None
   name: str | None = None
+  tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+  tool_call_id: str | None = None            # a tool message: the call it answers
+
+
+class Function(_Strict):
+  name: str
+  description: str | None = None
+  parameters: dict[str, Any] | None = None   # a JSON schema of the arguments
+  strict: bool | None = None
+
+
+class Tool(_Strict):
+  type: Literal["function"]
+  function: Function
+
+
+class NamedFunction(_Strict):
+  name: str
+
+
+class ToolChoice(_Strict):
+  type: Literal["function"]
+  function: NamedFunction
 
 
 class _Common(_Strict):
@@ -95,8 +133,7 @@ class _Common(_Strict):
   store: bool | None = None
   metadata: dict[str, str] | None = None
   service_tier: str | None = None
-  # Defined by OpenAI, not implemented here: refused unless left at their "off" value.
-  logit_bias: dict[str, float] | None = None
+  logit_bias: dict[str, float] | None = None     # {"token id": bias in [-100, 100]}: logit_biases()
 
 
 class ChatRequest(_Common):
@@ -104,8 +141,8 @@ class ChatRequest(_Common):
   max_completion_tokens: int | None = None
   logprobs: bool = False
   top_logprobs: int | None = None
-  tools: list[Any] | None = None
-  tool_choice: Any = None
+  tools: list[Tool] | None = None
+  tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
   parallel_tool_calls: bool | None = None
 
 
@@ -166,13 +203,9 @@ def _refuse(field: str, why: str = "is not supported by this server yet") -> Non
 
 def check_supported(req: _Common) -> None:
   """Refuses the OpenAI fields this server does not implement, by name."""
-  if req.logit_bias:
-    _refuse("logit_bias")
   if isinstance(req, ChatRequest):
     if req.top_logprobs is not None and not req.logprobs:
       raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if req.tools or req.tool_choice not in (None, "none"):
-      _refuse("tools")
   else:
     if req.suffix:
       _refuse("suffix")
@@ -220,6 +253,34 @@ def response_schema(req: _Common) -> dict | None:
   return spec["schema"]
 
 
+def tool_setup(req: ChatRequest) -> tuple[list[dict] | None, str | None]:
+  """(the tools as the chat template takes them, or None; the choice: None for no tools or "none", "auto",
+  "required" or a function's name). tool_choice "none" gives the template no tools and reads no calls."""
+  choice = req.tool_choice
+  if isinstance(choice, ToolChoice):
+    choice = choice.function.name
+  if not req.tools:
+    if choice not in (None, "none"):
+      raise ApiError(400, f"tool_choice {choice!r} needs tools: none are given", param="tool_choice")
+    return None, None
+  if len(req.tools) > MAX_TOOLS:
+    raise ApiError(400, f"tools takes at most {MAX_TOOLS} functions, got {len(req.tools)}", param="tools")
+  names = [t.function.name for t in req.tools]
+  if len(set(names)) != len(names) or not all(names):
+    raise ApiError(400, f"tools must name each function once, with a non-empty name, got {_short(names)}",
+                   param="tools")
+  if choice == "none":
+    return None, None
+  choice = choice or "auto"
+  if choice not in ("auto", "required") and choice not in names:
+    raise ApiError(400, f"tool_choice names the function {choice!r}, which is not among tools {_short(names)}",
+                   param="tool_choice")
+  if choice != "auto" and req.response_format is not None and req.response_format.get("type") != "text":
+    raise ApiError(400, "tool_choice 'required' or a named function constrains the output; it cannot be "
+                        "combined with response_format", param="tool_choice")
+  return [t.model_dump(exclude_none=True) for t in req.tools], choice
+
+
 def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
   """The request's SamplingParams (the engine's checks, as 400s), its seed and its stop strings."""
   repeat = req.repeat_penalty if req.repeat_penalty is not None else req.repetition_penalty
@@ -246,6 +307,29 @@ def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
     raise ApiError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
                    param="stop")
   return params, req.seed, stop
+
+
+def logit_biases(req: _Common, vocab_size: int) -> dict[int, float] | None:
+  """logit_bias as {token id: bias}: keys are token ids written as decimal strings (OpenAI's JSON), at most
+  MAX_LOGIT_BIAS of them, each in [0, vocab_size); biases in [-100, 100]. None when none is given."""
+  if not req.logit_bias:
+    return None
+  if len(req.logit_bias) > MAX_LOGIT_BIAS:
+    raise ApiError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(req.logit_bias)}",
+                   param="logit_bias")
+  out: dict[int, float] = {}
+  for key, bias in req.logit_bias.items():
+    token = int(key) if key.isascii() and key.isdigit() else None
+    if token is None or token >= vocab_size:
+      raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}) written as strings, got "
+                          f"{_short(key)}", param="logit_bias")
+    if token in out:
+      raise ApiError(400, f"logit_bias gives token {token} twice ({_short(key)})", param="logit_bias")
+    if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+      raise ApiError(400, f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                          f"got {bias!r} for token {key}", param="logit_bias")
+    out[token] = float(bias)
+  return out
 
 
 def logprobs_wanted(req: _Common) -> tuple[int | None, bool]:
@@ -297,14 +381,33 @@ def check_ids(ids: list[int], vocab_size: int) -> None:
 
 
 def chat_messages(req: ChatRequest | TokenizeRequest) -> list[dict]:
-  """The messages as the chat template takes them ({"role", "content"} with the text parts joined)."""
+  """The messages as the chat template takes them: {"role", "content"} with the text parts joined, and where
+  given "name", "tool_call_id" and "tool_calls" ({"id", "type", "function": {"name", "arguments"}}, the
+  arguments decoded from their JSON text where it holds an object, as vLLM passes them: templates write them
+  with tojson)."""
   if not req.messages:
     raise ApiError(400, "messages must hold at least one message", param="messages")
   out = []
   for m in req.messages:
     content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-    out.append({"role": m.role, "content": content})
+    message = {"role": m.role, "content": content}
+    for key in ("name", "tool_call_id"):
+      if getattr(m, key) is not None:
+        message[key] = getattr(m, key)
+    if m.tool_calls:
+      message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                         "arguments": _arguments(c.function)}}
+                               for c in m.tool_calls]
+    out.append(message)
   return out
+
+
+def _arguments(fn: FunctionCall) -> Any:
+  try:
+    value = json.loads(fn.arguments)
+  except (ValueError, RecursionError):
+    return fn.arguments
+  return value if isinstance(value, dict) else fn.arguments
 
 
 # ---- responses ---------------------------------------------------------------------------------

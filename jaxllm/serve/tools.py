@@ -1,0 +1,200 @@
+"""OpenAI tool calling: the tools in the prompt, the calls in the answer, and the grammar that forces a call.
+
+The tools reach the model through the GGUF's chat template (its `tools` variable, as HF transformers'
+apply_chat_template passes them); the template decides how the model is told to call them. Two call formats
+are read back, the two families' templates ask for:
+
+  "hermes"  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call> blocks, any number, text around them
+            (Qwen2.5, Hermes, and the templates that copy them: a template that mentions <tool_call>);
+  "json"    the whole answer one JSON object {"name": ..., "parameters" or "arguments": {...}} (Llama 3.1).
+
+Both are read from every answer (a "json" answer is one whose first character is "{"); a call counts only when
+its JSON parses, its name is one of the request's tools and its arguments are an object. Anything else (a
+block whose JSON does not parse, an unknown name) stays in the content as the model wrote it, never an error.
+
+ToolStream reads an answer as it streams: text goes out as it comes, except a tail that may be the start of
+"<tool_call>" (held until the next text says), a block until it closes (then a call, or its text), and an
+answer that starts with "{" (held to the end, then a call or its text). parse() is ToolStream over a whole
+answer, so streamed and whole answers agree.
+
+grammar() is the Lark grammar (llguidance's, with %json schemas) of one call in the family's format, for
+tool_choice "required" or a named function: the output then is such a call, whatever the weights.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import secrets
+from typing import Iterable
+
+from jaxllm.chat_template import ChatTemplate
+from jaxllm.structured import WHITESPACE
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def family(chat_template: str | None) -> str:
+  """The call format a chat template asks for: "hermes" where it mentions <tool_call>, else "json"."""
+  return "hermes" if chat_template and OPEN in chat_template else "json"
+
+
+@functools.lru_cache(maxsize=4)
+def _template(source: str, origin: str | None) -> ChatTemplate:
+  return ChatTemplate(source, origin)
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:
+  """The chat template's prompt for messages, with `tools` ([{"type": "function", "function": {...}}]) as its
+  tools variable; without tools, the tokenizer's own rendering. ValueError (ChatTemplateError) as it raises."""
+  if not tools:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+  if not tokenizer.chat_template:
+    raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
+
+  def text(i):
+    return tokenizer.token_bytes(i).decode("utf-8", "replace") if i is not None else ""
+  return _template(tokenizer.chat_template, tokenizer.source).render(
+      messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=text(tokenizer.bos_id),
+      eos_token=text(tokenizer.eos_id), tools=tools)
+
+
+def new_call(name: str, arguments: dict) -> dict:
+  """A tool call as OpenAI returns it: arguments as a JSON string, a fresh id."""
+  return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def read_call(text: str, names: frozenset[str]) -> dict | None:
+  """The call a JSON text holds ({"name", "arguments" or "parameters"}), or None where it holds none."""
+  try:
+    obj = json.loads(text)
+  except (ValueError, RecursionError):
+    return None
+  if not isinstance(obj, dict) or obj.get("name") not in names:
+    return None
+  args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+  if isinstance(args, str):          # some models write the arguments as a JSON string
+    try:
+      args = json.loads(args)
+    except (ValueError, RecursionError):
+      return None
+  return new_call(obj["name"], args) if isinstance(args, dict) else None
+
+
+def _held(text: str) -> int:
+  """How many of text's last characters may be the start of OPEN."""
+  for n in range(min(len(text), len(OPEN) - 1), 0, -1):
+    if OPEN.startswith(text[-n:]):
+      return n
+  return 0
+
+
+class ToolStream:
+  """Reads one answer's text as it streams: feed(text) and finish() return what may go out now, in order:
+  strings (content) and calls (new_call's dicts). `calls` counts the calls so far."""
+
+  def __init__(self, names: Iterable[str]):
+    self.names = frozenset(names)
+    self.calls = 0
+    self._buf = ""
+    self._started = False        # a character other than whitespace seen
+    self._json = False           # the answer starts with "{": held to the end
+    self._in_block = False       # _buf starts with OPEN
+
+  def feed(self, text: str) -> list:
+    self._buf += text
+    if not self._started:
+      if not self._buf.strip():
+        return []
+      self._started = True
+      self._json = self._buf.lstrip().startswith("{")
+    if self._json:
+      return []
+    out = []
+    while True:
+      if self._in_block:
+        end = self._buf.find(CLOSE)
+        if end < 0:
+          return out
+        block, self._buf = self._buf[:end + len(CLOSE)], self._buf[end + len(CLOSE):]
+        self._in_block = False
+        out.append(self._block(block))
+        continue
+      at = self._buf.find(OPEN)
+      if at < 0:
+        keep = len(self._buf) - _held(self._buf)
+        if keep:
+          out.append(self._buf[:keep])
+          self._buf = self._buf[keep:]
+        return out
+      if at:
+        out.append(self._buf[:at])
+      self._buf, self._in_block = self._buf[at:], True
+
+  def finish(self) -> list:
+    """What is left at the end of the answer: a held JSON answer as a call or text, an unclosed block as a
+    call (when it holds a whole one) or text, a held tail as text."""
+    if self._json:
+      self._json = False
+      call = read_call(self._buf.strip(), self.names)
+      if call is not None:
+        self._buf, self.calls = "", self.calls + 1
+        return [call]
+    out = self.feed("") if self._started else []
+    rest, self._buf = self._buf, ""
+    if self._in_block:
+      self._in_block = False
+      return out + [self._block(rest)]
+    return out + ([rest] if rest else [])
+
+  def _block(self, block: str):
+    body = block[len(OPEN):]
+    call = read_call((body[:-len(CLOSE)] if body.endswith(CLOSE) else body).strip(), self.names)
+    if call is None:
+      return block
+    self.calls += 1
+    return call
+
+
+def parse(text: str, names: Iterable[str]) -> tuple[str | None, list[dict]]:
+  """(content, calls) of a whole answer. With calls, content is the text around them stripped (None when
+  there is none); without, the answer as it is."""
+  stream = ToolStream(names)
+  parts = stream.feed(text) + stream.finish()
+  calls = [p for p in parts if isinstance(p, dict)]
+  content = "".join(p for p in parts if isinstance(p, str))
+  if calls:
+    content = content.strip() or None
+  return content, calls
+
+
+def deltas(call: dict, index: int) -> list[dict]:
+  """A call as OpenAI streams it: a delta with its index, id, type and name, then one with its arguments."""
+  fn = call["function"]
+  return [{"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                           "function": {"name": fn["name"], "arguments": ""}}]},
+          {"tool_calls": [{"index": index, "function": {"arguments": fn["arguments"]}}]}]
+
+
+def grammar(tools: list[dict], choice: str, fmt: str) -> str:
+  """The Lark grammar of one call in format `fmt` ("hermes" or "json") to the function named `choice`, or to
+  any of `tools` for "required": {"name": its name, "arguments" ("parameters" for "json"): its parameters'
+  schema}. The tools' $defs are lifted to the schema's root, where their "#/$defs/..." references point."""
+  key = "arguments" if fmt == "hermes" else "parameters"
+  options, defs = [], {}
+  for tool in tools:
+    fn = tool["function"]
+    if choice != "required" and fn["name"] != choice:
+      continue
+    params = dict(fn.get("parameters") or {"type": "object"})
+    defs.update(params.pop("$defs", {}))
+    options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
+                    "required": ["name", key], "additionalProperties": False})
+  schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
+  if defs:
+    schema["$defs"] = defs
+  schema["x-guidance"] = {"whitespace_pattern": WHITESPACE}
+  call = "%json " + json.dumps(schema)
+  if fmt == "hermes":
+    return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: {call}\n'
+  return f"start: {call}\n"

@@ -1,0 +1,275 @@
+"""Tool calling and logit_bias on the server (jaxllm.serve.tools, protocol, the slots' biases).
+
+Unit tests read fixed model answers (the call formats, streamed in every split); the server tests run the tiny
+random model with a short Qwen-like tools template, where tool_choice "required" or a named function must
+still give a valid call (the grammar forces it) and logit_bias must force or ban tokens, batched or alone.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import random
+
+import jsonschema
+import openai
+import pytest
+
+from jaxllm import GGUFFile, SamplingParams, Tokenizer
+from jaxllm.chat_template import ChatTemplate
+from jaxllm.serve import tools as T
+from jaxllm.serve.scheduler import Delta, Done, Request
+from jaxllm.weights import load_weights
+from test_chat_template import QWEN25
+from test_serve import metric, post, serve_model
+from tiny import write_tiny_model
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+NAMES = ["get_weather", "get_time"]
+# Qwen2.5's tools part, short (the tiny model's tokens are bytes: the real template's system text is ~700).
+TEMPLATE = ("{%- if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+            "Call as <tool_call></tool_call><|im_end|>\n{% endif %}"
+            "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+            "{%- for c in m.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+            "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+            "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HISTORY = [{"role": "user", "content": "Weather?"},
+           {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+           {"role": "user", "content": "And?"}]
+
+
+# ---- the prompt ------------------------------------------------------------------------------------
+
+class _Tok:
+  """What tools.render reads of a Tokenizer: its template, source and special tokens' text."""
+  chat_template, source, bos_id, eos_id = QWEN25, "test", None, None
+
+  def apply_chat_template(self, messages, add_generation_prompt=True):
+    return ChatTemplate(QWEN25).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None)
+
+
+def test_qwen25_template_renders_tools_calls_and_tool_results():
+  from jaxllm.serve.protocol import ChatRequest, chat_messages
+  messages = chat_messages(ChatRequest.model_validate({"messages": HISTORY}))
+  text = T.render(_Tok(), messages, TOOLS)
+  listed = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]      # one tool a line, as tojson writes it
+  assert [json.loads(line) for line in listed.splitlines()] == TOOLS
+  assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' in text
+  assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
+  assert text.endswith("<|im_start|>assistant\n")
+  assert "# Tools" not in T.render(_Tok(), messages, None)
+  assert T.family(QWEN25) == "hermes" and T.family("{{ messages }}") == "json"
+
+
+# ---- reading answers ---------------------------------------------------------------------------------
+
+def _calls(calls):
+  return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+ANSWERS = [   # (a model's answer, the content and the calls read from it)
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', None,
+     [("get_time", {"zone": "UTC"})]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>', None,
+     [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 1})]),
+    ('Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>', "Let me look.",
+     [("get_time", {"zone": "CET"})]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call>',       # malformed JSON: content
+     '<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call>', []),
+    ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',              # not one of the tools
+     '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', []),
+    ('{"name": "get_weather", "parameters": {"city": "Rome", "days": 3}}', None,    # Llama 3.1's
+     [("get_weather", {"city": "Rome", "days": 3})]),
+    (' {"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}', None, [("get_time", {"zone": "UTC"})]),
+    ('{"name": "get_time"', '{"name": "get_time"', []),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}', None,       # unclosed at the end
+     [("get_time", {"zone": "UTC"})]),
+    ("a < b and <tool", "a < b and <tool", []),
+    ("plain text", "plain text", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", ANSWERS)
+def test_parse_answers(text, content, calls):
+  got_content, got = T.parse(text, NAMES)
+  assert got_content == content and _calls(got) == calls
+  assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
+  assert len({c["id"] for c in got}) == len(got)
+
+
+def test_streamed_answers_assemble_to_the_whole_answers_reading():
+  """Every answer of test_parse_answers, cut into random pieces and fed to a ToolStream: the content streamed
+  never holds call markup, and content and calls equal parse()'s of the whole."""
+  rng = random.Random(0)
+  answers = [a[0] for a in ANSWERS]
+  answers.append('Hi <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call> bye')
+  for text in answers:
+    want_content, want = T.parse(text, NAMES)
+    for _ in range(30):
+      cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+      stream, parts = T.ToolStream(NAMES), []
+      for a, b in zip([0] + cuts, cuts + [len(text)]):
+        parts += stream.feed(text[a:b])
+      parts += stream.finish()
+      content = "".join(p for p in parts if isinstance(p, str))
+      calls = [p for p in parts if isinstance(p, dict)]
+      assert _calls(calls) == _calls(want) and stream.calls == len(want), (text, cuts)
+      assert (content.strip() or None if want else content) == want_content, (text, cuts)
+      if want:
+        assert T.OPEN not in content and '"name"' not in content
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  gf = GGUFFile(write_tiny_model(tmp_path_factory.mktemp("tools") / "tiny.gguf", "qwen2", context=1024))
+  tok = Tokenizer(dict(gf.metadata, **{"tokenizer.chat_template": TEMPLATE}), source="tiny-tools")
+  s = serve_model(gf.config, load_weights(gf, progress=False), tok, max_context=1024, prefill_chunk=64)
+  yield s
+  s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+  return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+
+def _streamed_calls(stream) -> tuple[list[dict], str, list]:
+  """OpenAI's streamed tool_calls deltas assembled as a client does (by index), the content, the finishes."""
+  calls, content, finishes = {}, "", []
+  for chunk in stream:
+    choice = chunk.choices[0]
+    content += choice.delta.content or ""
+    for d in choice.delta.tool_calls or []:
+      call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+      call["id"] = d.id or call["id"]
+      call["name"] += (d.function.name or "") if d.function else ""
+      call["arguments"] += (d.function.arguments or "") if d.function else ""
+    if choice.finish_reason:
+      finishes.append(choice.finish_reason)
+  return [calls[i] for i in sorted(calls)], content, finishes
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_forces_a_valid_call(served, client, choice):
+  """The random model under tool_choice "required" or a named function answers with a call whose arguments
+  validate against the function's schema, finish_reason "tool_calls", streamed or not; the prompt is the
+  template's rendering with the tools and the history's calls and results."""
+  before = post(served.url, "/metrics", None, method="GET")[2]
+  schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+  want = NAMES if choice == "required" else ["get_weather"]
+  from jaxllm.serve.protocol import ChatRequest, chat_messages
+  prompt = served.tokenizer.encode(T.render(served.tokenizer, chat_messages(ChatRequest.model_validate(
+      {"messages": HISTORY})), TOOLS))
+  for seed in range(3):
+    kw = dict(model="tiny", messages=HISTORY, tools=TOOLS, tool_choice=choice, max_tokens=250, temperature=1.0,
+              seed=seed)
+    reply = client.chat.completions.create(**kw)
+    c = reply.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in want
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert reply.usage.prompt_tokens == len(prompt)
+    calls, content, finishes = _streamed_calls(client.chat.completions.create(stream=True, **kw))
+    assert content == "" and finishes == ["tool_calls"] and len(calls) == 1
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == \
+        (call.function.name, json.loads(call.function.arguments))       # the same seed: the same call
+  after = post(served.url, "/metrics", None, method="GET")[2]
+  compiles = "jaxllm_xla_compiles_while_serving_total"
+  assert metric(after, compiles) == metric(before, compiles)
+
+
+def test_tool_requests_refused_with_reasons(served):
+  msg = [{"role": "user", "content": "x"}]
+  for body, param in [({"tool_choice": "required"}, "tool_choice"),
+                      ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                       "tool_choice"),
+                      ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+                      ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+                        "tool_choice": "required"}, "tools"),
+                      ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                       "tool_choice")]:
+    status, _, answer = post(served.url, "/v1/chat/completions", dict(messages=msg, max_tokens=4, **body))
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_tool_choice_none_and_auto_on_plain_text(served, client):
+  """tool_choice "none" renders no tools; "auto" leaves an answer without calls as content, finish as usual."""
+  msg = [{"role": "user", "content": "Hi"}]
+  none = client.chat.completions.create(model="tiny", messages=msg, tools=TOOLS, tool_choice="none", max_tokens=4,
+                                        temperature=0)
+  plain = client.chat.completions.create(model="tiny", messages=msg, max_tokens=4, temperature=0)
+  assert none.usage.prompt_tokens == plain.usage.prompt_tokens and none.choices[0].message.content == \
+      plain.choices[0].message.content
+  auto = client.chat.completions.create(model="tiny", messages=msg, tools=TOOLS, max_tokens=4, temperature=0)
+  assert auto.usage.prompt_tokens > plain.usage.prompt_tokens
+  assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason == "length"
+
+
+# ---- logit_bias ----------------------------------------------------------------------------------
+
+def _run(served, cases) -> list[list[int]]:
+  """The generated ids of scheduler Requests (prompt, max_tokens, params, bias), submitted together."""
+  events = queue.Queue()
+  for i, (prompt, n, params, bias) in enumerate(cases):
+    served.scheduler.submit(Request(prompt, n, lambda e, i=i: events.put((i, e)), params, seed=7,
+                                    ignore_eos=True, logit_bias=bias))
+  ids, done = [[] for _ in cases], 0
+  while done < len(cases):
+    i, e = events.get(timeout=60)
+    if isinstance(e, Delta):
+      ids[i] += e.ids
+    else:
+      assert isinstance(e, Done) and e.finish_reason == "length", e
+      done += 1
+  return ids
+
+
+def test_logit_bias_forces_and_bans_alone_and_batched(served):
+  before = post(served.url, "/metrics", None, method="GET")[2]
+  prompt = served.tokenizer.encode("hello there")
+  greedy, hot = SamplingParams(), SamplingParams(temperature=1.0)
+  plain = _run(served, [(prompt, 8, greedy, None)])[0]
+  forced = _run(served, [(prompt, 8, greedy, {65: 100.0}), (prompt, 8, hot, {65: 100.0, 66: -3.0})])
+  assert forced == [[65] * 8, [65] * 8]
+  banned = _run(served, [(prompt, 8, greedy, {plain[0]: -100.0})])[0]
+  assert banned[0] != plain[0] and plain[0] not in banned
+  cases = [(prompt, 8, greedy, None), (prompt, 8, greedy, {plain[0]: -100.0}), (prompt, 8, hot, None),
+           (prompt, 8, hot, {i: 1.5 for i in range(8, 262)} | {7: 100.0}),
+           (served.tokenizer.encode("abc"), 6, hot, {plain[1]: -100.0, 97: 5.0})]
+  alone = [_run(served, [c])[0] for c in cases]
+  assert alone[0] == plain and alone[1] == banned and alone[3] == [7] * 8
+  assert _run(served, cases) == alone
+  after = post(served.url, "/metrics", None, method="GET")[2]
+  compiles = "jaxllm_xla_compiles_while_serving_total"
+  assert metric(after, compiles) == metric(before, compiles)
+
+
+def test_logit_bias_over_http(served, client):
+  """+100 on "A" (id 65) makes every token of a completion and of a streamed chat answer "A", at temperature 0
+  and 1; malformed maps are 400s naming logit_bias."""
+  for temperature in (0.0, 1.0):
+    c = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=temperature,
+                                  logit_bias={"65": 100}, extra_body={"ignore_eos": True})
+    assert c.choices[0].text == "A" * 6 and c.usage.completion_tokens == 6
+    parts = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                           temperature=temperature, logit_bias={"65": 100}, stream=True,
+                                           extra_body={"ignore_eos": True})
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == "A" * 5
+  for bias in [{"abc": 1}, {"-1": 1}, {"262": 1}, {"5": 101}, {"5": -100.5}, {"5": "x"}, {"5": True},
+               {str(i): 1 for i in range(301)}, {"5": 1, "05": 2}]:
+    for path, body in [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "x"}]})]:
+      status, _, answer = post(served.url, path, dict(body, max_tokens=2, logit_bias=bias))
+      assert status == 400 and answer["error"]["param"].startswith("logit_bias"), (bias, answer)
