@@ -13,7 +13,9 @@ records carry only the path that ran (auto resolves to one), so this script tags
 --vocab) are written by a background process while jaxllm runs the preset before, run through
 `llama-bench -ngl 99 -fa 1 -p 0 -n N -r R -o jsonl` (batch 1) and `llama-batched-bench -ngl 99 -fa on -npp P
 -ntg N -npl <batches>` (every batch), parsed into the same JSONL (label llama.cpp, `peer` the tool), and
-deleted unless --keep-gguf (all presets' files at once would overfill a 64 GB disk).
+deleted unless --keep-gguf (all presets' files at once would overfill a 64 GB disk). --prefill P1,P2 adds, per
+preset, the TTFT of one prompt of each length at batch 1 (`jaxllm.bench --prompt-len P --decode-len 18`, records
+with `study` "prefill") beside `llama-bench -p P1,P2 -n 0` (P over its tokens per second), as a second table.
 
 Runs already in the JSONL are skipped (resume over several machine calls). --time-limit S: no run starts past
 S seconds, and a run still going at S is killed; the report is written from what finished. The report
@@ -96,6 +98,28 @@ def parse_llama_bench(text: str, preset: str, qtype: str) -> list[dict]:
                                    "n_gpu_layers", "flash_attn", "n_gen", "n_depth", "avg_ts", "stddev_ts",
                                    "samples_ts", "test_time")}
       out.append(_peer_record("llama-bench", preset, qtype, 1, 0, r["n_gen"], float(r["avg_ts"]), raw))
+  return out
+
+
+def parse_llama_prefill(text: str, preset: str, qtype: str) -> list[dict]:
+  """Records from `llama-bench -o jsonl` output's prompt tests (n_gen 0, n_prompt P > 0): the time to process P
+  tokens, ttft_ms = P / avg_ts (peer "llama-bench-prefill", study "prefill")."""
+  out = []
+  for line in text.splitlines():
+    line = line.strip()
+    if not line.startswith("{"):
+      continue
+    try:
+      r = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if r.get("n_gen", 0) == 0 and r.get("n_prompt", 0) > 0 and r.get("avg_ts"):
+      raw = {k: r.get(k) for k in ("build_commit", "gpu_info", "model_type", "n_prompt", "n_batch", "n_ubatch",
+                                   "flash_attn", "avg_ts", "stddev_ts", "samples_ts")}
+      out.append({"schema_version": 2, "label": "llama.cpp", "peer": "llama-bench-prefill", "study": "prefill",
+                  "kernels": "llama.cpp", "model": f"synthetic:{preset}", "preset": preset, "synthetic": True,
+                  "quant": qtype, "batch": 1, "prompt_len": int(r["n_prompt"]),
+                  "ttft_ms": 1e3 * r["n_prompt"] / float(r["avg_ts"]), "raw": raw})
   return out
 
 
@@ -188,6 +212,24 @@ def run_jaxllm(runner: Runner, jsonl: str, preset: str, batch: int, paths: list[
   _append(jsonl, records)
 
 
+def _prefill_done(records: list[dict], preset: str, prompt: int) -> bool:
+  return any(r.get("study") == "prefill" and r.get("label") != "llama.cpp" and r.get("preset") == preset
+             and r.get("prompt_len") == prompt for r in records)
+
+
+def run_jaxllm_prefill(runner: Runner, jsonl: str, preset: str, prompt: int, repeat: int) -> None:
+  """TTFT of one prompt of `prompt` tokens at batch 1 on the default path (chunked flash prefill)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "out.jsonl")
+    cmd = [sys.executable, "-m", "jaxllm.bench", f"synthetic:{preset}", "--batch", "1", "--kernels", "auto", "--loop",
+           "pipelined", "--prompt-len", str(prompt), "--decode-len", "18", "--repeat", str(repeat), "--label",
+           f"prefill {preset} p{prompt}", "--out", out]
+    records = read_jsonl(out) if runner.run(f"{preset}-prefill-{prompt}", cmd) else []
+  for rec in records:
+    rec["study"], rec["preset"] = "prefill", preset
+  _append(jsonl, records)
+
+
 def _gguf_path(gdir: str, preset: str, qtype: str) -> str:
   return os.path.join(gdir, f"{preset}-{qtype}.gguf")
 
@@ -221,6 +263,15 @@ def run_peers(runner: Runner, args, jsonl: str, preset: str, qtype: str, gguf: s
                                                     "-n", gen, "-r", reps, "-o", "jsonl"], out):
       with open(out) as f:
         _append(jsonl, parse_llama_bench(f.read(), preset, qtype))
+  prompts = [p for p in args.prefill if not any(r.get("peer") == "llama-bench-prefill" and r.get("preset") == preset
+                                                and r.get("quant") == qtype and r.get("prompt_len") == p for r in done)]
+  if args.llama_bench and prompts:
+    out = os.path.join(runner.logs, f"llama-bench-prefill-{preset}-{qtype}.jsonl")
+    if runner.run(f"llama-bench-prefill-{preset}-{qtype}",
+                  [args.llama_bench, "-m", gguf, "-ngl", "99", "-fa", "1", "-p", ",".join(map(str, prompts)), "-n", "0",
+                   "-r", reps, "-o", "jsonl"], out):
+      with open(out) as f:
+        _append(jsonl, [r for r in parse_llama_prefill(f.read(), preset, qtype) if r["prompt_len"] in prompts])
   todo = [b for b in args.batches if not have("llama-batched-bench", b)]
   if args.llama_batched_bench and todo:
     out = os.path.join(runner.logs, f"llama-batched-bench-{preset}-{qtype}.txt")
@@ -233,8 +284,10 @@ def run_peers(runner: Runner, args, jsonl: str, preset: str, qtype: str, gguf: s
 
 
 def _peers_done(done: list[dict], args, preset: str, qtype: str) -> bool:
-  have = {(r.get("peer"), r["batch"]) for r in done if r.get("preset") == preset and r.get("quant") == qtype}
+  have = {(r.get("peer"), r["prompt_len"] if r.get("study") == "prefill" else r["batch"]) for r in done
+          if r.get("preset") == preset and r.get("quant") == qtype}
   need = ({("llama-bench", 1)} if args.llama_bench and 1 in args.batches else set()) | \
+      ({("llama-bench-prefill", p) for p in args.prefill} if args.llama_bench else set()) | \
       ({("llama-batched-bench", b) for b in args.batches} if args.llama_batched_bench else set())
   return need <= have
 
@@ -260,6 +313,9 @@ def run_study(args) -> list[str]:
     for batch in args.batches:
       if not _jaxllm_done(read_jsonl(jsonl), preset, batch, args.kernels):
         run_jaxllm(runner, jsonl, preset, batch, args.kernels, args.bench_args)
+    for prompt in args.prefill:
+      if not _prefill_done(read_jsonl(jsonl), preset, prompt):
+        run_jaxllm_prefill(runner, jsonl, preset, prompt, args.repeat)
     if i + 1 < len(args.presets):
       start_writer(args.presets[i + 1])      # the next preset's files are written while this one's peers run
     if peers and preset in writers:
@@ -312,8 +368,31 @@ def _check_line(row: dict) -> str:
           f"{b['tpot_ms_mean']:.3f} ms ({a['tpot_ms_mean'] / b['tpot_ms_mean'] - 1:+.1%}; allowed +{TOLERANCE:.0%})")
 
 
+def _prefill_lines(records: list[dict], presets: list[str], prompts: list[int], types: list[str]) -> list[str]:
+  """The prefill table: per preset and prompt length, jaxllm's TTFT and llama-bench's prompt time."""
+  def find(preset, prompt, peer):
+    got = [r for r in records if r.get("study") == "prefill" and r.get("preset") == preset
+           and r.get("prompt_len") == prompt and (r.get("label") == "llama.cpp") == (peer is not None)
+           and (peer is None or r.get("quant") == peer)]
+    return got[-1] if got else None
+  head = ["preset", "prompt", "jaxllm TTFT (ms)", *[f"llama.cpp {t} (ms; it / jaxllm)" for t in types]]
+  lines = ["", "Prefill at batch 1: the time to the first token of one prompt (jaxllm: the default path, chunked "
+           "flash prefill, median of the timed requests; llama.cpp: llama-bench's prompt test, -p P -n 0, P over "
+           "its tokens per second).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for preset in presets:
+    for prompt in prompts:
+      ours = find(preset, prompt, None)
+      cells = [preset, str(prompt), f"{ours['ttft_ms']:.1f}" if ours else "-"]
+      for t in types:
+        peer = find(preset, prompt, t)
+        cells.append("-" if not peer else f"{peer['ttft_ms']:.1f}" +
+                     (f" ({peer['ttft_ms'] / ours['ttft_ms']:.2f}x)" if ours else ""))
+      lines.append("| " + " | ".join(cells) + " |")
+  return lines
+
+
 def report(records: list[dict], presets: list[str], batches: list[int], paths: list[str], types: list[str],
-           title: str, png: str | None, notes: list[str]) -> tuple[str, bool]:
+           title: str, png: str | None, notes: list[str], prefill: list[int] = ()) -> tuple[str, bool]:
   """The markdown report and whether every row passed the check."""
   rows = check_rows(records, presets, batches)
   others = [p for p in paths if p != "auto"]
@@ -346,6 +425,8 @@ def report(records: list[dict], presets: list[str], batches: list[int], paths: l
         cells.append(f"{peer['decode_tok_s_total']:,.0f}" if peer else "-")
     cells.append({"ok": "yes", "slower": "**no**", "missing": "-"}[row["status"]])
     lines.append("| " + " | ".join(cells) + " |")
+  if prefill:
+    lines += _prefill_lines(records, presets, list(prefill), types)
   lines += ["", "Check (issue 36: auto at most 3% slower than the best other path):", ""]
   lines += [_check_line(row) for row in rows]
   if notes:
@@ -396,7 +477,7 @@ def write_report(args, notes: list[str]) -> bool:
   except ImportError as e:                   # the table still gets written
     notes, png = notes + [f"no plot: {e}"], None
   text, ok = report(records, args.presets, args.batches, args.kernels, args.peer_types,
-                    "jaxllm over presets and batches, beside llama.cpp", png, notes)
+                    "jaxllm over presets and batches, beside llama.cpp", png, notes, args.prefill)
   with open(os.path.normpath(args.dir) + ".md", "w") as f:
     f.write(text)
   print(text, file=sys.stderr)
@@ -412,6 +493,8 @@ def build_parser():
   p.add_argument("--prompt-len", type=int, default=128)
   p.add_argument("--decode-len", type=int, default=128)
   p.add_argument("--repeat", type=int, default=3, help="timed requests per jaxllm path; llama-bench -r")
+  p.add_argument("--prefill", default="", help="prompt lengths whose TTFT is measured at batch 1 (e.g. 2048,8192; "
+                 "llama-bench -p beside it); default none")
   p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary (batch 1)")
   p.add_argument("--llama-batched-bench", metavar="PATH", help="llama.cpp's llama-batched-bench binary")
   p.add_argument("--vocab", help="tokenizer GGUF for the peers' files (random_gguf.py vocab)")
@@ -429,6 +512,7 @@ def main(argv=None) -> int:
   from jaxllm.presets import PRESETS as KNOWN
   args.presets, args.batches = _names(args.presets), _ints(args.batches, "--batches")
   args.kernels, args.peer_types = _names(args.kernels), _names(args.peer_types)
+  args.prefill = _ints(args.prefill, "--prefill") if args.prefill.strip() else []
   bad = [n for n in args.presets if n not in KNOWN]
   if bad or not args.presets:
     raise SystemExit(f"error: unknown preset(s) {bad or args.presets}: choose from {', '.join(sorted(KNOWN))}")

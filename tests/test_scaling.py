@@ -354,3 +354,42 @@ def test_time_limit_cuts_a_run_and_still_writes_the_report(tmp_path):
   assert "- tiny-b2: not started (time limit)" in text and "- tiny batch 2: MISSING" in text
   assert scaling.read_jsonl(str(d / "scaling.jsonl")) == []
   assert subprocess.run(argv[:-2] + ["--render", "--check"], capture_output=True, cwd=ROOT).returncode == 1
+
+
+def test_llama_bench_prompt_tests_parse_as_prefill():
+  recs = scaling.parse_llama_prefill(LLAMA_BENCH_JSONL, "qwen2.5-7b", "Q8_0")
+  assert len(recs) == 1 and recs[0]["prompt_len"] == 512 and recs[0]["peer"] == "llama-bench-prefill"
+  assert recs[0]["study"] == "prefill" and abs(recs[0]["ttft_ms"] - 1e3 * 512 / 10554.08) < 1e-9
+  assert all(r["batch"] == 1 for r in scaling.parse_llama_bench(LLAMA_BENCH_JSONL, "qwen2.5-7b", "Q8_0"))
+  assert not scaling.parse_llama_prefill(BATCHED_BENCH_MD, "qwen2.5-7b", "Q8_0")
+
+
+def test_prefill_rows_run_beside_llama_bench(vocab, tmp_path):
+  """--prefill 16: the decode rows are done already (made up), so one jaxllm prefill process runs and one
+  llama-bench prompt test (a fake printing a 16-token prompt test); the report's prefill table has both and
+  their ratio, and the decode rows' peers are untouched by the prompt test's record."""
+  d = tmp_path / "pre"
+  d.mkdir()
+  done = [_ours("tiny", 1, k, t) for k, t in (("auto", 1.0), ("xla", 2.0))]
+  done += [dict(r, preset="tiny", model="synthetic:tiny", quant="Q4_0")
+           for r in scaling.parse_llama_bench(LLAMA_BENCH_JSONL, "tiny", "Q4_0")]
+  (d / "scaling.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
+  lb = _fake_tool(tmp_path / "llama-bench", LLAMA_BENCH_JSONL.replace('"n_prompt": 512', '"n_prompt": 16'))
+  argv = [sys.executable, str(ROOT / "bench/scaling.py"), "--dir", str(d), "--presets", "tiny", "--batches", "1",
+          "--kernels", "auto,xla", "--prompt-len", "16", "--decode-len", "18", "--repeat", "1", "--llama-bench", lb,
+          "--vocab", vocab, "--peer-types", "Q4_0", "--prefill", "16"]
+  proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "[scaling] tiny-prefill-16: " in proc.stderr and "[scaling] llama-bench-prefill-tiny-Q4_0: " in proc.stderr
+  assert "[scaling] tiny-b1" not in proc.stderr and "[scaling] llama-bench-tiny-Q4_0:" not in proc.stderr
+  recs = scaling.read_jsonl(str(d / "scaling.jsonl"))
+  ours = [r for r in recs if r.get("study") == "prefill" and r["label"] != "llama.cpp"]
+  assert len(ours) == 1 and ours[0]["prompt_len"] == 16 and ours[0]["ttft_ms"] > 0 and "requested_kernels" not in ours[0]
+  peer = [r for r in recs if r.get("peer") == "llama-bench-prefill"]
+  assert len(peer) == 1 and peer[0]["prompt_len"] == 16
+  text = (tmp_path / "pre.md").read_text()
+  ratio = peer[0]["ttft_ms"] / ours[0]["ttft_ms"]
+  assert f"| tiny | 16 | {ours[0]['ttft_ms']:.1f} | {peer[0]['ttft_ms']:.1f} ({ratio:.2f}x) |" in text, text
+  assert "| tiny | 1 | 1.000 (auto) | 1,000 |" in text and "258 (3.88x)" in text     # decode rows as before
+  again = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert again.returncode == 0 and "[scaling] " not in again.stderr, again.stderr[-2000:]
