@@ -7,7 +7,8 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep [-DWITH_CUBLAS -lcublas]
 //   /tmp/gemv_sweep [out.jsonl [shape,shape,...]]     (GEMV_MS=1,2,4: the rows of x timed, up to 64 (the
-//   tensor-core kernel's configurations at 8, 16, 32, 64); default 1, 2, 4)
+//   tensor-core kernels' configurations at 8, 16, 32, 64, and at 13, 27, 50 for part-filled tiles: GEMV_MS=
+//   13,16,27,32,50,64 with the shape odd_n checks their edges); default 1, 2, 4)
 //
 // Shapes: the Qwen2.5-0.5B matmuls (qkv, o, gate_up, down, lm_head) and those of the larger presets, named
 // <matmul>_<preset> (qkv_7b: Qwen2.5-7B's fused q/k/v weights, ...).
@@ -275,7 +276,9 @@ int main(int argc, char** argv) {
       {"qkv_8b", 6144, 4096}, {"o_8b", 4096, 4096}, {"gate_up_8b", 28672, 4096}, {"down_8b", 4096, 14336},
       {"lm_head_8b", 128256, 4096},
       {"qkv_14b", 7168, 5120}, {"o_14b", 5120, 5120}, {"gate_up_14b", 27648, 5120}, {"down_14b", 5120, 13824},
-      {"lm_head_14b", 152064, 5120}};
+      {"lm_head_14b", 152064, 5120},
+      // N not a multiple of a block's rows (rows past N), for the tensor-core kernels' edges
+      {"odd_n", 1000, 896}};
   constexpr w::Conv kI2F = w::Conv::kI2F, kMagic = w::Conv::kMagic, kInt16 = w::Conv::kInt16;
   constexpr unsigned kH = w::kHint, kS = w::kStageX, kA = w::kXFirst, kB = w::kBalance;
   std::vector<Config> configs = {
@@ -349,7 +352,10 @@ int main(int argc, char** argv) {
                    MakeStaged<4, 1, 8, 1, 2>(32), MakeStaged<4, 1, 2, 4, 2>(32),
                    MakeStaged<8, 1, 4, 1, 2>(64), MakeStaged<8, 2, 4, 1, 1>(64), MakeStaged<8, 1, 8, 1, 2>(64),
                    MakeStaged<8, 2, 2, 2, 2>(64), MakeStaged<8, 1, 4, 2, 2>(64), MakeStaged<8, 2, 4, 2, 1>(64),
-                   MakeStaged<8, 1, 2, 4, 2>(64), MakeStaged<8, 2, 2, 2, 1>(64)})
+                   MakeStaged<8, 1, 2, 4, 2>(64), MakeStaged<8, 2, 2, 2, 1>(64),
+                   // row counts that leave a tile part-filled (x rows past M), against the reference
+                   MakeStaged<2, 2, 4, 1, 2>(13), MakeStaged<4, 2, 4, 1, 2>(27), MakeStaged<8, 1, 4, 1, 2>(50),
+                   MakeStaged<8, 2, 2, 2, 1>(50), MakeMma<2, 1, 8, 4>(13), MakeMma<8, 2, 8, 1>(50)})
     configs.push_back(c);
   std::vector<int> ms = {1, 2, 4};
   if (const char* e = std::getenv("GEMV_MS")) {
@@ -399,6 +405,7 @@ int main(int argc, char** argv) {
                   sh.k, m, wbytes / 1e6, copies, calls, floor_us);
       for (const Config& c : configs) {
         if (c.mt != m || !c.fits(sh.k)) continue;
+        if (std::string(sh.name) == "odd_n" && c.name.rfind("mma", 0) != 0) continue;   // the tensor-core kernels' edges only
         double err = NAN;   // relative L2 error against the reference; NaN (unwritten outputs) propagates
         if (c.matmul) {
           FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison

@@ -13,9 +13,12 @@ seconds, and never past the time limit), loaded by `python -m jaxllm.serve.loadg
 (SIGINT, SIGKILL after 15 s). The load generator's records (TTFT, TPOT, inter-token and end-to-end latency
 percentiles, output tok/s over all streams) are tagged with the server and preset and appended to
 <dir>/serve.jsonl; jaxllm's also carry the XLA compiles its /metrics counted while it served. Records already
-in the JSONL are skipped (resume over several machine calls). Every wait is bounded: --time-limit S stops
-starting anything past S seconds and kills what still runs at S; the report (<dir>.md) is written from what
-finished, with a line for each run that did not. Logs (the servers', the writer's, the load generator's):
+in the JSONL (the same server, preset, block type and lengths, with requests completed) are skipped (resume
+over several machine calls). Every wait is bounded: a server's start by --start-timeout, a request's reads by
+--request-timeout, and with --time-limit S nothing starts past S seconds and what still runs at S is killed; a
+server's port must be free before it starts, and it must list the served name (GET /v1/models) to count as
+ready, so a server left over from an earlier run is never the one measured; SIGTERM stops the servers this
+started. The report (<dir>.md) is written from what finished, with a line for each run that did not. Logs (the servers', the writer's, the load generator's):
 <dir>/logs/. The report's check is issue 38's goal: at 32 and 64 streams, jaxllm's output tok/s at least 2x
 llama-server's at no worse p99 TPOT; --check exits 1 when a level fails it or lacks records.
 """
@@ -24,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,6 +55,16 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
     return 0, ""
 
 
+def _port_free(port: int) -> bool:
+  with socket.socket() as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      sock.bind(("127.0.0.1", port))
+    except OSError:
+      return False
+  return True
+
+
 def _compiles(metrics: str) -> int | None:
   """jaxllm_xla_compiles_while_serving_total from /metrics text, None if absent."""
   for line in metrics.splitlines():
@@ -71,7 +86,8 @@ class Server:
     self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
   def wait_ready(self, timeout: float) -> bool:
-    """True once GET /health answers 200; False (with a note) if the process ends or the time runs out first."""
+    """True once GET /health answers 200 and GET /v1/models lists the served name "m" (this server, not another
+    on the port); False (with a note) if the process ends or the time runs out first."""
     left = self.runner.left()
     deadline = time.monotonic() + (timeout if left is None else max(0.0, min(timeout, left)))
     while time.monotonic() < deadline:
@@ -80,25 +96,37 @@ class Server:
                                  f"logs/{self.name}.log")
         return False
       if _get(self.url + "/health")[0] == 200:
-        return True
+        status, body = _get(self.url + "/v1/models")
+        if status == 200 and '"m"' in body:
+          return True
       time.sleep(0.5)
     self.runner.notes.append(f"{self.name}: not ready within {timeout:.0f} s (or the time limit); logs/{self.name}.log")
     return False
 
   def stop(self) -> None:
+    """SIGINT to the server's process group; SIGKILL after 15 s (less when the time limit is nearer)."""
     if self.proc.poll() is None:
       os.killpg(self.proc.pid, signal.SIGINT)
+      left = self.runner.left()
       try:
-        self.proc.wait(15)
+        self.proc.wait(15 if left is None else min(15.0, max(1.0, left)))
       except subprocess.TimeoutExpired:
         os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        try:
+          self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+          self.runner.notes.append(f"{self.name}: still there 10 s after SIGKILL (pid {self.proc.pid})")
     self.log.close()
 
 
-def _done(records: list[dict], server: str, preset: str, levels: list[int]) -> bool:
-  have = {r["concurrency"] for r in records if r.get("server") == server and r.get("preset") == preset}
-  return set(levels) <= have
+def _mine(r: dict, args, server: str, preset: str) -> bool:
+  """Whether record r is of this server and preset at this run's block type and lengths."""
+  return (r.get("server") == server and r.get("preset") == preset and r.get("quant") == args.type
+          and r.get("prompt_len") == args.prompt_len and r.get("max_tokens") == args.max_tokens)
+
+
+def _done(records: list[dict], args, server: str, preset: str, level: int) -> bool:
+  return any(_mine(r, args, server, preset) and r.get("concurrency") == level and r.get("completed") for r in records)
 
 
 def _context(args) -> int:
@@ -115,35 +143,43 @@ def server_command(args, server: str, gguf: str, port: int) -> list[str]:
           "-np", str(streams), "-c", str(streams * _context(args)), "-a", "m", *args.llama_args]
 
 
-def run_server(runner: Runner, args, jsonl: str, server: str, preset: str, gguf: str, port: int) -> None:
+def run_server(runner: Runner, args, jsonl: str, server: str, preset: str, gguf: str, port: int,
+               levels: list[int]) -> None:
+  """One server on the GGUF, the load generator at each level it lacks (one process a level, so that jaxllm's
+  compile counter is read around each), then stopped."""
   name = f"{server}-{preset}"
   if runner.out_of_time():
     runner.notes.append(f"{name}: not started (time limit)")
+    return
+  if not _port_free(port):
+    runner.notes.append(f"{name}: port {port} is taken (a server left from an earlier run?); not started")
     return
   s = Server(runner, name, server_command(args, server, gguf, port), port)
   try:
     if not s.wait_ready(args.start_timeout):
       return
-    before = _compiles(_get(s.url + "/metrics")[1]) if server == "jaxllm" else None
-    out = os.path.join(runner.logs, f"load-{name}.jsonl")
-    if os.path.exists(out):
-      os.remove(out)
-    runner.run(f"load-{name}", [sys.executable, "-m", "jaxllm.serve.loadgen", s.url, "--concurrency",
-                                ",".join(map(str, args.concurrency)), "--prompt-len", str(args.prompt_len),
-                                "--max-tokens", str(args.max_tokens), "--model", "m", "--vocab",
-                                str(args.prompt_vocab), "--timeout", str(args.request_timeout), "--json", out])
-    records = read_jsonl(out)
-    if server == "jaxllm":
-      metrics = _get(s.url + "/metrics")[1]
-      with open(os.path.join(runner.logs, f"metrics-{preset}.txt"), "w") as f:
-        f.write(metrics)
-      after = _compiles(metrics)
-      compiled = None if before is None or after is None else after - before
-    for r in records:
-      r.update(server=server, preset=preset, quant=args.type, label=f"serve {server} {preset}")
+    for level in levels:
+      before = _compiles(_get(s.url + "/metrics")[1]) if server == "jaxllm" else None
+      out = os.path.join(runner.logs, f"load-{name}-c{level}.jsonl")
+      if os.path.exists(out):
+        os.remove(out)
+      runner.run(f"load-{name}-c{level}", [sys.executable, "-m", "jaxllm.serve.loadgen", s.url, "--concurrency",
+                                           str(level), "--prompt-len", str(args.prompt_len), "--max-tokens",
+                                           str(args.max_tokens), "--model", "m", "--vocab", str(args.prompt_vocab),
+                                           "--timeout", str(args.request_timeout), "--json", out])
+      records = read_jsonl(out)
+      compiled = None
       if server == "jaxllm":
-        r["compiles_while_loaded"] = compiled
-    _append(jsonl, records)
+        metrics = _get(s.url + "/metrics")[1]
+        with open(os.path.join(runner.logs, f"metrics-{preset}-c{level}.txt"), "w") as f:
+          f.write(metrics)
+        after = _compiles(metrics)
+        compiled = None if before is None or after is None else after - before
+      for r in records:
+        r.update(server=server, preset=preset, quant=args.type, label=f"serve {server} {preset}")
+        if server == "jaxllm":
+          r["compiles_while_loaded"] = compiled
+      _append(jsonl, records)
   finally:
     s.stop()
 
@@ -166,14 +202,15 @@ def run_study(args) -> list[str]:
   runner = Runner(args.dir, args.time_limit, "serve_peers")
   servers = [s for s in SERVERS if s == "jaxllm" or args.llama_server]
   for preset in args.presets:
-    todo = [s for s in servers if not _done(read_jsonl(jsonl), s, preset, args.concurrency)]
+    todo = {s: [n for n in args.concurrency if not _done(read_jsonl(jsonl), args, s, preset, n)] for s in servers}
+    todo = {s: levels for s, levels in todo.items() if levels}
     if not todo:
       continue
     gguf = write_gguf(runner, args, preset)
     if gguf is None:
       continue
-    for i, server in enumerate(todo):
-      run_server(runner, args, jsonl, server, preset, gguf, args.port + i)
+    for server, levels in todo.items():
+      run_server(runner, args, jsonl, server, preset, gguf, args.port + SERVERS.index(server), levels)
     if not args.keep_gguf:
       os.remove(gguf)
   return runner.notes
@@ -182,9 +219,16 @@ def run_study(args) -> list[str]:
 # ---- report ---------------------------------------------------------------------------------------------------
 
 def _rec(records: list[dict], server: str, preset: str, level: int) -> dict | None:
+  """The last record of this server, preset and level (a resumed run's newer one wins)."""
   found = [r for r in records if r.get("server") == server and r.get("preset") == preset
            and r.get("concurrency") == level]
   return found[-1] if found else None
+
+
+def _ratio(ours: dict | None, peer: dict | None) -> float | None:
+  if not ours or not peer or not peer.get("output_tok_s"):
+    return None
+  return ours["output_tok_s"] / peer["output_tok_s"]
 
 
 def _ms(v) -> str:
@@ -196,12 +240,12 @@ def check_lines(records: list[dict], presets: list[str], levels: list[int]) -> t
   for preset in presets:
     for level in [n for n in GOAL_LEVELS if n in levels]:
       ours, peer = _rec(records, "jaxllm", preset, level), _rec(records, "llama-server", preset, level)
-      if not ours or not peer or ours.get("error_count") or peer.get("error_count"):
+      ratio = _ratio(ours, peer)
+      if ratio is None or ours.get("error_count") or peer.get("error_count"):
         lines.append(f"- {preset} at {level} streams: MISSING (jaxllm: {'yes' if ours else 'no'}, llama-server: "
-                     f"{'yes' if peer else 'no'}, or a level with failed requests)")
+                     f"{'yes' if peer else 'no'}, or a level with failed requests or no tokens)")
         ok = False
         continue
-      ratio = ours["output_tok_s"] / peer["output_tok_s"]
       good = ratio >= GOAL_RATIO and (ours["tpot_ms_p99"] or 0) <= (peer["tpot_ms_p99"] or 0)
       ok &= good
       lines.append(f"- {preset} at {level} streams: {'ok' if good else 'FAIL'}: {ratio:.2f}x llama-server's output "
@@ -233,7 +277,8 @@ def report(records: list[dict], presets: list[str], levels: list[int], notes: li
         if r is ours:
           c = ours.get("compiles_while_loaded") if ours else None
           cells.append("-" if c is None else str(c))
-      cells.append(f"{ours['output_tok_s'] / peer['output_tok_s']:.2f}x" if ours and peer else "-")
+      ratio = _ratio(ours, peer)
+      cells.append("-" if ratio is None else f"{ratio:.2f}x")
       lines.append("| " + " | ".join(cells) + " |")
   checks, ok = check_lines(records, presets, levels)
   if checks:
@@ -279,14 +324,18 @@ def main(argv=None) -> int:
   if min(args.prompt_len, args.max_tokens, args.prompt_vocab) < 1:
     raise SystemExit("error: --prompt-len, --max-tokens and --prompt-vocab must be at least 1")
   if not args.render:
-    if args.llama_server and not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
-      raise SystemExit(f"error: --llama-server {args.llama_server!r} is not an executable file")
+    if args.llama_server:
+      found = shutil.which(args.llama_server)
+      if not found:
+        raise SystemExit(f"error: --llama-server {args.llama_server!r} is not an executable file (nor on PATH)")
+      args.llama_server = found
     if not (args.vocab and os.path.isfile(args.vocab)):
       raise SystemExit(f"error: the GGUFs need --vocab FILE (random_gguf.py vocab MODEL FILE), got {args.vocab!r}")
   try:
     os.makedirs(args.dir, exist_ok=True)
   except OSError as e:
     raise SystemExit(f"error: cannot make --dir {args.dir!r}: {e}") from None
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the servers' finally blocks stop them
   notes = [] if args.render else run_study(args)
   text, ok = report(read_jsonl(os.path.join(args.dir, "serve.jsonl")), args.presets, args.concurrency, notes)
   with open(os.path.normpath(args.dir) + ".md", "w") as f:

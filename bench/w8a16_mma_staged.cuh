@@ -8,8 +8,8 @@
 // before, and the NW warps of a group own different rows (RT 16-row tiles each) of the same K range, so the
 // group copies each slab of x (U chunks of 64 inputs, all 8 MT rows) from global memory once (cp.async, into
 // one of two buffers while the other is read) and its warps read it from shared memory: x's global traffic
-// per weight byte falls by NW x RT. Each warp loads the next slab's weights before it computes the current
-// one (two register buffers). The arithmetic is ffi/w8a16_mma.cuh's, fragment for fragment: the same K
+// per weight byte falls by NW (against ffi/w8a16_mma.cuh at the same RT). Each warp loads the next slab's
+// weights before it computes the current one (two register buffers). The arithmetic is ffi/w8a16_mma.cuh's, fragment for fragment: the same K
 // permutation (a thread's x operands are two 16-byte words of a row, read here from shared memory with rows
 // padded by 16 bytes: conflict-free), the same exact int8 conversion, each 64-input scale group summed apart
 // and scaled per row, then the groups' partial tiles summed in shared memory.
@@ -52,6 +52,8 @@ template <int MT, int RT, int NW, int KS, int U>
 __global__ void __launch_bounds__(NW * KS * 32) Kernel(const __nv_bfloat16* __restrict__ x,
                                                        const int8_t* __restrict__ w, const float* __restrict__ scale,
                                                        __nv_bfloat16* __restrict__ y, int m, int n, int k) {
+  static_assert(KS >= 1 && KS <= 15, "one named barrier a group: ids 1..15 (0 is __syncthreads')");
+  static_assert(NW * KS * 32 <= 1024 && MT >= 1 && RT >= 1 && U >= 1, "a block of at most 1024 threads");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kRowsX = 8 * MT, kPitch = Pitch(U), kGroupThreads = NW * 32, kRowsW = 16 * RT * NW;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;

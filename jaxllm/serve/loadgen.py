@@ -74,6 +74,8 @@ async def _request(host: str, port: int, path: str, body: dict, timeout: float) 
         buffer += piece
       while b"\n\n" in buffer:
         event, buffer = buffer.split(b"\n\n", 1)
+        if event.startswith(b":") or not event.strip():
+          continue                                         # an SSE comment (llama-server's keep-alive ping)
         payload = event.decode().removeprefix("data:").strip()
         if payload == "[DONE]":
           done = True
