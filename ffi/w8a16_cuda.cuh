@@ -932,7 +932,8 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
       if (many_rows && k < 8192)   // q/k/v and gate/up
         return Launch<T, 1, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);
       // The 1B-3B down projections (N <= 2048, K >= 8192): 4 warps a row over K, f32 (the sweep's best there, 6.65
-      // against 7.70 us at 1B and 6.03 against 7.75 at 1.5B; the 7B-14B ones, N >= 3584, keep the rule below).
+      // against 7.70 us at 1B and 6.03 against 7.75 at 1.5B, plain matmul; 3B's 2048 x 11008 and the fused residual
+      // variant were not in that sweep; the 7B-14B ones, N >= 3584, keep the rule below).
       if (n <= 2048 && k >= 8192) return Launch<T, 1, 128, Rows<EX>(1), 1, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
       // O, down, and the 1B-3B q/k/v: rows shared evenly between the SMs
       return Launch<T, 1, 32, 2, 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
