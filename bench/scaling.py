@@ -82,17 +82,21 @@ def _peer_record(peer: str, preset: str, qtype: str, batch: int, prompt: int, ge
           "peak_memory_bytes": None, "raw": raw}
 
 
+def _json_lines(text: str):
+  """The JSON objects among text's lines (llama-bench -o jsonl; other lines, e.g. CUDA's start-up, skipped)."""
+  for line in text.splitlines():
+    line = line.strip()
+    if line.startswith("{"):
+      try:
+        yield json.loads(line)
+      except json.JSONDecodeError:
+        continue
+
+
 def parse_llama_bench(text: str, preset: str, qtype: str) -> list[dict]:
   """Records from `llama-bench -o jsonl` output: its decode tests (n_prompt 0, n_gen > 0), batch 1, tok/s avg_ts."""
   out = []
-  for line in text.splitlines():
-    line = line.strip()
-    if not line.startswith("{"):
-      continue
-    try:
-      r = json.loads(line)
-    except json.JSONDecodeError:
-      continue
+  for r in _json_lines(text):
     if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0 and "avg_ts" in r:
       raw = {k: r.get(k) for k in ("build_commit", "build_number", "gpu_info", "backends", "model_type", "model_size",
                                    "n_gpu_layers", "flash_attn", "n_gen", "n_depth", "avg_ts", "stddev_ts",
@@ -105,14 +109,7 @@ def parse_llama_prefill(text: str, preset: str, qtype: str) -> list[dict]:
   """Records from `llama-bench -o jsonl` output's prompt tests (n_gen 0, n_prompt P > 0): the time to process P
   tokens, ttft_ms = P / avg_ts (peer "llama-bench-prefill", study "prefill")."""
   out = []
-  for line in text.splitlines():
-    line = line.strip()
-    if not line.startswith("{"):
-      continue
-    try:
-      r = json.loads(line)
-    except json.JSONDecodeError:
-      continue
+  for r in _json_lines(text):
     if r.get("n_gen", 0) == 0 and r.get("n_prompt", 0) > 0 and r.get("avg_ts"):
       raw = {k: r.get(k) for k in ("build_commit", "gpu_info", "model_type", "n_prompt", "n_batch", "n_ubatch",
                                    "flash_attn", "avg_ts", "stddev_ts", "samples_ts")}
