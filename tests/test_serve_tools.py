@@ -273,3 +273,17 @@ def test_logit_bias_over_http(served, client):
                                                               {"messages": [{"role": "user", "content": "x"}]})]:
       status, _, answer = post(served.url, path, dict(body, max_tokens=2, logit_bias=bias))
       assert status == 400 and answer["error"]["param"].startswith("logit_bias"), (bias, answer)
+
+
+def test_a_request_the_programs_refuse_ends_with_its_error(served):
+  """A bias the slot programs refuse (an id past the vocabulary: the HTTP checks would have answered 400) ends
+  that request with an error within seconds, not a request that never answers; the next request is served."""
+  events = queue.Queue()
+  prompt = served.tokenizer.encode("hello there")
+  served.scheduler.submit(Request(prompt, 4, events.put, SamplingParams(), seed=1, ignore_eos=True,
+                                  logit_bias={10 ** 9: 5.0}))
+  e = events.get(timeout=30)
+  while isinstance(e, Delta):
+    e = events.get(timeout=30)
+  assert isinstance(e, Done) and e.finish_reason == "error" and e.error, e
+  assert _run(served, [(prompt, 3, SamplingParams(), None)])[0]

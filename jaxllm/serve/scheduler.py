@@ -284,7 +284,11 @@ class Scheduler:
       limit = min(self.engine.max_context, len(p) + request.max_tokens - 1)
       eog = () if request.ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
       mask = None if request.constraint is None else request.constraint.mask
-      job = self.programs.plan(slot, p, start, request.params, request.seed, limit, eog, mask, request.logit_bias)
+      try:
+        job = self.programs.plan(slot, p, start, request.params, request.seed, limit, eog, mask, request.logit_bias)
+      except Exception as e:   # values the programs refuse (past the HTTP checks): this request ends, the rest go on
+        self._finish_request(request, Done("error", len(p), 0, error=f"{type(e).__name__}: {e}".splitlines()[0][:300]))
+        continue
       out = SequenceOutput(list(p), min(request.max_tokens, self.engine.max_context - len(p) + 1),
                            request.max_tokens, self.tokenizer, request.stop, frozenset(eog))
       self._running[slot] = _Running(request, out, job, start)
