@@ -106,6 +106,35 @@ def test_parse_answers(text, content, calls):
   assert len({c["id"] for c in got}) == len(got)
 
 
+NOT_CALLS = [   # answers whose JSON is no call: each stays content, whole or streamed, never an error
+    '<tool_call>\n{"name": ["get_time"], "arguments": {}}\n</tool_call>',        # a name that is not a string
+    '{"name": {"get_time": 1}, "arguments": {}}',
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": NaN}}\n</tool_call>',          # not JSON
+    '{"name": "get_time", "arguments": {"zone": Infinity}}',
+    '{"name": "get_time", "arguments": {"zone": -Infinity}}',
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1e999}}\n</tool_call>',        # past a double
+    '{"name": "get_time", "arguments": "{\\"zone\\": NaN}"}',
+]
+
+
+@pytest.mark.parametrize("text", NOT_CALLS)
+def test_answers_that_hold_no_call_stay_content(text):
+  assert T.parse(text, NAMES) == (text, [])
+  stream = T.ToolStream(NAMES)
+  assert "".join(stream.feed(text[:9]) + stream.feed(text[9:]) + stream.finish()) == text
+
+
+def test_call_arguments_go_out_as_ascii_json():
+  """Arguments are re-emitted as ASCII JSON text: a lone surrogate the model escaped stays an escape (the
+  response encodes as UTF-8), numbers stay finite."""
+  _, calls = T.parse('{"name": "get_time", "arguments": {"zone": "\u00e9\\u00e9 \\ud83d\\ude00", "n": 1.5e300}}',
+                     NAMES)
+  text = calls[0]["function"]["arguments"]
+  assert text.isascii() and json.loads(text) == {"zone": "\u00e9\u00e9 \U0001F600", "n": 1.5e300}
+  _, calls = T.parse('<tool_call>\n{"name": "get_time", "arguments": {"zone": "\\ud800"}}\n</tool_call>', NAMES)
+  assert calls[0]["function"]["arguments"].encode() and json.loads(calls[0]["function"]["arguments"]) == {"zone": "\ud800"}
+
+
 def test_streamed_answers_assemble_to_the_whole_answers_reading():
   """Every answer of test_parse_answers, cut into random pieces and fed to a ToolStream: the content streamed
   never holds call markup, and content and calls equal parse()'s of the whole."""
@@ -273,6 +302,17 @@ def test_logit_bias_over_http(served, client):
                                                               {"messages": [{"role": "user", "content": "x"}]})]:
       status, _, answer = post(served.url, path, dict(body, max_tokens=2, logit_bias=bias))
       assert status == 400 and answer["error"]["param"].startswith("logit_bias"), (bias, answer)
+
+
+def test_logit_bias_keys_checked_before_int():
+  """A key past Python's int-string limit (4300 digits) or past 10 digits is a 400, not a ValueError (500)."""
+  from jaxllm.serve.protocol import ApiError, CompletionRequest, logit_biases
+  for key in ["9" * 5000, "1" * 11, "", " 5", "\u0665"]:
+    with pytest.raises(ApiError) as e:
+      logit_biases(CompletionRequest.model_validate({"prompt": "x", "logit_bias": {key: 1}}), 262)
+    assert e.value.status == 400 and e.value.param == "logit_bias", key
+  assert logit_biases(CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"0000000005": 1}}), 262) == \
+      {5: 1.0}
 
 
 def test_a_request_the_programs_refuse_ends_with_its_error(served):

@@ -319,7 +319,7 @@ def logit_biases(req: _Common, vocab_size: int) -> dict[int, float] | None:
                    param="logit_bias")
   out: dict[int, float] = {}
   for key, bias in req.logit_bias.items():
-    token = int(key) if key.isascii() and key.isdigit() else None
+    token = int(key) if 1 <= len(key) <= 10 and key.isascii() and key.isdigit() else None   # past int()'s limit
     if token is None or token >= vocab_size:
       raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}) written as strings, got "
                           f"{_short(key)}", param="logit_bias")

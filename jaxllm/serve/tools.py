@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import secrets
 from typing import Iterable
 
@@ -59,26 +60,43 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None, add_genera
 
 
 def new_call(name: str, arguments: dict) -> dict:
-  """A tool call as OpenAI returns it: arguments as a JSON string, a fresh id."""
-  return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+  """A tool call as OpenAI returns it: arguments as JSON text (ASCII, finite numbers only), a fresh id.
+  ValueError where the arguments have no such text (a lone surrogate, NaN or an infinity)."""
+  text = json.dumps(arguments, ensure_ascii=True, allow_nan=False)
+  return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _no_constant(name: str):
+  raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):            # 1e999 reads as inf
+    raise ValueError(f"{text} is not a finite number")
+  return value
+
+
+def _json(text: str):
+  """Strict JSON: NaN, Infinity and numbers past a double's range refused (ValueError)."""
+  return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
 
 
 def read_call(text: str, names: frozenset[str]) -> dict | None:
   """The call a JSON text holds ({"name", "arguments" or "parameters"}), or None where it holds none."""
   try:
-    obj = json.loads(text)
+    obj = _json(text)
+    if not isinstance(obj, dict):
+      return None
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in names:
+      return None
+    args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+    if isinstance(args, str):          # some models write the arguments as a JSON string
+      args = _json(args)
+    return new_call(name, args) if isinstance(args, dict) else None
   except (ValueError, RecursionError):
     return None
-  if not isinstance(obj, dict) or obj.get("name") not in names:
-    return None
-  args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
-  if isinstance(args, str):          # some models write the arguments as a JSON string
-    try:
-      args = json.loads(args)
-    except (ValueError, RecursionError):
-      return None
-  return new_call(obj["name"], args) if isinstance(args, dict) else None
 
 
 def _held(text: str) -> int:
