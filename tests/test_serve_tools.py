@@ -94,6 +94,19 @@ ANSWERS = [   # (a model's answer, the content and the calls read from it)
     ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}', None,       # unclosed at the end
      [("get_time", {"zone": "UTC"})]),
     ("a < b and <tool", "a < b and <tool", []),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "</tool_call>"}}\n</tool_call>', None,  # CLOSE in JSON
+     [("get_time", {"zone": "</tool_call>"})]),
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": "a</tool_call>b"}}</tool_call> <tool_call>\n'
+     '{"name": "get_time", "arguments": {"zone": 5 </tool_call>\n',                # the second broken: content
+     '<tool_call>\n{"name": "get_time", "arguments": {"zone": 5 </tool_call>',
+     [("get_time", {"zone": "a</tool_call>b"})]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call> then <tool_call>\n'   # broken, then a call
+     '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', '<tool_call>\n{"name": "get_time", '
+     '"arguments": {"zone": \n</tool_call> then', [("get_time", {"zone": "UTC"})]),
+    ('<tool_call>{"name": "get_time", "arguments": {}} junk</tool_call> after', # JSON, then not CLOSE: content
+     '<tool_call>{"name": "get_time", "arguments": {}} junk</tool_call> after', []),
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": "</tool_call> x', # never ends: first CLOSE, content
+     '<tool_call>{"name": "get_time", "arguments": {"zone": "</tool_call> x', []),
     ("plain text", "plain text", []),
 ]
 
@@ -153,8 +166,64 @@ def test_streamed_answers_assemble_to_the_whole_answers_reading():
       calls = [p for p in parts if isinstance(p, dict)]
       assert _calls(calls) == _calls(want) and stream.calls == len(want), (text, cuts)
       assert (content.strip() or None if want else content) == want_content, (text, cuts)
-      if want:
+      if want and T.OPEN not in (want_content or ""):       # no call's markup goes out as content
         assert T.OPEN not in content and '"name"' not in content
+
+
+def test_a_long_block_streams_in_linear_work(monkeypatch):
+  """80k pieces of 4 characters in one block (and a block whose strings hold 20k CLOSE tags): the block's text
+  is read again only when a CLOSE arrives or it has doubled, so the characters read stay a few times the text's
+  (searching the whole held block on every piece was quadratic: 3.4 s on the event loop)."""
+  read = []
+  block_end = T._block_end
+  monkeypatch.setattr(T, "_block_end", lambda text, final: read.append(len(text)) or block_end(text, final))
+  for zone in ["abcd" * 80_000, T.CLOSE * 20_000]:
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "' + zone + '"}}\n</tool_call>'
+    read.clear()
+    stream = T.ToolStream(NAMES)
+    parts = [p for i in range(0, len(text), 4) for p in stream.feed(text[i:i + 4])] + stream.finish()
+    assert len(parts) == 1 and json.loads(parts[0]["function"]["arguments"]) == {"zone": zone}
+    assert sum(read) <= 4 * len(text), (len(read), sum(read), len(text))
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+  """parallel_tool_calls false: the first call only; the later call blocks are dropped (not content), streamed
+  or not; text around them and blocks that are not calls stay."""
+  text = ('A <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call> B <tool_call>\n'
+          '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call> <tool_call>x</tool_call>')
+  content, calls = T.parse(text, NAMES, parallel=False)
+  assert _calls(calls) == [("get_time", {"zone": "UTC"})] and content == "A  B  <tool_call>x</tool_call>"
+  assert len(T.parse(text, NAMES)[1]) == 2
+  stream = T.ToolStream(NAMES, parallel=False)
+  parts = [p for i in range(0, len(text), 3) for p in stream.feed(text[i:i + 3])] + stream.finish()
+  assert stream.calls == 1 and _calls([p for p in parts if isinstance(p, dict)]) == _calls(calls)
+  assert "".join(p for p in parts if isinstance(p, str)).strip() == content
+
+
+def test_tool_setup_checks_names_and_parameters_and_keeps_a_named_choice_apart():
+  """Function names follow OpenAI's ^[a-zA-Z0-9_-]{1,64}$, parameters are an object's schema (both 400s on
+  tools); a function called "auto" (or "none", "required") named by tool_choice is that function, forced."""
+  from jaxllm.serve.protocol import ApiError, ChatRequest, tool_setup
+
+  def setup(tools, choice=None):
+    return tool_setup(ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                  "tool_choice": choice}))
+
+  def fn(name, parameters=None):
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+  for tools in [[fn('a"b')], [fn("a\nb")], [fn("<tool_call>")], [fn("")], [fn("x" * 65)], [fn("é")],
+                [fn("f", {"type": "array"})], [fn("f", {"type": ["object", "null"]})]]:
+    with pytest.raises(ApiError) as e:
+      setup(tools)
+    assert e.value.status == 400 and e.value.param == "tools", tools
+  assert setup([fn("x" * 64), fn("a-B_9", {"properties": {}})])[1] == "auto"
+  keywords = [fn("auto", {"type": "object", "properties": {"a": {"const": 1}}}), fn("required"), fn("none")]
+  for name in ["auto", "required", "none"]:
+    tools, choice = setup(keywords, {"type": "function", "function": {"name": name}})
+    assert choice == ("function", name) and len(tools) == 3
+    lark = T.grammar(tools, choice, "json")
+    assert f'"const": "{name}"' in lark and lark.count('"const"') == 1 + (name == "auto")
+  assert setup(keywords, "auto")[1] == "auto" and setup(keywords, "none") == (None, None)
 
 
 # ---- the server ----------------------------------------------------------------------------------

@@ -179,10 +179,11 @@ def _failure(done: Done) -> P.ApiError:
 
 
 async def _generate(http: HttpRequest, state: ServerState, req, kind: str, prompts: list[list[int]],
-                    echo: list[str] | None = None, tools: list[dict] | None = None, choice: str | None = None
-                    ) -> Response:
+                    echo: list[str] | None = None, tools: list[dict] | None = None,
+                    choice: str | tuple[str, str] | None = None) -> Response:
   """tools, choice: the chat request's (protocol.tool_setup): answers are read for calls to them; a choice
-  other than "auto" constrains the output to one call (tools.grammar)."""
+  other than "auto" constrains the output to one call (tools.grammar). parallel_tool_calls false: the first
+  call only."""
   scheduler = state.ready
   params, seed, stop = P.sampling(req)
   if req.stream_options is not None and not req.stream:
@@ -198,9 +199,11 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
   job.submit()
   rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
   names = [t["function"]["name"] for t in tools] if tools else None
+  parallel = getattr(req, "parallel_tool_calls", None) is not False
   if req.stream:
     include = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(_stream(job, kind, rid, state.model, req.n, include, echo, scheduler.tokenizer, names),
+    return StreamingResponse(_stream(job, kind, rid, state.model, req.n, include, echo, scheduler.tokenizer, names,
+                                     parallel),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
   texts = {i: (echo[i // req.n] if echo else "") for i in range(len(job.requests))}
@@ -236,7 +239,7 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
               "logprobs": _Logprobs.join(logprobs[i]) if job.logprobs is not None else None}
     if kind == "chat":
       choice["message"] = {"role": "assistant", "content": texts[i]}
-      calls = T.parse(texts[i], names) if names else (None, [])
+      calls = T.parse(texts[i], names, parallel) if names else (None, [])
       if calls[1]:
         choice["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
         choice["finish_reason"] = "tool_calls"
@@ -247,12 +250,12 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
 
 
 async def _stream(job: _Job, kind: str, rid: str, model: str, n: int, include_usage: bool, echo: list[str] | None,
-                  tokenizer, names: list[str] | None = None):
+                  tokenizer, names: list[str] | None = None, parallel: bool = True):
   """names: the tools' (chat with tools): each choice's text goes through a tools.ToolStream, calls out as
-  tool_calls deltas."""
+  tool_calls deltas (the first only where not parallel)."""
   created = P.now()
   scored = {i: _Logprobs(kind, tokenizer) for i in range(len(job.requests))}
-  calls = {i: T.ToolStream(names) for i in range(len(job.requests))} if names else None
+  calls = {i: T.ToolStream(names, parallel) for i in range(len(job.requests))} if names else None
 
   def piece(index: int, text: str | dict | None, finish: str | None = None, logprobs: dict | None = None,
             role: bool = False) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 import time
 import uuid
@@ -253,27 +254,38 @@ def response_schema(req: _Common) -> dict | None:
   return spec["schema"]
 
 
-def tool_setup(req: ChatRequest) -> tuple[list[dict] | None, str | None]:
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")     # OpenAI's rule for a function's name
+
+
+def tool_setup(req: ChatRequest) -> tuple[list[dict] | None, str | tuple[str, str] | None]:
   """(the tools as the chat template takes them, or None; the choice: None for no tools or "none", "auto",
-  "required" or a function's name). tool_choice "none" gives the template no tools and reads no calls."""
+  "required" or ("function", its name) for a named function, kept apart from the keywords: a function may be
+  called "auto"). tool_choice "none" gives the template no tools and reads no calls."""
   choice = req.tool_choice
   if isinstance(choice, ToolChoice):
-    choice = choice.function.name
+    choice = ("function", choice.function.name)
   if not req.tools:
     if choice not in (None, "none"):
-      raise ApiError(400, f"tool_choice {choice!r} needs tools: none are given", param="tool_choice")
+      raise ApiError(400, f"tool_choice {_short(choice)} needs tools: none are given", param="tool_choice")
     return None, None
   if len(req.tools) > MAX_TOOLS:
     raise ApiError(400, f"tools takes at most {MAX_TOOLS} functions, got {len(req.tools)}", param="tools")
   names = [t.function.name for t in req.tools]
-  if len(set(names)) != len(names) or not all(names):
-    raise ApiError(400, f"tools must name each function once, with a non-empty name, got {_short(names)}",
-                   param="tools")
+  if len(set(names)) != len(names):
+    raise ApiError(400, f"tools must name each function once, got {_short(names)}", param="tools")
+  for tool in req.tools:
+    fn = tool.function
+    if not FUNCTION_NAME.fullmatch(fn.name):
+      raise ApiError(400, f"a function's name must be 1 to 64 letters, digits, '_' or '-', got {_short(fn.name)}",
+                     param="tools")
+    if fn.parameters is not None and fn.parameters.get("type", "object") != "object":
+      raise ApiError(400, f"function {fn.name!r}: parameters must be an object's schema (type 'object'), got type "
+                          f"{_short(fn.parameters.get('type'))}", param="tools")
   if choice == "none":
     return None, None
   choice = choice or "auto"
-  if choice not in ("auto", "required") and choice not in names:
-    raise ApiError(400, f"tool_choice names the function {choice!r}, which is not among tools {_short(names)}",
+  if isinstance(choice, tuple) and choice[1] not in names:
+    raise ApiError(400, f"tool_choice names the function {choice[1]!r}, which is not among tools {_short(names)}",
                    param="tool_choice")
   if choice != "auto" and req.response_format is not None and req.response_format.get("type") != "text":
     raise ApiError(400, "tool_choice 'required' or a named function constrains the output; it cannot be "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import secrets
 from typing import Iterable
 
@@ -107,77 +108,141 @@ def _held(text: str) -> int:
   return 0
 
 
+_DECODER = json.JSONDecoder()
+_WS = re.compile(r"[ \t\n\r]*")
+_SLACK = 16     # JSON cut short fails within this many characters of its end ("-Infinit", "\\u12", "1e-"), or
+                # as an "Unterminated string": a failure before them stays whatever follows
+
+
+def _block_end(text: str, final: bool) -> int | None:
+  """Where the block that text starts with (OPEN) ends: the index past its CLOSE, or None where it does not end
+  in text. Its JSON (an object after OPEN and whitespace) is read with raw_decode: whitespace and CLOSE after
+  it end the block, whatever its strings hold; where it does not parse, or something else follows it, the first
+  CLOSE does (the block then stays content). Not final (more text may come): None also while that text may
+  still decide."""
+  start = _WS.match(text, len(OPEN)).end()
+  if text.startswith("{", start):
+    try:
+      _, end = _DECODER.raw_decode(text, start)
+    except json.JSONDecodeError as e:
+      if not final and (e.pos >= len(text) - _SLACK or e.msg.startswith("Unterminated string")):
+        return None
+    except RecursionError:
+      pass
+    else:
+      after = _WS.match(text, end).end()
+      if text.startswith(CLOSE, after):
+        return after + len(CLOSE)
+      if not final and len(text) - after < len(CLOSE) and CLOSE.startswith(text[after:]):
+        return None
+  end = text.find(CLOSE, len(OPEN))
+  return None if end < 0 else end + len(CLOSE)
+
+
 class ToolStream:
   """Reads one answer's text as it streams: feed(text) and finish() return what may go out now, in order:
-  strings (content) and calls (new_call's dicts). `calls` counts the calls so far."""
+  strings (content) and calls (new_call's dicts). `calls` counts the calls so far. parallel=False: the calls
+  after the first are dropped (neither calls nor content). Each piece costs its own length (and a block's text
+  is read again only when a CLOSE arrives in it, or it has doubled since), not the answer's so far."""
 
-  def __init__(self, names: Iterable[str]):
+  def __init__(self, names: Iterable[str], parallel: bool = True):
     self.names = frozenset(names)
+    self.parallel = parallel
     self.calls = 0
-    self._buf = ""
+    self._text = ""              # outside a block: a tail that may begin OPEN
+    self._parts: list[str] = []  # held text in pieces: leading whitespace, a JSON answer, or a block from its OPEN
     self._started = False        # a character other than whitespace seen
     self._json = False           # the answer starts with "{": held to the end
-    self._in_block = False       # _buf starts with OPEN
+    self._in_block = False
+    self._new_block()
+
+  def _new_block(self) -> None:
+    self._parts, self._size, self._tail = [], 0, ""
+    self._read_at, self._reads, self._closed = 0, 0, False    # _size at the last read, reads, a CLOSE seen
 
   def feed(self, text: str) -> list:
-    self._buf += text
     if not self._started:
-      if not self._buf.strip():
+      if not text.strip():
+        self._parts.append(text)
         return []
       self._started = True
-      self._json = self._buf.lstrip().startswith("{")
+      text, self._parts = "".join(self._parts) + text, []
+      self._json = text.lstrip().startswith("{")
     if self._json:
+      self._parts.append(text)
       return []
-    out = []
-    while True:
-      if self._in_block:
-        end = self._buf.find(CLOSE)
-        if end < 0:
-          return out
-        block, self._buf = self._buf[:end + len(CLOSE)], self._buf[end + len(CLOSE):]
-        self._in_block = False
-        out.append(self._block(block))
-        continue
-      at = self._buf.find(OPEN)
-      if at < 0:
-        keep = len(self._buf) - _held(self._buf)
-        if keep:
-          out.append(self._buf[:keep])
-          self._buf = self._buf[keep:]
-        return out
-      if at:
-        out.append(self._buf[:at])
-      self._buf, self._in_block = self._buf[at:], True
+    return self._run(text, final=False)
 
   def finish(self) -> list:
     """What is left at the end of the answer: a held JSON answer as a call or text, an unclosed block as a
     call (when it holds a whole one) or text, a held tail as text."""
+    if not self._started:
+      rest, self._parts = "".join(self._parts), []
+      return [rest] if rest else []
     if self._json:
       self._json = False
-      call = read_call(self._buf.strip(), self.names)
+      rest, self._parts = "".join(self._parts), []
+      call = read_call(rest.strip(), self.names)
       if call is not None:
-        self._buf, self.calls = "", self.calls + 1
+        self.calls += 1
         return [call]
-    out = self.feed("") if self._started else []
-    rest, self._buf = self._buf, ""
-    if self._in_block:
-      self._in_block = False
-      return out + [self._block(rest)]
-    return out + ([rest] if rest else [])
+      return self._run(rest, final=True)
+    return self._run("", final=True)
+
+  def _run(self, text: str, final: bool) -> list:
+    out = []
+    while True:
+      if self._in_block:
+        end = self._grow(text, final)
+        if end is None and not final:
+          return out
+        block = self._parts[0]
+        end = len(block) if end is None else end
+        out.append(self._block(block[:end]))
+        text, self._in_block = block[end:], False
+        self._new_block()
+        if final and not text:
+          return out
+      text, self._text = self._text + text, ""
+      at = text.find(OPEN)
+      if at < 0:
+        keep = len(text) if final else len(text) - _held(text)
+        if keep:
+          out.append(text[:keep])
+        self._text = text[keep:]
+        return out
+      if at:
+        out.append(text[:at])
+      text, self._in_block = text[at:], True
+
+  def _grow(self, text: str, final: bool) -> int | None:
+    """Adds text to the block; _block_end of it where it is worth reading (then _parts holds it joined)."""
+    seen = CLOSE in self._tail + text
+    self._tail = (self._tail + text)[1 - len(CLOSE):]
+    self._parts.append(text)
+    self._size += len(text)
+    self._closed |= seen
+    if not (final or (seen and self._reads < 8) or (self._closed and self._size >= 2 * self._read_at)):
+      return None
+    self._parts = ["".join(self._parts)]
+    self._read_at, self._reads = self._size, self._reads + 1
+    return _block_end(self._parts[0], final)
 
   def _block(self, block: str):
     body = block[len(OPEN):]
     call = read_call((body[:-len(CLOSE)] if body.endswith(CLOSE) else body).strip(), self.names)
     if call is None:
       return block
+    if self.calls and not self.parallel:
+      return ""
     self.calls += 1
     return call
 
 
-def parse(text: str, names: Iterable[str]) -> tuple[str | None, list[dict]]:
+def parse(text: str, names: Iterable[str], parallel: bool = True) -> tuple[str | None, list[dict]]:
   """(content, calls) of a whole answer. With calls, content is the text around them stripped (None when
-  there is none); without, the answer as it is."""
-  stream = ToolStream(names)
+  there is none); without, the answer as it is. parallel=False: only the first call."""
+  stream = ToolStream(names, parallel)
   parts = stream.feed(text) + stream.finish()
   calls = [p for p in parts if isinstance(p, dict)]
   content = "".join(p for p in parts if isinstance(p, str))
@@ -194,15 +259,16 @@ def deltas(call: dict, index: int) -> list[dict]:
           {"tool_calls": [{"index": index, "function": {"arguments": fn["arguments"]}}]}]
 
 
-def grammar(tools: list[dict], choice: str, fmt: str) -> str:
-  """The Lark grammar of one call in format `fmt` ("hermes" or "json") to the function named `choice`, or to
-  any of `tools` for "required": {"name": its name, "arguments" ("parameters" for "json"): its parameters'
-  schema}. The tools' $defs are lifted to the schema's root, where their "#/$defs/..." references point."""
+def grammar(tools: list[dict], choice: str | tuple[str, str], fmt: str) -> str:
+  """The Lark grammar of one call in format `fmt` ("hermes" or "json") to the function ("function", name)
+  names, or to any of `tools` for "required": {"name": its name, "arguments" ("parameters" for "json"): its
+  parameters' schema}. The tools' $defs are lifted to the schema's root, where their "#/$defs/..." references
+  point."""
   key = "arguments" if fmt == "hermes" else "parameters"
   options, defs = [], {}
   for tool in tools:
     fn = tool["function"]
-    if choice != "required" and fn["name"] != choice:
+    if choice != "required" and ("function", fn["name"]) != choice:
       continue
     params = dict(fn.get("parameters") or {"type": "object"})
     defs.update(params.pop("$defs", {}))
