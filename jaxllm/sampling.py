@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Mapping, Sequence
 
 import jax
@@ -229,7 +230,7 @@ def bias_table(biases: Sequence[Mapping[int, float] | None], batch: int,
     for j, (t, v) in enumerate(row.items()):
       if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 or (vocab_size and t >= vocab_size):
         raise ValueError(f"a logit bias's token id must be an integer in [0, {vocab_size or 'V'}), got {t!r}")
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
+      if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
         raise ValueError(f"a logit bias must be a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
                          f"got {v!r} for token {t}")
       ids[b, j], values[b, j] = t, v

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import (MAX_REPEAT_LAST_N, MAX_TOP_K, NONFINITE, REPEAT_LAST_N, Sampler, SamplingParams,
-                             apply_penalties, sample, top_candidates, window_of)
+from jaxllm.sampling import (MAX_LOGIT_BIAS, MAX_REPEAT_LAST_N, MAX_TOP_K, NONFINITE, REPEAT_LAST_N, Sampler,
+                             SamplingParams, apply_penalties, bias_table, mask_words, sample, top_candidates,
+                             window_of)
 
 N = 20000
 
@@ -477,3 +478,47 @@ def test_penalty_window_lengths_do_not_recompile_the_engine(tiny_models):
       want = _numpy_penalties(logits[i], seq[:i + 1], 5.0, 0.0, 1.0, p.repeat_last_n).argmax()
       assert t == want, (p.repeat_last_n, i)
   assert outs[0].ids != outs[1].ids
+
+
+def test_bias_table_takes_numbers_and_refuses_the_rest():
+  """Biases are any real number in [-100, 100] (numpy's floats and ints too), never a bool or NaN; ids integers
+  in [0, V). Each row's pairs come first, the unused ones after (id past any vocabulary, bias 0)."""
+  ids, values = bias_table([{np.int64(3): np.float32(-2.5), 7: 100}, None, {0: np.float16(1)}], 3, 10)
+  assert ids.shape == values.shape == (3, MAX_LOGIT_BIAS) and ids.dtype == np.int32 and values.dtype == np.float32
+  assert ids[0, :2].tolist() == [3, 7] and values[0, :2].tolist() == [-2.5, 100.0] and values[2, 0] == 1.0
+  assert (ids[1] >= 10).all() and not values[1].any() and (ids[0, 2:] >= 10).all()
+  for row in [{1: True}, {1: np.bool_(True)}, {1: "5"}, {1: float("nan")}, {1: 100.5}, {1: np.float32(-101)},
+              {-1: 1.0}, {10: 1.0}, {True: 1.0}, {1.0: 1.0}, {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}]:
+    with pytest.raises(ValueError):
+      bias_table([row], 1, 10 if len(row) == 1 else 0)
+  with pytest.raises(ValueError):
+    bias_table([None], 2, 10)
+
+
+def test_a_grammar_mask_wins_over_a_plus_100_bias():
+  """Fresh random logits and masks, +100 on a masked-out token of each row (and a small bias on allowed ones):
+  greedy draws numpy's argmax of the biased logits over the allowed tokens, sampled ones stay allowed; without
+  the mask the +100 token is drawn (the check has teeth)."""
+  rng = np.random.default_rng(5)
+  b, v = 8, 1000
+  logits = rng.standard_normal((b, v)).astype(np.float32)
+  bits = rng.random((b, mask_words(v) * 32)) < 0.3
+  bits[:, v:] = True
+  masks = np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+  allowed = bits[:, :v]
+  biases, biased = [], logits.copy()
+  for r in range(b):
+    banned, ok = rng.choice(np.flatnonzero(~allowed[r])), rng.choice(np.flatnonzero(allowed[r]))
+    biases.append({int(banned): 100.0, int(ok): np.float32(1.5)})
+    biased[r, banned] += 100.0
+    biased[r, ok] += np.float32(1.5)
+  want = np.where(allowed, biased, -np.inf).argmax(-1)
+  for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+    got, _ = jax.jit(sample)(jnp.asarray(logits), Sampler.create(params, b, seed=3, vocab_size=v, masks=masks,
+                                                                 biases=biases))
+    got = np.asarray(got)
+    assert allowed[np.arange(b), got].all()
+    if params.temperature == 0:
+      np.testing.assert_array_equal(got, want)
+  got, _ = sample(jnp.asarray(logits), Sampler.create(SamplingParams(), b, vocab_size=v, biases=biases))
+  np.testing.assert_array_equal(np.asarray(got), [max(row, key=row.get) for row in biases])
