@@ -354,6 +354,23 @@ def test_logit_bias_forces_and_bans_alone_and_batched(served):
   assert metric(after, compiles) == metric(before, compiles)
 
 
+def test_biases_alone_skip_writing_the_masks(served, monkeypatch):
+  """A biased request decodes in the masked program; with no grammar's row the device's masks already allow
+  every token, so they are written at most once (after an earlier grammar's request), not every step; a
+  grammar's request after it still gets its masks (its call parses)."""
+  writes = []
+  put = served.scheduler.programs.put_masks
+  monkeypatch.setattr(served.scheduler.programs, "put_masks", lambda masks: writes.append(1) or put(masks))
+  prompt = served.tokenizer.encode("hello there")
+  assert _run(served, [(prompt, 8, SamplingParams(), {65: 100.0})]) == [[65] * 8] and len(writes) <= 1
+  writes.clear()
+  assert _run(served, [(prompt, 8, SamplingParams(), {66: 100.0}), (prompt, 6, SamplingParams(), None)]) == \
+      [[66] * 8, _run(served, [(prompt, 6, SamplingParams(), None)])[0]] and not writes
+  status, _, answer = post(served.url, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
+                           tools=TOOLS, tool_choice="required", max_tokens=250, logit_bias={"65": 100}))
+  assert status == 200 and answer["choices"][0]["message"]["tool_calls"] and writes, answer
+
+
 def test_logit_bias_over_http(served, client):
   """+100 on "A" (id 65) makes every token of a completion and of a streamed chat answer "A", at temperature 0
   and 1; malformed maps are 400s naming logit_bias."""

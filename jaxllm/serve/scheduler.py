@@ -26,7 +26,8 @@ nothing runs ahead: the turn reads the call in flight first, writes every row's 
 for rows without a grammar) and dispatches the masked program of one step. A request whose grammar is complete
 ends with "stop". With no such request decoding, the calls are the engine's own, pipelined, as above.
 A request with logit biases (Request.logit_bias) has them written into its row at admission; while it decodes
-the calls are the masked program too (which applies them), pipelined unless a grammar's row decodes beside it.
+the calls are the masked program too (which applies them), pipelined unless a grammar's row decodes beside it;
+the masks are written then only where a grammar's may still be on the device (_masks_full).
 
 What a request receives (its `emit` callback, on the engine thread): Delta events with the text that became
 final and the token ids, then one Done event with the finish reason and token counts. The engine below knows
@@ -142,6 +143,7 @@ class Scheduler:
     self.metrics.slots_total = slots
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._queued = 0                       # submitted and not yet in a slot (inbox + waiting)
+    self._masks_full = True                # the device's token masks allow every token in every row
     self._lock = threading.Lock()
     self._waiting: collections.deque[Request] = collections.deque()
     self._running: list[_Running | None] = [None] * slots
@@ -284,6 +286,7 @@ class Scheduler:
       limit = min(self.engine.max_context, len(p) + request.max_tokens - 1)
       eog = () if request.ignore_eos or self.tokenizer is None else self.tokenizer.eog_ids
       mask = None if request.constraint is None else request.constraint.mask
+      self._masks_full = self._masks_full and mask is None      # admission writes the row's first mask
       try:
         job = self.programs.plan(slot, p, start, request.params, request.seed, limit, eog, mask, request.logit_bias)
       except Exception as e:   # values the programs refuse (past the HTTP checks): this request ends, the rest go on
@@ -316,16 +319,19 @@ class Scheduler:
   def _dispatch(self) -> tuple:
     """Dispatches a decode call for the busy rows: (its tokens on the device, the decoding request per row).
     With a request under a grammar or with logit biases decoding, the call is the masked step, after every
-    row's mask is written."""
+    row's mask is written (skipped for biases alone where the masks already allow every token)."""
     decoding = [r for r in self._running if r is not None and r.job is None]
     greedy = all(r.request.params.greedy and not r.request.params.penalized for r in decoding)
     count = min(c for c in self.programs.counts if c >= self._busy())
-    if self._constrained() or any(r.request.logit_bias for r in decoding):
-      masks = full_mask(self.slots, self.engine.config.vocab_size)
-      for slot, run in enumerate(self._running):
-        if run is not None and run.job is None and run.request.constraint is not None:
-          masks[slot] = run.request.constraint.mask
-      self.programs.put_masks(masks)
+    constrained = self._constrained()
+    if constrained or any(r.request.logit_bias for r in decoding):
+      if constrained or not self._masks_full:
+        masks = full_mask(self.slots, self.engine.config.vocab_size)
+        for slot, run in enumerate(self._running):
+          if run is not None and run.job is None and run.request.constraint is not None:
+            masks[slot] = run.request.constraint.mask
+        self.programs.put_masks(masks)
+        self._masks_full = not any(r is not None and r.request.constraint is not None for r in self._running)
       tokens = self.programs.decode(count, FULL, masked=True)
     else:
       tokens = self.programs.decode(count, GREEDY if greedy else FULL)
