@@ -222,7 +222,7 @@ def test_tool_setup_checks_names_and_parameters_and_keeps_a_named_choice_apart()
     tools, choice = setup(keywords, {"type": "function", "function": {"name": name}})
     assert choice == ("function", name) and len(tools) == 3
     lark = T.grammar(tools, choice, "json")
-    assert f'"const": "{name}"' in lark and lark.count('"const"') == 1 + (name == "auto")
+    assert f'{{\\"name\\": \\"{name}\\", ' in lark and "call_0:" in lark and "call_1" not in lark
   assert setup(keywords, "auto")[1] == "auto" and setup(keywords, "none") == (None, None)
 
 
@@ -286,6 +286,34 @@ def test_tool_choice_forces_a_valid_call(served, client, choice):
   after = post(served.url, "/metrics", None, method="GET")[2]
   compiles = "jaxllm_xla_compiles_while_serving_total"
   assert metric(after, compiles) == metric(before, compiles)
+
+
+def test_each_tools_schema_is_its_own_root(served):
+  """Two tools whose $defs share a name each keep their own; "#" points at the tool's parameters (a recursive
+  schema), "#/definitions/..." is read: the call grammar accepts each tool's own arguments and refuses the
+  other's (lifting every $defs to one root let the second overwrite the first)."""
+  loc = {"$defs": {"Loc": {"enum": ["x"]}}, "type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}},
+         "required": ["at"], "additionalProperties": False}
+  tools = [{"type": "function", "function": {"name": "a", "parameters": loc}},
+           {"type": "function", "function": {"name": "b", "parameters": dict(loc, **{"$defs": {"Loc": {"enum": ["y"]}}})}},
+           {"type": "function", "function": {"name": "tree", "parameters": {
+               "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+               "additionalProperties": False}}},
+           {"type": "function", "function": {"name": "old", "parameters": {
+               "definitions": {"N": {"type": "integer", "minimum": 3}}, "type": "object",
+               "properties": {"n": {"$ref": "#/definitions/N"}}, "required": ["n"], "additionalProperties": False}}}]
+  grammar = served.scheduler.grammars.lark(T.grammar(tools, "required", "hermes"))
+
+  def accepts(call):
+    c = grammar.constraint()
+    for t in served.tokenizer.encode(f"{T.OPEN}\n{call}\n{T.CLOSE}", add_bos=False):
+      c.advance(t)
+    return c.error is None and c.complete
+  assert accepts('{"name": "a", "arguments": {"at": "x"}}') and accepts('{"name": "b", "arguments": {"at": "y"}}')
+  assert not accepts('{"name": "a", "arguments": {"at": "y"}}') and not accepts('{"name": "b", "arguments": {"at": "x"}}')
+  assert accepts('{"name": "tree", "arguments": {"kids": [{"kids": [{}]}, {}]}}')
+  assert not accepts('{"name": "tree", "arguments": {"kids": [{"leaf": 1}]}}')
+  assert accepts('{"name": "old", "arguments": {"n": 4}}') and not accepts('{"name": "old", "arguments": {"n": 2}}')
 
 
 def test_tool_requests_refused_with_reasons(served):

@@ -17,8 +17,8 @@ ToolStream reads an answer as it streams: text goes out as it comes, except a ta
 answer that starts with "{" (held to the end, then a call or its text). parse() is ToolStream over a whole
 answer, so streamed and whole answers agree.
 
-grammar() is the Lark grammar (llguidance's, with %json schemas) of one call in the family's format, for
-tool_choice "required" or a named function: the output then is such a call, whatever the weights.
+grammar() is the Lark grammar (llguidance's, a %json rule per function's parameters) of one call in the family's
+format, for tool_choice "required" or a named function: the output then is such a call, whatever the weights.
 """
 from __future__ import annotations
 
@@ -261,24 +261,22 @@ def deltas(call: dict, index: int) -> list[dict]:
 
 def grammar(tools: list[dict], choice: str | tuple[str, str], fmt: str) -> str:
   """The Lark grammar of one call in format `fmt` ("hermes" or "json") to the function ("function", name)
-  names, or to any of `tools` for "required": {"name": its name, "arguments" ("parameters" for "json"): its
-  parameters' schema}. The tools' $defs are lifted to the schema's root, where their "#/$defs/..." references
-  point."""
+  names, or to any of `tools` for "required": {"name": its name, "arguments" ("parameters" for "json"): JSON
+  that its parameters' schema validates}. Each function's parameters are their own %json rule, so each schema
+  is its own root: its "$ref"s ("#", "#/$defs/...", "#/definitions/...") point into it alone. Names are
+  OpenAI's (protocol.tool_setup): letters, digits, "_" and "-", safe in a Lark string."""
   key = "arguments" if fmt == "hermes" else "parameters"
-  options, defs = [], {}
+  rules = []
   for tool in tools:
     fn = tool["function"]
     if choice != "required" and ("function", fn["name"]) != choice:
       continue
-    params = dict(fn.get("parameters") or {"type": "object"})
-    defs.update(params.pop("$defs", {}))
-    options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
-                    "required": ["name", key], "additionalProperties": False})
-  schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
-  if defs:
-    schema["$defs"] = defs
-  schema["x-guidance"] = {"whitespace_pattern": WHITESPACE}
-  call = "%json " + json.dumps(schema)
+    schema = dict(fn.get("parameters") or {"type": "object"})
+    schema["x-guidance"] = {"whitespace_pattern": WHITESPACE}
+    i = len(rules)
+    rules.append(f'call_{i}: "{{\\"name\\": \\"{fn["name"]}\\", \\"{key}\\": " args_{i} "}}"\n'
+                 f"args_{i}: %json {json.dumps(schema)}\n")
+  call = "call: " + " | ".join(f"call_{i}" for i in range(len(rules))) + "\n" + "".join(rules)
   if fmt == "hermes":
-    return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: {call}\n'
-  return f"start: {call}\n"
+    return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\n' + call
+  return "start: call\n" + call
