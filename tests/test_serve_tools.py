@@ -343,6 +343,20 @@ def test_tool_choice_none_and_auto_on_plain_text(served, client):
   assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason == "length"
 
 
+def test_parallel_tool_calls_reaches_the_readers(served, client, monkeypatch):
+  """parallel_tool_calls false reaches the ToolStream that reads the answer, whole (tools.parse) or streamed;
+  absent or true, every call is read."""
+  seen = []
+  stream = T.ToolStream
+  monkeypatch.setattr(T, "ToolStream", lambda names, parallel=True: seen.append(parallel) or stream(names, parallel))
+  msg = [{"role": "user", "content": "Hi"}]
+  for flag in (False, True, None):
+    extra = {} if flag is None else {"parallel_tool_calls": flag}
+    client.chat.completions.create(model="tiny", messages=msg, tools=TOOLS, max_tokens=2, **extra)
+    list(client.chat.completions.create(model="tiny", messages=msg, tools=TOOLS, max_tokens=2, stream=True, **extra))
+  assert seen == [False, False, True, True, True, True]
+
+
 # ---- logit_bias ----------------------------------------------------------------------------------
 
 def _run(served, cases) -> list[list[int]]:

@@ -266,7 +266,8 @@ def tool_setup(req: ChatRequest) -> tuple[list[dict] | None, str | tuple[str, st
     choice = ("function", choice.function.name)
   if not req.tools:
     if choice not in (None, "none"):
-      raise ApiError(400, f"tool_choice {_short(choice)} needs tools: none are given", param="tool_choice")
+      what = f"naming the function {choice[1]!r}" if isinstance(choice, tuple) else repr(choice)
+      raise ApiError(400, f"tool_choice {what} needs tools: none are given", param="tool_choice")
     return None, None
   if len(req.tools) > MAX_TOOLS:
     raise ApiError(400, f"tools takes at most {MAX_TOOLS} functions, got {len(req.tools)}", param="tools")
