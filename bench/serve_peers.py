@@ -37,8 +37,9 @@ import urllib.error
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from scaling import Runner, _append, _ints, _names, read_jsonl  # noqa: E402  (bench/scaling.py)
+# bench/scaling.py: on the path as this script's folder when run; tests load both from their files (bench/ stays
+# off sys.path there: its kernels.py would shadow the `kernels` package transformers imports).
+from scaling import Runner, _append, _ints, _names, read_jsonl  # noqa: E402
 
 SERVERS = ("jaxllm", "llama-server")
 GOAL_LEVELS = (32, 64)          # issue 38: at these many streams,
