@@ -204,8 +204,10 @@ class Tokenizer:
     data = b"".join(self._bytes[i] for i in ids if not (skip_special and i in self._special))
     return data.decode("utf-8", errors="replace")
 
-  def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-    """Renders `messages` ([{"role": ..., "content": ...}]) with the model's template.
+  def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                          tools: Sequence[Mapping] | None = None) -> str:
+    """Renders `messages` ([{"role": ..., "content": ...}]) with the model's template; `tools` (OpenAI's
+    [{"type": "function", "function": {...}}], as HF's apply_chat_template takes them) is its tools variable.
 
     Raises:
       ChatTemplateError (a ValueError): the template failed or hit a limit (jaxllm.chat_template).
@@ -217,7 +219,7 @@ class Tokenizer:
     token = self._bytes[self.bos_id].decode("utf-8", "replace") if self.bos_id is not None else ""
     eos = self._bytes[self.eos_id].decode("utf-8", "replace") if self.eos_id is not None else ""
     return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                 bos_token=token, eos_token=eos, tools=None)
+                                 bos_token=token, eos_token=eos, tools=list(tools) if tools else None)
 
 
 def _checked_eog(ids: Iterable[int], text) -> frozenset[int]:

@@ -15,11 +15,10 @@ import openai
 import pytest
 
 from jaxllm import GGUFFile, SamplingParams, Tokenizer
-from jaxllm.chat_template import ChatTemplate
 from jaxllm.serve import tools as T
 from jaxllm.serve.scheduler import Delta, Done, Request
 from jaxllm.weights import load_weights
-from test_chat_template import QWEN25
+from test_chat_template import QWEN25, _tokenizer
 from test_serve import metric, post, serve_model
 from tiny import write_tiny_model
 
@@ -48,24 +47,18 @@ HISTORY = [{"role": "user", "content": "Weather?"},
 
 # ---- the prompt ------------------------------------------------------------------------------------
 
-class _Tok:
-  """What tools.render reads of a Tokenizer: its template, source and special tokens' text."""
-  chat_template, source, bos_id, eos_id = QWEN25, "test", None, None
-
-  def apply_chat_template(self, messages, add_generation_prompt=True):
-    return ChatTemplate(QWEN25).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None)
-
-
 def test_qwen25_template_renders_tools_calls_and_tool_results():
   from jaxllm.serve.protocol import ChatRequest, chat_messages
   messages = chat_messages(ChatRequest.model_validate({"messages": HISTORY}))
-  text = T.render(_Tok(), messages, TOOLS)
+  tok = _tokenizer(**{"tokenizer.chat_template": QWEN25})    # tests/tiny.py's vocabulary, Qwen2.5's template
+  text = tok.apply_chat_template(messages, tools=TOOLS)
   listed = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]      # one tool a line, as tojson writes it
   assert [json.loads(line) for line in listed.splitlines()] == TOOLS
   assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' in text
   assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
   assert text.endswith("<|im_start|>assistant\n")
-  assert "# Tools" not in T.render(_Tok(), messages, None)
+  assert "# Tools" not in tok.apply_chat_template(messages)
+  assert "# Tools" not in tok.apply_chat_template(messages, tools=[])
   assert T.family(QWEN25) == "hermes" and T.family("{{ messages }}") == "json"
 
 
@@ -267,8 +260,8 @@ def test_tool_choice_forces_a_valid_call(served, client, choice):
   schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
   want = NAMES if choice == "required" else ["get_weather"]
   from jaxllm.serve.protocol import ChatRequest, chat_messages
-  prompt = served.tokenizer.encode(T.render(served.tokenizer, chat_messages(ChatRequest.model_validate(
-      {"messages": HISTORY})), TOOLS))
+  prompt = served.tokenizer.encode(served.tokenizer.apply_chat_template(chat_messages(ChatRequest.model_validate(
+      {"messages": HISTORY})), tools=TOOLS))
   for seed in range(3):
     kw = dict(model="tiny", messages=HISTORY, tools=TOOLS, tool_choice=choice, max_tokens=250, temperature=1.0,
               seed=seed)

@@ -341,7 +341,7 @@ async def _grammar(scheduler: Scheduler, schema, field: str = "response_format",
 
 
 def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> list[int]:
-  return tokenizer.encode(T.render(tokenizer, messages, tools, add_generation_prompt))
+  return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools))
 
 
 # ---- endpoints -------------------------------------------------------------------------------------

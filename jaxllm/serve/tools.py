@@ -1,7 +1,8 @@
 """OpenAI tool calling: the tools in the prompt, the calls in the answer, and the grammar that forces a call.
 
 The tools reach the model through the GGUF's chat template (its `tools` variable, as HF transformers'
-apply_chat_template passes them); the template decides how the model is told to call them. Two call formats
+apply_chat_template passes them: Tokenizer.apply_chat_template(..., tools=)); the template decides how the model
+is told to call them. Two call formats
 are read back, the two families' templates ask for:
 
   "hermes"  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call> blocks, any number, text around them
@@ -22,14 +23,12 @@ format, for tool_choice "required" or a named function: the output then is such 
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
 import secrets
 from typing import Iterable
 
-from jaxllm.chat_template import ChatTemplate
 from jaxllm.structured import WHITESPACE
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -38,26 +37,6 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 def family(chat_template: str | None) -> str:
   """The call format a chat template asks for: "hermes" where it mentions <tool_call>, else "json"."""
   return "hermes" if chat_template and OPEN in chat_template else "json"
-
-
-@functools.lru_cache(maxsize=4)
-def _template(source: str, origin: str | None) -> ChatTemplate:
-  return ChatTemplate(source, origin)
-
-
-def render(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:
-  """The chat template's prompt for messages, with `tools` ([{"type": "function", "function": {...}}]) as its
-  tools variable; without tools, the tokenizer's own rendering. ValueError (ChatTemplateError) as it raises."""
-  if not tools:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-  if not tokenizer.chat_template:
-    raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
-
-  def text(i):
-    return tokenizer.token_bytes(i).decode("utf-8", "replace") if i is not None else ""
-  return _template(tokenizer.chat_template, tokenizer.source).render(
-      messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=text(tokenizer.bos_id),
-      eos_token=text(tokenizer.eos_id), tools=tools)
 
 
 def new_call(name: str, arguments: dict) -> dict:
