@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from jaxllm.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_K, SamplingParams
+from jaxllm.sampling import MAX_LOGIT_BIAS, MAX_TOP_K, SamplingParams, bias_table
 from jaxllm.structured import JSON_OBJECT
 
 MAX_N = 16               # choices per request
@@ -323,26 +323,28 @@ def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
 
 
 def logit_biases(req: _Common, vocab_size: int) -> dict[int, float] | None:
-  """logit_bias as {token id: bias}: keys are token ids written as decimal strings (OpenAI's JSON), at most
-  MAX_LOGIT_BIAS of them, each in [0, vocab_size); biases in [-100, 100]. None when none is given."""
+  """logit_bias as {token id: bias}: keys are token ids written as decimal strings (OpenAI's JSON), each once;
+  the ids, biases and their count as the device's table takes them (sampling.bias_table: at most
+  MAX_LOGIT_BIAS, ids in [0, vocab_size), biases in [-100, 100]). None when none is given."""
   if not req.logit_bias:
     return None
-  if len(req.logit_bias) > MAX_LOGIT_BIAS:
+  if len(req.logit_bias) > MAX_LOGIT_BIAS:     # before reading the keys: a 16 MiB body holds a million of them
     raise ApiError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(req.logit_bias)}",
                    param="logit_bias")
   out: dict[int, float] = {}
   for key, bias in req.logit_bias.items():
     token = int(key) if 1 <= len(key) <= 10 and key.isascii() and key.isdigit() else None   # past int()'s limit
-    if token is None or token >= vocab_size:
+    if token is None:
       raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}) written as strings, got "
                           f"{_short(key)}", param="logit_bias")
     if token in out:
       raise ApiError(400, f"logit_bias gives token {token} twice ({_short(key)})", param="logit_bias")
-    if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-      raise ApiError(400, f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
-                          f"got {bias!r} for token {key}", param="logit_bias")
-    out[token] = float(bias)
-  return out
+    out[token] = bias
+  try:
+    bias_table([out], 1, vocab_size)
+  except ValueError as e:
+    raise ApiError(400, f"logit_bias: {e}", param="logit_bias") from None
+  return {token: float(bias) for token, bias in out.items()}
 
 
 def logprobs_wanted(req: _Common) -> tuple[int | None, bool]:
