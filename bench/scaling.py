@@ -194,19 +194,24 @@ def _jaxllm_done(records: list[dict], preset: str, batch: int, paths: list[str])
   return set(paths) <= have
 
 
-def run_jaxllm(runner: Runner, jsonl: str, preset: str, batch: int, paths: list[str], bench_args: list[str]) -> None:
+def _bench(runner: Runner, name: str, preset: str, args: list[str]) -> list[dict] | None:
+  """`python -m jaxllm.bench synthetic:<preset> --loop pipelined ARGS` as run `name`: its records, or None when it
+  failed or was cut."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "out.jsonl")
-    cmd = [sys.executable, "-m", "jaxllm.bench", f"synthetic:{preset}", "--batch", str(batch), "--kernels",
-           ",".join(paths), "--loop", "pipelined", "--label", f"scaling {preset} b{batch}", *bench_args, "--out", out]
-    ok = runner.run(f"{preset}-b{batch}", cmd)
-    records = read_jsonl(out) if ok else []
-  if ok and len(records) != len(paths):
+    cmd = [sys.executable, "-m", "jaxllm.bench", f"synthetic:{preset}", "--loop", "pipelined", *args, "--out", out]
+    return read_jsonl(out) if runner.run(name, cmd) else None
+
+
+def run_jaxllm(runner: Runner, jsonl: str, preset: str, batch: int, paths: list[str], bench_args: list[str]) -> None:
+  records = _bench(runner, f"{preset}-b{batch}", preset, ["--batch", str(batch), "--kernels", ",".join(paths),
+                                                          "--label", f"scaling {preset} b{batch}", *bench_args])
+  if records is not None and len(records) != len(paths):
     runner.notes.append(f"{preset}-b{batch}: {len(records)} records for {len(paths)} paths; none kept")
     return
-  for path, rec in zip(paths, records):       # jaxllm.bench writes one record a path, in --kernels order
+  for path, rec in zip(paths, records or []):   # jaxllm.bench writes one record a path, in --kernels order
     rec["requested_kernels"], rec["preset"] = path, preset
-  _append(jsonl, records)
+  _append(jsonl, records or [])
 
 
 def _prefill_done(records: list[dict], preset: str, prompt: int) -> bool:
@@ -216,12 +221,9 @@ def _prefill_done(records: list[dict], preset: str, prompt: int) -> bool:
 
 def run_jaxllm_prefill(runner: Runner, jsonl: str, preset: str, prompt: int, repeat: int) -> None:
   """TTFT of one prompt of `prompt` tokens at batch 1 on the default path (chunked flash prefill)."""
-  with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, "out.jsonl")
-    cmd = [sys.executable, "-m", "jaxllm.bench", f"synthetic:{preset}", "--batch", "1", "--kernels", "auto", "--loop",
-           "pipelined", "--prompt-len", str(prompt), "--decode-len", "18", "--repeat", str(repeat), "--label",
-           f"prefill {preset} p{prompt}", "--out", out]
-    records = read_jsonl(out) if runner.run(f"{preset}-prefill-{prompt}", cmd) else []
+  records = _bench(runner, f"{preset}-prefill-{prompt}", preset,
+                   ["--batch", "1", "--kernels", "auto", "--prompt-len", str(prompt), "--decode-len", "18",
+                    "--repeat", str(repeat), "--label", f"prefill {preset} p{prompt}"]) or []
   for rec in records:
     rec["study"], rec["preset"] = "prefill", preset
   _append(jsonl, records)
