@@ -58,6 +58,16 @@ def _names(text: str) -> list[str]:
   return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def _presets(text: str) -> list[str]:
+  """--presets' names, each one of jaxllm/presets.py's (else a one-line error naming them)."""
+  from jaxllm.presets import PRESETS as KNOWN
+  names = _names(text)
+  bad = [n for n in names if n not in KNOWN]
+  if bad or not names:
+    raise SystemExit(f"error: unknown preset(s) {bad or names}: choose from {', '.join(sorted(KNOWN))}")
+  return names
+
+
 def read_jsonl(path: str) -> list[dict]:
   if not os.path.exists(path):
     return []
@@ -508,13 +518,9 @@ def build_parser():
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  from jaxllm.presets import PRESETS as KNOWN
-  args.presets, args.batches = _names(args.presets), _ints(args.batches, "--batches")
+  args.presets, args.batches = _presets(args.presets), _ints(args.batches, "--batches")
   args.kernels, args.peer_types = _names(args.kernels), _names(args.peer_types)
   args.prefill = _ints(args.prefill, "--prefill") if args.prefill.strip() else []
-  bad = [n for n in args.presets if n not in KNOWN]
-  if bad or not args.presets:
-    raise SystemExit(f"error: unknown preset(s) {bad or args.presets}: choose from {', '.join(sorted(KNOWN))}")
   # auto first: a process's peak device memory only grows, so the first path's record holds its own peak
   if not args.kernels or args.kernels[0] != "auto" or len(set(args.kernels)) != len(args.kernels):
     raise SystemExit(f"error: --kernels must list auto first and each path once, got {','.join(args.kernels)!r}")

@@ -39,7 +39,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 # bench/scaling.py: on the path as this script's folder when run; tests load both from their files (bench/ stays
 # off sys.path there: its kernels.py would shadow the `kernels` package transformers imports).
-from scaling import Runner, _append, _ints, _names, read_jsonl  # noqa: E402
+from scaling import Runner, _append, _ints, _presets, read_jsonl  # noqa: E402
 
 SERVERS = ("jaxllm", "llama-server")
 GOAL_LEVELS = (32, 64)          # issue 38: at these many streams,
@@ -316,12 +316,8 @@ def build_parser():
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  from jaxllm.presets import PRESETS as KNOWN
-  args.presets, args.concurrency = _names(args.presets), _ints(args.concurrency, "--concurrency")
+  args.presets, args.concurrency = _presets(args.presets), _ints(args.concurrency, "--concurrency")
   args.jaxllm_args, args.llama_args = args.jaxllm_args.split(), args.llama_args.split()
-  bad = [n for n in args.presets if n not in KNOWN]
-  if bad or not args.presets:
-    raise SystemExit(f"error: unknown preset(s) {bad or args.presets}: choose from {', '.join(sorted(KNOWN))}")
   if min(args.prompt_len, args.max_tokens, args.prompt_vocab) < 1:
     raise SystemExit("error: --prompt-len, --max-tokens and --prompt-vocab must be at least 1")
   if not args.render:
