@@ -19,6 +19,7 @@ rendering such a template (ChatTemplate) and bounds what the sandbox does not:
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import sys
@@ -34,6 +35,7 @@ from jaxllm.template_sandbox import (MAX_BUILT, MAX_SIZE, SANDBOX_FILE, BoundedE
 # under a millisecond (compiling them once takes 5-40 ms), nest calls 5-12 deep and build a few times
 # their output. The limits on values (MAX_SIZE, MAX_BUILT, MAX_INT_BITS) are jaxllm.template_sandbox's.
 MAX_SECONDS = 1.0            # one render (its first compiles the template too), at most this much CPU time
+                             # (the thread's, less the garbage collections that pause it)
 MAX_DEPTH = 200              # Python calls nested in the render: about 40 levels of macros calling macros
 MAX_OUTPUT = MAX_SIZE        # the rendered prompt, in characters
 MAX_SOURCE = 2**18           # characters of template text (real templates are 1-20 KB)
@@ -51,6 +53,29 @@ _GENERATOR = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENE
 _clock = time.thread_time    # the thread's CPU time: a busy machine neither cuts a render short nor moves its limits
 
 
+def _collection_starts(phase: str, info: dict) -> None:
+  guard = getattr(render_state, "guard", None)
+  if guard is not None and phase == "start":
+    guard.collecting_since = _clock()
+
+
+def _collection_ends(phase: str, info: dict) -> None:
+  guard = getattr(render_state, "guard", None)
+  if guard is not None and phase == "stop" and guard.collecting_since is not None:
+    guard.deadline += _clock() - guard.collecting_since
+    guard.collecting_since = None
+
+
+# A garbage collection that starts in a render pauses it for as long as the whole process's heap takes to
+# scan (a second or more in a process with torch and jax loaded): not the template's time. Its pause, with the
+# callbacks that run in it, moves the deadline on: _collection_starts runs before the other callbacks,
+# _collection_ends after those registered before this module was imported. What the template allocates is
+# bounded by MAX_BUILT, so it cannot make the collections long itself.
+gc.callbacks.insert(0, _collection_starts)
+gc.callbacks.append(_collection_ends)
+_COLLECTION_CODE = (_collection_starts.__code__, _collection_ends.__code__)
+
+
 class ChatTemplateError(ValueError):
   """A chat template could not be rendered: it is broken, refused the messages or hit a limit."""
 
@@ -61,11 +86,14 @@ class _Guard:
   def __init__(self):
     self.deadline = _clock() + MAX_SECONDS
     self.compiling, self.depth, self.built = False, 0, 0
+    self.collecting_since: float | None = None     # the thread time a garbage collection started at, in one
     self.frame_tracer = self._frame       # made once: a bound method per event would be garbage per event
 
   def trace(self, frame, event, arg):
     """sys.settrace's function, called as each Python frame starts; returns the frame's own tracer."""
     code = frame.f_code
+    if code in _COLLECTION_CODE:           # a collection's callbacks: a limit raised there would be lost
+      return None
     if self.compiling:                     # jinja2's compiler: its loops are bounded by the source's length
       if (_clock() > self.deadline and not code.co_flags & _GENERATOR
           and code.co_filename.startswith(_RAISE_IN_COMPILER)):

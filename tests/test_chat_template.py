@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxllm import chat_template
+from jaxllm import chat_template, template_sandbox
 from jaxllm.chat_template import ChatTemplate, ChatTemplateError
 from jaxllm.tokenizer import MAX_EOG, Tokenizer
 from tiny import CHAT_TEMPLATE, MERGES, vocab
@@ -463,6 +463,29 @@ def test_a_limit_is_not_lost_in_a_gc_callback():
       gc.callbacks.remove(callback)
       gc.set_threshold(*threshold)
   assert calls
+
+
+def test_a_garbage_collection_is_not_the_templates_time():
+  """A full collection in a process with a large heap (torch's, jax's) can take longer than the whole budget;
+  one that starts while a real template compiles does not make it a limit."""
+  def callback(phase, info):
+    if phase == "start" and getattr(template_sandbox.render_state, "guard", None) is not None and not burnt:
+      burnt.append(phase)
+      t0 = time.thread_time()
+      while time.thread_time() - t0 < 2 * chat_template.MAX_SECONDS:
+        pass
+
+  burnt, threshold = [], gc.get_threshold()
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(chat_template, "MAX_SECONDS", 0.2)
+    gc.callbacks.append(callback)
+    gc.set_threshold(10)                                    # a collection within the first allocations
+    try:
+      text = ChatTemplate(QWEN25).render(messages=CHAT, add_generation_prompt=True)
+    finally:
+      gc.callbacks.remove(callback)
+      gc.set_threshold(*threshold)
+  assert burnt and text.endswith("<|im_start|>assistant\n")
 
 
 def test_too_long_messages_are_refused_before_rendering():
