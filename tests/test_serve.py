@@ -65,10 +65,10 @@ def serve(path: str, **kwargs) -> Served:
 
 
 def serve_model(config, weights, tok, slots: int = 4, max_context: int = 256, prefill_chunk: int = 32,
-                max_waiting: int = 64, name: str = "tiny", **engine_args) -> Served:
+                max_waiting: int = 64, name: str = "tiny", wide_top_k: bool = False, **engine_args) -> Served:
   engine = Engine(config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
   alone = Engine(config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
-  scheduler = Scheduler(engine, slots=slots, max_waiting=max_waiting)
+  scheduler = Scheduler(engine, slots=slots, max_waiting=max_waiting, wide_top_k=wide_top_k)
   scheduler.start()
   scheduler.metrics.ready()
   port = free_port()
@@ -112,7 +112,7 @@ def post(url: str, path: str, body, raw: bool = False, method: str = "POST"):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  s = serve(write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", "qwen2", context=256))
+  s = serve(write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", "qwen2", context=256), wide_top_k=True)
   yield s
   s.stop()
 
@@ -208,17 +208,40 @@ def test_sampling_settings_n_and_stop(served, client):
   assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
 
 
+def test_top_k_beyond_the_candidates_needs_the_wide_programs(tmp_path):
+  """A sampled top_k above MAX_TOP_K is a 400 naming --wide-top-k on a server without the wide programs (greedy,
+  it is not: top_k does not matter), and the scheduler refuses such a request itself; a server with them takes it
+  (test_concurrent_streams_each_equal_to_alone_without_compiling draws with it)."""
+  from jaxllm.sampling import MAX_TOP_K
+  from jaxllm.serve.protocol import ApiError, CompletionRequest, sampling
+  from jaxllm.serve.scheduler import Request
+  wide = {"prompt": "x", "top_k": MAX_TOP_K + 1, "temperature": 0.7}
+  with pytest.raises(ApiError) as e:
+    sampling(CompletionRequest.model_validate(wide))
+  assert e.value.status == 400 and e.value.param == "top_k" and "--wide-top-k" in str(e.value)
+  assert sampling(CompletionRequest.model_validate(wide), wide_top_k=True)[0].top_k == MAX_TOP_K + 1
+  assert sampling(CompletionRequest.model_validate(dict(wide, temperature=0)))[0].greedy
+  gf = GGUFFile(write_tiny_model(tmp_path / "tiny.gguf", "qwen2", context=256))
+  scheduler = Scheduler(Engine(gf.config, load_weights(gf, progress=False), None, max_context=64), slots=2)
+  with pytest.raises(ValueError, match="wide_top_k=True"):
+    scheduler.submit(Request([1, 2], 4, lambda e: None, SamplingParams(temperature=0.7, top_k=MAX_TOP_K + 1)))
+
+
 def _load_requests(served, count: int, seed: int = 0):
   """Mixed requests: chat and completions, prompts of 1-140 tokens (up to 5 prefill chunks), 1-40 new tokens,
-  greedy and seeded sampling; each with the text it must give (run alone)."""
+  greedy and seeded sampling, a few with a top_k above the candidates (200 of the tiny model's 262 tokens: the
+  wide step); each with the text it must give (run alone)."""
   rng = random.Random(seed)
   out = []
   for i in range(count):
     text = "".join(rng.choice("abcdefgh ijk the") for _ in range(rng.randint(1, 140)))
     max_tokens = rng.randint(1, 40)
-    sampled = i % 4 == 3
+    sampled, wide = i % 4 == 3, i % 8 == 5
     params = SamplingParams(temperature=0.8, top_p=0.95) if sampled else SamplingParams()
     kw = {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i} if sampled else {"temperature": 0}
+    if wide:
+      sampled, params = True, SamplingParams(temperature=1.5, top_k=200)
+      kw = {"temperature": 1.5, "seed": 1000 + i, "extra_body": {"top_k": 200}}
     if i % 2:
       messages = [{"role": "user", "content": text}]
       ids = served.chat_ids(messages)
@@ -276,7 +299,7 @@ def test_concurrent_streams_each_equal_to_alone_without_compiling(served):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 129}, 400, "top_k"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 2 ** 31}, 400, "top_k"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},

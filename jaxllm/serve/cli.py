@@ -14,6 +14,7 @@ import sys
 
 from jaxllm.kernels import KERNEL_CHOICES
 from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS
+from jaxllm.sampling import MAX_TOP_K
 from jaxllm.weights import QUANT_CHOICES, resolve_quant
 
 DEFAULT_CONTEXT = 4096    # per slot, capped at the model's trained context
@@ -33,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"tokens per slot, prompt and answer (default {DEFAULT_CONTEXT}, at most the model's)")
   p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                  help="requests queued for a slot before new ones get 503 (default 64)")
+  p.add_argument("--wide-top-k", action="store_true",
+                 help=f"take top_k above {MAX_TOP_K} (compiles the sampler's wide step too: a longer start; a batch "
+                      "with such a request sorts the vocabulary each step)")
   p.add_argument("--no-prefix-reuse", action="store_true",
                  help="prefill every prompt whole, even when a free slot holds its start")
   p.add_argument("--quant", choices=QUANT_CHOICES, default="auto", help="as in generate")
@@ -82,7 +86,7 @@ def make_loader(args, model: str):
                     tokens_per_call=args.tokens_per_call, mesh=make_mesh(args.tp) if args.tp != 1 else None)
     with stages.stage(f"compile {args.max_batch} slots"):
       scheduler = Scheduler(engine, slots=args.max_batch, max_waiting=args.max_waiting,
-                            prefix_reuse=not args.no_prefix_reuse)
+                            prefix_reuse=not args.no_prefix_reuse, wide_top_k=args.wide_top_k)
       scheduler.start()
     scheduler.metrics.ready()
     if not args.quiet:

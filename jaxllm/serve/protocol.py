@@ -294,14 +294,11 @@ def tool_setup(req: ChatRequest) -> tuple[list[dict] | None, str | tuple[str, st
   return [t.model_dump(exclude_none=True) for t in req.tools], choice
 
 
-def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
-  """The request's SamplingParams (the engine's checks, as 400s), its seed and its stop strings."""
+def sampling(req: _Common, wide_top_k: bool = False) -> tuple[SamplingParams, int | None, list[str]]:
+  """The request's SamplingParams (the engine's checks, as 400s), its seed and its stop strings. wide_top_k:
+  whether the server compiled the wide step (--wide-top-k), which a top_k above MAX_TOP_K needs."""
   repeat = req.repeat_penalty if req.repeat_penalty is not None else req.repetition_penalty
   top_k = 0 if req.top_k == -1 else req.top_k
-  if top_k > MAX_TOP_K:
-    # A wider top-k needs the engine's sorting step, a program the slots do not compile (a different Sampler).
-    raise ApiError(400, f"top_k must be in [0, {MAX_TOP_K}] on this server (0 or -1 = off), got {req.top_k}",
-                   param="top_k")
   extra = {}
   if req.repeat_last_n is not None:
     if "repeat_last_n" not in {f.name for f in dataclasses.fields(SamplingParams)}:
@@ -313,6 +310,9 @@ def sampling(req: _Common) -> tuple[SamplingParams, int | None, list[str]]:
                             frequency_penalty=req.frequency_penalty, **extra)
   except ValueError as e:
     raise ApiError(400, str(e), param=str(e).split(" ")[0]) from None
+  if params.wide_top_k and not wide_top_k:          # sampling with a top_k beyond the candidates
+    raise ApiError(400, f"top_k must be in [0, {MAX_TOP_K}] on this server when sampling (0 or -1 = off), got "
+                        f"{req.top_k}; a server started with --wide-top-k takes more", param="top_k")
   if req.seed is not None and not 0 <= req.seed < 2 ** 63 - MAX_N:
     raise ApiError(400, f"seed must be an integer in [0, 2^63 - {MAX_N}), got {req.seed}", param="seed")
   stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

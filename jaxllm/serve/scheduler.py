@@ -47,9 +47,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxllm.sampling import SamplingParams, full_mask
+from jaxllm.sampling import MAX_TOP_K, SamplingParams, full_mask
 from jaxllm.serve.metrics import CompileCounter, Metrics
-from jaxllm.serve.slots import FULL, GREEDY, Prefill, SlotPrograms
+from jaxllm.serve.slots import FULL, GREEDY, WIDE, Prefill, SlotPrograms
 from jaxllm.structured import GrammarCompiler
 from jaxllm.text import SequenceOutput
 
@@ -129,14 +129,16 @@ class Scheduler:
     slots: N, requests decoded at once (the batch of the one decode step).
     max_waiting: requests queued beyond the slots before submit refuses (QueueFull).
     prefix_reuse: continue from a free slot's cache when it holds the start of the prompt.
+    wide_top_k: take requests whose top_k is above sampling.MAX_TOP_K (compiles the wide step's programs
+      too: start-up takes longer; a batch with such a request decodes in them, sorting the vocabulary).
   """
 
   def __init__(self, engine, slots: int = 4, max_waiting: int = 64, prefix_reuse: bool = True,
-               metrics: Metrics | None = None):
+               metrics: Metrics | None = None, wide_top_k: bool = False):
     if not isinstance(max_waiting, int) or max_waiting < 0:
       raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
     self.engine, self.max_waiting, self.prefix_reuse = engine, max_waiting, prefix_reuse
-    self.programs = SlotPrograms(engine, slots)
+    self.programs = SlotPrograms(engine, slots, wide_top_k)
     self.slots = slots
     self.metrics = metrics or Metrics()
     CompileCounter.count()                 # installs the counter: start-up's compiles are counted too
@@ -172,9 +174,13 @@ class Scheduler:
     self._thread.start()
 
   def submit(self, request: Request) -> None:
-    """Queues a request; raises QueueFull when max_waiting requests already wait for a slot."""
+    """Queues a request; raises QueueFull when max_waiting requests already wait for a slot, ValueError for a
+    top_k above MAX_TOP_K where the scheduler was made without wide_top_k."""
     if self._stop.is_set():
       raise RuntimeError("the server is shutting down")
+    if request.params.wide_top_k and not self.programs.wide_top_k:
+      raise ValueError(f"top_k above {MAX_TOP_K} needs a scheduler made with wide_top_k=True, got top_k="
+                       f"{request.params.top_k}")
     with self._lock:
       if self._queued >= self.max_waiting + self._free_slots():
         raise QueueFull(self._queued, retry_after=max(1, self._queued // max(self.slots, 1)))
@@ -322,6 +328,7 @@ class Scheduler:
     row's mask is written (skipped for biases alone where the masks already allow every token)."""
     decoding = [r for r in self._running if r is not None and r.job is None]
     greedy = all(r.request.params.greedy and not r.request.params.penalized for r in decoding)
+    mode = WIDE if any(r.request.params.wide_top_k for r in decoding) else FULL
     count = min(c for c in self.programs.counts if c >= self._busy())
     constrained = self._constrained()
     if constrained or any(r.request.logit_bias for r in decoding):
@@ -332,9 +339,9 @@ class Scheduler:
             masks[slot] = run.request.constraint.mask
         self.programs.put_masks(masks)
         self._masks_full = not any(r is not None and r.request.constraint is not None for r in self._running)
-      tokens = self.programs.decode(count, FULL, masked=True)
+      tokens = self.programs.decode(count, mode, masked=True)
     else:
-      tokens = self.programs.decode(count, GREEDY if greedy else FULL)
+      tokens = self.programs.decode(count, GREEDY if greedy else mode)
     self.metrics.decode_calls[count] = self.metrics.decode_calls.get(count, 0) + 1
     return tokens, [r if r is not None and r.job is None else None for r in self._running[:count]]
 

@@ -31,7 +31,9 @@ count is a done row, which the step runs but which writes nothing. A request joi
 
 Slot indices are data (int32 scalars), so each program is compiled once per chunk size or row count: with
 the decode step's two modes (every active row greedy without penalties: the argmax step; else the full
-sampler) the server compiles everything at start-up (SlotPrograms.warmup) and nothing while it serves. A
+sampler), and where the server takes a top_k above MAX_TOP_K a third (WIDE: the full sampler with the wide
+step, sampling.Sampler.wide_top_k, whose first tokens have their own admit programs too), the server compiles
+everything at start-up (SlotPrograms.warmup) and nothing while it serves. A
 prompt is prefilled at batch 1 whatever N is, and its first token and decode steps are the same computation
 as Engine.generate's for that request alone.
 
@@ -59,7 +61,8 @@ from jaxllm.cache import KVCache, check_fits
 from jaxllm.engine import snapshot
 from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill, sequence_logits
 from jaxllm.programs import prompt_bucket
-from jaxllm.sampling import Sampler, SamplingParams, full_mask
+from jaxllm.sampling import MAX_TOP_K, Sampler, SamplingParams, full_mask
+
 
 def counts(slots: int) -> list[int]:
   """The row counts a server of `slots` slots decodes with: powers of two below it, and itself."""
@@ -74,8 +77,15 @@ SCORE_CHUNK = 128        # tokens per score call at most: its logits are [T, V] 
 
 
 # The decode modes the server compiles (Engine.step_fn's `greedy`): the argmax-only step while every active
-# row is greedy without penalties, else the full sampler (temperature, top-k/p, min-p, penalties, seeds).
-GREEDY, FULL = True, False
+# row is greedy without penalties, else the full sampler (temperature, top-k/p, min-p, penalties, seeds); WIDE,
+# the full sampler with the wide step, while some row samples with a top_k above MAX_TOP_K.
+GREEDY, FULL, WIDE = True, False, "wide"
+_ENGINE_MODE = {GREEDY: True, FULL: False, WIDE: "wide-penalized"}     # as Engine.decode_program takes them
+
+
+def _with_wide(state: DecodeState, wide: bool) -> DecodeState:
+  """The state with its Sampler's static wide_top_k set (the arrays as they are)."""
+  return dataclasses.replace(state, sampler=dataclasses.replace(state.sampler, wide_top_k=wide))
 
 
 def _row_cache(cache: KVCache, slot: jax.Array) -> KVCache:
@@ -103,8 +113,10 @@ def _rows(state: DecodeState, count: int) -> DecodeState:
 
 
 def _put_rows(state: DecodeState, rows: DecodeState, slot) -> DecodeState:
-  """state with rows (a state of fewer rows) written from row `slot` on."""
+  """state with rows (a state of fewer rows) written from row `slot` on (its arrays; the Sampler's static
+  wide_top_k stays the state's)."""
   put = functools.partial(_put, slot=slot)
+  rows = _with_wide(rows, state.sampler.wide_top_k)
   return DecodeState(cache=_put_cache(state.cache, rows.cache, slot), tokens=put(state.tokens, rows.tokens),
                      pos=put(state.pos, rows.pos), done=put(state.done, rows.done), limit=put(state.limit, rows.limit),
                      eog=put(state.eog, rows.eog), sampler=jax.tree.map(put, state.sampler, rows.sampler))
@@ -129,22 +141,22 @@ def _with_mask(state: DecodeState, mask, bias_ids=None, bias_values=None) -> Dec
                                                                 bias_values=bias_values))
 
 
-def decode_rows(step, count: int, k: int, masked: bool, weights, state: DecodeState, block):
+def decode_rows(step, count: int, k: int, masked: bool, wide: bool, weights, state: DecodeState, block):
   """`step` (Engine.decode_program's function: one step for k = 1, else k steps with a [k, count] token block)
   on rows [0, count) of state; returns (state, block [k, count] of the call's tokens). masked (static): the
   step draws under the rows' token masks and logit biases; else it gets the rows without them (the engine's
-  program as it is), and they pass through unchanged."""
+  program as it is), and they pass through unchanged. wide (static): the step's Sampler runs the wide step."""
   s = state.sampler
   kept = (s.mask, s.bias_ids, s.bias_values)
   if not masked:
     state = _with_mask(state, None)
-  rows = _rows(state, count)
+  rows = _with_wide(_rows(state, count), wide)
   if k == 1:
     rows = step(weights, rows)
     block = rows.tokens[None]
   else:
     rows, block = step(weights, rows, block)
-  out = rows if count == state.tokens.shape[0] else _put_rows(state, rows, 0)
+  out = _with_wide(rows, state.sampler.wide_top_k) if count == state.tokens.shape[0] else _put_rows(state, rows, 0)
   return (out if masked else _with_mask(out, *kept)), block
 
 
@@ -215,12 +227,13 @@ class SlotPrograms:
   Args:
     engine: a jaxllm Engine (its weights, kernel path, chunk size, compile cache and decode step).
     slots: N, the rows of the batched cache (requests decoding at once).
+    wide_top_k: whether requests may sample with a top_k above MAX_TOP_K (the WIDE programs are compiled too).
   """
 
-  def __init__(self, engine, slots: int):
+  def __init__(self, engine, slots: int, wide_top_k: bool = False):
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
       raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
-    self.engine, self.slots = engine, slots
+    self.engine, self.slots, self.wide_top_k = engine, slots, bool(wide_top_k)
     self.config = engine.config
     check_fits(self.config, slots, engine.max_context, engine.cache_dtype)
     longest = engine.max_context - 1                  # the longest prompt a slot takes
@@ -249,7 +262,7 @@ class SlotPrograms:
 
   # ---- programs ------------------------------------------------------------------------------
 
-  def _args(self, size: int, final: bool) -> tuple:
+  def _args(self, size: int, final: bool, wide: bool = False) -> tuple:
     vec = jax.ShapeDtypeStruct((1,), jnp.int32)
     common = (self.engine.weights, _spec(self.state), jax.ShapeDtypeStruct((), jnp.int32),
               jax.ShapeDtypeStruct((1, size), jnp.int32), vec, vec,
@@ -258,6 +271,7 @@ class SlotPrograms:
       return common
     v = self.config.vocab_size
     sampler = _spec(Sampler.create(SamplingParams(), 1, vocab_size=v, masks=full_mask(1, v), biases=[None]))
+    sampler = dataclasses.replace(sampler, wide_top_k=wide)
     return common + (vec, sampler, vec, jax.ShapeDtypeStruct((1, MAX_EOG), jnp.int32))
 
   def extend_fn(self) -> Callable:
@@ -265,10 +279,12 @@ class SlotPrograms:
     fn = functools.partial(extend_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
     return e.compile_program(("slot-extend", self.slots, e.prefill_chunk), fn, 1, self._args(e.prefill_chunk, False))
 
-  def admit_fn(self, bucket: int) -> Callable:
+  def admit_fn(self, bucket: int, wide: bool = False) -> Callable:
+    """admit_slot for a last chunk of `bucket` tokens; wide: for a request whose top_k is above MAX_TOP_K."""
     e = self.engine
     fn = functools.partial(admit_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
-    return e.compile_program(("slot-admit", self.slots, bucket), fn, 1, self._args(bucket, True))
+    key = ("slot-admit", self.slots, bucket) + (("wide",) if wide else ())
+    return e.compile_program(key, fn, 1, self._args(bucket, True, wide))
 
   def score_fn(self, size: int) -> Callable:
     e = self.engine
@@ -278,13 +294,13 @@ class SlotPrograms:
             jax.ShapeDtypeStruct((1,), jnp.int32), tokens)
     return e.compile_program(("slot-score", self.slots, size), fn, (), args)
 
-  def decode_fn(self, count: int, mode: bool, masked: bool = False) -> Callable:
-    """decode_rows over rows [0, count) in a decode mode (GREEDY or FULL): (weights, state, block) -> (state, block);
-    masked: one step a call, under the rows' token masks."""
+  def decode_fn(self, count: int, mode: bool | str, masked: bool = False) -> Callable:
+    """decode_rows over rows [0, count) in a decode mode (GREEDY, FULL or WIDE): (weights, state, block) ->
+    (state, block); masked: one step a call, under the rows' token masks."""
     e = self.engine
     k = 1 if masked else e.tokens_per_call_for(count)
-    step, _, args = e.decode_program(count, mode, k, masked)
-    fn = functools.partial(decode_rows, step, count, k, masked)
+    step, _, args = e.decode_program(count, _ENGINE_MODE[mode], k, masked)
+    fn = functools.partial(decode_rows, step, count, k, masked, mode == WIDE)
     block = jax.ShapeDtypeStruct((k, count), jnp.int32)
     key = ("slot-decode", self.slots, count, mode, k, e.device_loop) + (("masked",) if masked else ())
     return e.compile_program(key, fn, (1, 2), (e.weights, _spec(self.state), block))
@@ -299,22 +315,28 @@ class SlotPrograms:
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     return e.compile_program(("slot-swap", self.slots), swap_rows, 0, (_spec(self.state), scalar, scalar))
 
+  def modes(self) -> tuple:
+    """The decode modes this server compiles."""
+    return (GREEDY, FULL, WIDE) if self.wide_top_k else (GREEDY, FULL)
+
   def warmup(self) -> None:
-    """Compiles every program serving can run (each chunk bucket, each row count in both decode modes and
-    masked, the swap, the masks' write) and runs each decode program once on the empty state (every row done:
-    nothing changes), so that serving compiles nothing."""
+    """Compiles every program serving can run (each chunk bucket, each row count in each decode mode, and
+    masked in the sampling ones, the swap, the masks' write) and runs each decode program once on the empty
+    state (every row done: nothing changes), so that serving compiles nothing."""
     if self.chunked:
       self.extend_fn()
     for b in self.buckets:
-      self.admit_fn(b)
+      for wide in (False, True) if self.wide_top_k else (False,):
+        self.admit_fn(b, wide)
     self.swap(0, 0)
     for size in self.score_sizes:
       self.score_fn(size)
     self.put_masks(full_mask(self.slots, self.config.vocab_size))
     for count in self.counts:
-      for mode in (GREEDY, FULL):
+      for mode in self.modes():
         np.asarray(self.decode(count, mode))
-      np.asarray(self.decode(count, FULL, masked=True))
+        if mode != GREEDY:
+          np.asarray(self.decode(count, mode, masked=True))
 
   # ---- running -------------------------------------------------------------------------------
 
@@ -323,6 +345,9 @@ class SlotPrograms:
     """The chunks that bring prompt[start:] into `slot` (its cache already holding prompt[:start]); mask: the
     token mask [ceil(V / 32)] its first token is drawn under (None: every token); bias: the row's logit biases
     ({token id: bias}), which its first token and every masked decode call apply."""
+    if params.wide_top_k and not self.wide_top_k:
+      raise ValueError(f"top_k above {MAX_TOP_K} needs the wide programs, which these slots do not compile "
+                       f"(wide_top_k=False), got top_k={params.top_k}")
     chunk = self.engine.prefill_chunk
     rest = list(prompt[start:])
     full, tail = divmod(len(rest), chunk)
@@ -353,7 +378,7 @@ class SlotPrograms:
     if job.chunks:
       self.state, job.last = self.extend_fn()(self.engine.weights, self.state, slot, tokens, lengths, starts, last)
       return None
-    fn = self.admit_fn(tokens.shape[1])
+    fn = self.admit_fn(tokens.shape[1], job.sampler.wide_top_k)
     self.state = fn(self.engine.weights, self.state, slot, tokens, lengths, starts, last,
                     np.asarray([job.pos], np.int32), job.sampler, np.asarray([job.limit], np.int32), job.eog)
     return int(np.asarray(self.state.tokens)[job.slot])
@@ -366,7 +391,7 @@ class SlotPrograms:
     """Writes the token masks [N, ceil(V / 32)] uint32 that the next masked decode call draws under."""
     self.state = self.put_masks_fn()(self.state, masks)
 
-  def decode(self, count: int, mode: bool, masked: bool = False) -> jax.Array:
+  def decode(self, count: int, mode: bool | str, masked: bool = False) -> jax.Array:
     """Dispatches one decode call (tokens_per_call steps; masked: one, under the masks put_masks wrote) of rows
     [0, count) and returns its tokens [K, count]: a device copy already on its way to the host (np.asarray reads
     it), so the caller may dispatch the next call, which donates the call's own token block, before reading them."""
