@@ -5,6 +5,7 @@ peak of Python allocations: never a hang, a traceback of another kind, or memory
 templates (Qwen2.5's, SmolLM2's, Llama 3's and 3.1's) render as jinja2's plain sandbox renders them, in a
 few milliseconds. A hypothesis fuzz test renders random templates built from jinja pieces.
 """
+import contextlib
 import gc
 import os
 import sys
@@ -242,6 +243,19 @@ def test_real_templates_render_as_before(name, messages):
       REAL[name], messages=messages, **{**VARIABLES, "add_generation_prompt": False})
 
 
+@contextlib.contextmanager
+def _no_collections():
+  """What a timing here measures is the template's work: a garbage collection, long in a test process with a
+  large heap (torch's, jax's), is not (chat_template leaves its pauses out of the deadline too)."""
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()
+
+
 def test_real_templates_render_known_text_fast():
   assert _render(SMOLLM2, CHAT[1:2]) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained "
                                          "by Hugging Face<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
@@ -261,14 +275,17 @@ def test_real_templates_render_known_text_fast():
   for name, source in REAL.items():
     template = ChatTemplate(source)
     template.render(messages=CHAT, **VARIABLES)                                     # compiled on first use
-    t0 = time.thread_time()
-    for _ in range(10):
-      template.render(messages=CHAT, **VARIABLES)
-    per_render = (time.thread_time() - t0) / 10
+    with _no_collections():
+      t0 = time.thread_time()
+      for _ in range(10):
+        template.render(messages=CHAT, **VARIABLES)
+      per_render = (time.thread_time() - t0) / 10
+      t1 = time.thread_time()
+      text = template.render(messages=long_chat, **VARIABLES)
+      long_render = time.thread_time() - t1
     assert per_render < 0.005, f"{name}: {per_render * 1e3:.2f} ms a render"
-    t0 = time.thread_time()
-    assert template.render(messages=long_chat, **VARIABLES) == _plain(source, messages=long_chat, **VARIABLES)
-    assert time.thread_time() - t0 < 0.05, name
+    assert text == _plain(source, messages=long_chat, **VARIABLES)
+    assert long_render < 0.05, name
 
 
 # (template, what the error says). Each would run for minutes, take gigabytes or end in a Python exception
@@ -594,10 +611,15 @@ _MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "
 def test_fuzz_a_random_template_renders_or_is_a_clean_error(source, messages):
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(chat_template, "MAX_SECONDS", 0.1)         # keeps the whole run short; the bound is the same
-    t0 = time.thread_time()
-    try:
-      out = ChatTemplate(source, "/models/fuzz.gguf").render(messages=messages, **VARIABLES)
+    with _no_collections():
+      t0 = time.thread_time()
+      try:
+        out = ChatTemplate(source, "/models/fuzz.gguf").render(messages=messages, **VARIABLES)
+      except ChatTemplateError as e:
+        out = e
+      elapsed = time.thread_time() - t0
+    if isinstance(out, ChatTemplateError):
+      assert str(out).startswith("'/models/fuzz.gguf': the model's chat template failed: ")
+    else:
       assert isinstance(out, str)
-    except ChatTemplateError as e:
-      assert str(e).startswith("'/models/fuzz.gguf': the model's chat template failed: ")
-    assert time.thread_time() - t0 < 1.0, source
+    assert elapsed < 1.0, source
