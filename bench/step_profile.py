@@ -1,9 +1,10 @@
 """The decode step's kernels as the GPU ran them: a device trace (CUPTI, through jax.profiler) of the
 engine's decode calls back to back, summed per kernel name and per role in the fused step.
 
-  python bench/step_profile.py [--model synthetic:qwen2.5-0.5b] [--tokens 64] [--kernels ffi] [--out p.json]
+  python bench/step_profile.py [--model synthetic:qwen2.5-0.5b] [--batch 1] [--tokens 64] [--kernels ffi]
+                               [--out p.json]
 
-A greedy request of a `--prompt-len` prompt is prefilled, then `--tokens` tokens are decoded (K tokens per
+A greedy request of a `--prompt-len` prompt is prefilled (in `--batch` rows), then `--tokens` tokens are decoded (K tokens per
 call, the calls dispatched back to back) under jax.profiler.trace, and the device's kernels are read back
 from the trace (jax.profiler.ProfileData). Each kernel's **critical share** is its end time
 less the latest end of the kernels before it: the time the chain waited on it. The shares add up to the
@@ -122,6 +123,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="synthetic:qwen2.5-0.5b")
   p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--batch", type=int, default=1, help="rows decoded together (each the same prompt)")
   p.add_argument("--tokens", type=int, default=64)
   p.add_argument("--kernels", default="ffi")
   p.add_argument("--tokens-per-call", type=int, default=None)
@@ -137,13 +139,14 @@ def main(argv=None) -> int:
   engine = Engine(config, weights, None, max_context=args.prompt_len + args.tokens + 64,
                   kernels=args.kernels, tokens_per_call=args.tokens_per_call)
   engine.warmup(args.prompt_len)
-  k = engine.tokens_per_call_for(1)
+  k = engine.tokens_per_call_for(args.batch)
   calls = max(1, args.tokens // k)
   prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_len)]
   trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="step_profile_")
-  with engine.timing_run(prompt, (calls + 1) * k + 1) as run:   # a greedy request prefilled, then only its calls traced
+  # a greedy request prefilled, then only its calls traced
+  with engine.timing_run(prompt, (calls + 1) * k + 1, args.batch) as run:
     state = run.state
-    advance = engine.advance_fn(1, True)
+    advance = engine.advance_fn(args.batch, True)
     state, block, _ = advance(state, None)
     jax.block_until_ready(block)
     with jax.profiler.trace(trace_dir):
@@ -159,7 +162,7 @@ def main(argv=None) -> int:
     return 0
   tokens = calls * k
   summary = summarize(events, tokens)
-  summary.update(model=args.model, kernels_path=engine.kernels, tokens_per_call=k, device=str(jax.devices()[0]),
+  summary.update(model=args.model, batch=args.batch, kernels_path=engine.kernels, tokens_per_call=k, device=str(jax.devices()[0]),
                  xla_flags=os.environ.get("XLA_FLAGS", ""))
   print(f"{'kernel':60s} {'/token':>7s} {'share us/tok':>13s} {'idle us/tok':>12s} {'mean dur us':>12s}")
   for r in summary["rows"]:
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
   print(f"\n{'role':40s} {'/token':>7s} {'share us/tok':>13s} {'idle us/tok':>12s}")
   for r in summary["roles"]:
     print(f"{r['role']:40s} {r['per_token']:7.2f} {r['share_us_per_token']:13.2f} {r['idle_us_per_token']:12.2f}")
-  print(f"span {summary['span_us_per_token']:.2f} us a token over {tokens} tokens, of which idle "
+  print(f"span {summary['span_us_per_token']:.2f} us a step over {tokens} steps of {args.batch} rows, of which idle "
         f"{summary['idle_us_per_token']:.2f}")
   if args.out:
     with open(args.out, "w") as f:

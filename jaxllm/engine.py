@@ -393,16 +393,17 @@ class Engine(Programs):
       yield int(tokens[0]), t
 
   @contextlib.contextmanager
-  def timing_run(self, prompt_ids: Sequence[int], tokens: int) -> Iterator[TimingRun]:
-    """A greedy batch-1 request of `tokens` tokens for a timing loop (jaxllm.timing), prefilled, with the engine
-    held: the loop advances run.state with run.step (or the calls of advance_fn(1, True)); on leaving, the
-    last state's cache goes back to the engine."""
+  def timing_run(self, prompt_ids: Sequence[int], tokens: int, batch: int = 1) -> Iterator[TimingRun]:
+    """A greedy request of `tokens` tokens for a timing loop (jaxllm.timing), prefilled, with the engine held:
+    the loop advances run.state with run.step (or the calls of advance_fn(batch, True)); on leaving, the last
+    state's cache goes back to the engine. batch: rows, each with the same prompt."""
     with self._lock:
       self.check_prompt(prompt_ids)
-      sampler, limits, eog, greedy = self._setup([prompt_ids], tokens, SamplingParams(), 0, True)
+      prompts = [prompt_ids] * batch
+      sampler, limits, eog, greedy = self._setup(prompts, tokens, SamplingParams(), 0, True)
       self._close_abandoned()
-      state, _ = self._prefill([prompt_ids], sampler, limits, eog, greedy, False)
-      run = TimingRun(state, self.step_fn(1, greedy))
+      state, _ = self._prefill(prompts, sampler, limits, eog, greedy, False)
+      run = TimingRun(state, self.step_fn(batch, greedy))
       yield run
       self._cache, self._history = run.state.cache, None
 

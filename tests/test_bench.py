@@ -183,3 +183,23 @@ def test_graph_flag_sweeps_say_the_backend_has_none(tmp_path, monkeypatch):
   assert not (tmp_path / "x").exists()
   assert bench.GRAPH_FLAGS.search("--xla_gpu_graph_min_graph_size=2")
   assert not bench.GRAPH_FLAGS.search("--xla_cpu_enable_fast_math=false")
+
+
+def test_a_timing_run_of_several_rows_steps_each_as_generate():
+  """Engine.timing_run(batch=B) (bench/step_profile.py --batch): B rows of the same greedy request, each step
+  giving every row the token Engine.generate gives that request alone."""
+  import numpy as np
+  from jaxllm.bench import load_model
+  from jaxllm.engine import Engine
+  config, weights, _, _ = load_model("synthetic:tiny", "w8a16", 0)
+  engine = Engine(config, weights, None, max_context=64)
+  prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, 9)]
+  want = engine.generate(prompt, 6, ignore_eos=True).ids
+  with engine.timing_run(prompt, 7, batch=3) as run:
+    state, got = run.state, []
+    for _ in range(5):
+      got.append(np.asarray(state.tokens).tolist())
+      state = run.step(engine.weights, state)
+    got.append(np.asarray(state.tokens).tolist())
+    run.state = state
+  assert got == [[t] * 3 for t in want]
