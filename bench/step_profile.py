@@ -1,7 +1,7 @@
 """The decode step's kernels as the GPU ran them: a device trace (CUPTI, through jax.profiler) of the
 engine's decode calls back to back, summed per kernel name and per role in the fused step.
 
-  python bench/step_profile.py [--model synthetic:qwen2.5-0.5b] [--batch 1] [--tokens 64] [--kernels ffi]
+  python bench/step_profile.py [--model synthetic:qwen2.5-0.5b] [--batch 1,16] [--tokens 64] [--kernels ffi]
                                [--out p.json]
 
 A greedy request of a `--prompt-len` prompt is prefilled (in `--batch` rows), then `--tokens` tokens are decoded (K tokens per
@@ -119,17 +119,61 @@ def summarize(events, tokens: int) -> dict:
                     for r, (c, s, i) in sorted(by_role.items(), key=lambda kv: -kv[1][1])]}
 
 
+def profile(engine, batch: int, prompt: list[int], tokens: int, trace_dir: str) -> dict | None:
+  """The summary of `tokens` traced steps of `batch` rows (None where the trace holds no device kernels)."""
+  import jax
+  k = engine.tokens_per_call_for(batch)
+  calls = max(1, tokens // k)
+  # a greedy request prefilled, then only its calls traced
+  with engine.timing_run(prompt, (calls + 1) * k + 1, batch) as run:
+    state = run.state
+    advance = engine.advance_fn(batch, True)
+    state, block, _ = advance(state, None)
+    jax.block_until_ready(block)
+    with jax.profiler.trace(trace_dir):
+      for _ in range(calls):
+        state, block, _ = advance(state, block)
+      jax.block_until_ready(block)
+    run.state = state
+  events = device_events(trace_dir)
+  print(f"[step_profile] batch {batch}: {len(events)} device events, kernels={engine.kernels}, K={k}, {calls} calls",
+        file=sys.stderr)
+  if not events:
+    return None
+  summary = summarize(events, calls * k)
+  summary.update(batch=batch, tokens_per_call=k)
+  return summary
+
+
+def show(summary: dict) -> None:
+  print(f"\n{'kernel':60s} {'/step':>7s} {'share us/step':>14s} {'idle us/step':>13s} {'mean dur us':>12s}")
+  for r in summary["rows"]:
+    print(f"{r['kernel']:60s} {r['per_token']:7.2f} {r['share_us_per_token']:14.2f} {r['idle_us_per_token']:13.2f} "
+          f"{r['mean_duration_us']:12.2f}")
+  print(f"\n{'role':40s} {'/step':>7s} {'share us/step':>14s} {'idle us/step':>13s}")
+  for r in summary["roles"]:
+    print(f"{r['role']:40s} {r['per_token']:7.2f} {r['share_us_per_token']:14.2f} {r['idle_us_per_token']:13.2f}")
+  print(f"span {summary['span_us_per_token']:.2f} us a step over {summary['tokens']} steps of {summary['batch']} "
+        f"rows, of which idle {summary['idle_us_per_token']:.2f}")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="synthetic:qwen2.5-0.5b")
   p.add_argument("--prompt-len", type=int, default=128)
-  p.add_argument("--batch", type=int, default=1, help="rows decoded together (each the same prompt)")
-  p.add_argument("--tokens", type=int, default=64)
+  p.add_argument("--batch", default="1", help="rows decoded together (each the same prompt); several, "
+                                              "comma-separated, are traced one after another on one engine")
+  p.add_argument("--tokens", type=int, default=64, help="steps traced (per batch size)")
   p.add_argument("--kernels", default="ffi")
   p.add_argument("--tokens-per-call", type=int, default=None)
-  p.add_argument("--trace-dir", help="keep the trace here (default: a temporary directory)")
-  p.add_argument("--out", help="write the summary as JSON here")
+  p.add_argument("--trace-dir", help="keep the traces under here (default: a temporary directory)")
+  p.add_argument("--out", help="write the summaries as JSON here (a list, one per batch size)")
   args = p.parse_args(argv)
+  try:
+    batches = [int(b) for b in args.batch.split(",")]
+    assert batches and all(b >= 1 for b in batches)
+  except (ValueError, AssertionError):
+    p.error(f"--batch takes positive integers separated by commas, got {args.batch!r}")
 
   import jax
   import numpy as np
@@ -139,43 +183,21 @@ def main(argv=None) -> int:
   engine = Engine(config, weights, None, max_context=args.prompt_len + args.tokens + 64,
                   kernels=args.kernels, tokens_per_call=args.tokens_per_call)
   engine.warmup(args.prompt_len)
-  k = engine.tokens_per_call_for(args.batch)
-  calls = max(1, args.tokens // k)
   prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_len)]
-  trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="step_profile_")
-  # a greedy request prefilled, then only its calls traced
-  with engine.timing_run(prompt, (calls + 1) * k + 1, args.batch) as run:
-    state = run.state
-    advance = engine.advance_fn(args.batch, True)
-    state, block, _ = advance(state, None)
-    jax.block_until_ready(block)
-    with jax.profiler.trace(trace_dir):
-      for _ in range(calls):
-        state, block, _ = advance(state, block)
-      jax.block_until_ready(block)
-    run.state = state
-  events = device_events(trace_dir)
-  print(f"[step_profile] {len(events)} device events, kernels={engine.kernels}, K={k}, {calls} calls",
-        file=sys.stderr)
-  if not events:
-    print(f"step_profile: no device kernels in the trace ({jax.default_backend()} backend)")
-    return 0
-  tokens = calls * k
-  summary = summarize(events, tokens)
-  summary.update(model=args.model, batch=args.batch, kernels_path=engine.kernels, tokens_per_call=k, device=str(jax.devices()[0]),
-                 xla_flags=os.environ.get("XLA_FLAGS", ""))
-  print(f"{'kernel':60s} {'/token':>7s} {'share us/tok':>13s} {'idle us/tok':>12s} {'mean dur us':>12s}")
-  for r in summary["rows"]:
-    print(f"{r['kernel']:60s} {r['per_token']:7.2f} {r['share_us_per_token']:13.2f} {r['idle_us_per_token']:12.2f} "
-          f"{r['mean_duration_us']:12.2f}")
-  print(f"\n{'role':40s} {'/token':>7s} {'share us/tok':>13s} {'idle us/tok':>12s}")
-  for r in summary["roles"]:
-    print(f"{r['role']:40s} {r['per_token']:7.2f} {r['share_us_per_token']:13.2f} {r['idle_us_per_token']:12.2f}")
-  print(f"span {summary['span_us_per_token']:.2f} us a step over {tokens} steps of {args.batch} rows, of which idle "
-        f"{summary['idle_us_per_token']:.2f}")
+  root = args.trace_dir or tempfile.mkdtemp(prefix="step_profile_")
+  summaries = []
+  for batch in batches:
+    summary = profile(engine, batch, prompt, args.tokens, os.path.join(root, f"batch{batch}"))
+    if summary is None:
+      print(f"step_profile: no device kernels in the trace ({jax.default_backend()} backend)")
+      return 0
+    summary.update(model=args.model, kernels_path=engine.kernels, device=str(jax.devices()[0]),
+                   xla_flags=os.environ.get("XLA_FLAGS", ""))
+    show(summary)
+    summaries.append(summary)
   if args.out:
     with open(args.out, "w") as f:
-      json.dump(summary, f, indent=1)
+      json.dump(summaries, f, indent=1)
   return 0
 
 
