@@ -50,6 +50,7 @@ class _Cursor:
 
   def __init__(self, buf, path: str):
     self.buf, self.size, self.pos, self.path = buf, len(buf), 0, path
+    self.types: dict[str, tuple[int, int | None]] = {}    # per key read by value(): (value type, item type)
 
   def fail(self, what: str) -> GGUFError:
     return GGUFError(f"{self.path!r} is truncated or corrupt: {what}")
@@ -78,6 +79,7 @@ class _Cursor:
       raise self.fail(f"{what} is not valid UTF-8: {raw[:40]!r}") from None
 
   def value(self, vtype: int, key: str, depth: int = 0) -> Any:
+    self.types[key] = (vtype, None)
     if vtype in _SCALARS:
       return self.scalar(_SCALARS[vtype][0], f"the value of {key!r}")
     if vtype == V.STRING:
@@ -87,6 +89,7 @@ class _Cursor:
     if depth:
       raise self.fail(f"metadata {key!r} nests arrays, which no supported model uses")
     item = self.scalar("<I", f"the item type of {key!r}")
+    self.types[key] = (vtype, item)
     count = self.scalar("<Q", f"the item count of {key!r}")
     if count > MAX_ARRAY:
       raise self.fail(f"metadata {key!r} declares {count} items, more than the {MAX_ARRAY} allowed")
@@ -117,8 +120,9 @@ class _Tensor:
     self.name, self.type, self.shape, self.offset, self.nbytes = name, qtype, shape, offset, nbytes
 
 
-def _parse(buf, path: str) -> tuple[int, dict[str, Any], dict[str, _Tensor]]:
-  """(version, metadata, tensors) from a mapped file; raises GGUFError on anything out of bounds."""
+def _parse(buf, path: str) -> tuple[int, dict[str, Any], dict[str, _Tensor], dict[str, tuple[int, int | None]]]:
+  """(version, metadata, tensors, each key's (value type, array item type or None)) from a mapped file; raises
+  GGUFError on anything out of bounds."""
   cur = _Cursor(buf, path)
   if cur.size < 4 or bytes(buf[:4]) != MAGIC:
     raise GGUFError(f"{path!r} is not a GGUF file: it starts with {bytes(buf[:4])!r}, expected {MAGIC!r}")
@@ -184,7 +188,34 @@ def _parse(buf, path: str) -> tuple[int, dict[str, Any], dict[str, _Tensor]]:
   for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
     if start_b < end_a:
       raise GGUFError(f"{path!r}: the data of tensors {a!r} and {b!r} overlap")
-  return version, meta, tensors
+  return version, meta, tensors, cur.types
+
+
+def _map(path: str) -> mmap.mmap:
+  """The file mapped read-only; GGUFError where it cannot be read or is too short to be GGUF."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no such model file: {path!r}")
+  try:
+    with open(path, "rb") as f:
+      size = os.fstat(f.fileno()).st_size
+      if size < 4:
+        raise GGUFError(f"{path!r} is not a GGUF file: it has {size} bytes")
+      return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+  except OSError as e:
+    raise GGUFError(f"cannot read {path!r}: {e.strerror or e}") from None
+
+
+def read_metadata(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
+  """The metadata of any GGUF file (a model's, or one of metadata alone, a tokenizer's say), parsed and bounded
+  as GGUFFile parses it, and each key's types as the file declares them: (gguf.GGUFValueType of the value, of
+  an array's items or None). No model is required of it."""
+  path = os.fspath(path)
+  buf = _map(path)
+  try:
+    _, meta, _, types = _parse(buf, path)
+  finally:
+    buf.close()
+  return meta, types
 
 
 def _gguf_version() -> str:
@@ -210,17 +241,8 @@ class GGUFFile:
 
   def __init__(self, path: str | os.PathLike):
     self.path = os.fspath(path)
-    if not os.path.isfile(self.path):
-      raise FileNotFoundError(f"no such model file: {self.path!r}")
-    try:
-      with open(self.path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 4:
-          raise GGUFError(f"{self.path!r} is not a GGUF file: it has {size} bytes")
-        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-      raise GGUFError(f"cannot read {self.path!r}: {e.strerror or e}") from None
-    self.version, self.metadata, self._tensors = _parse(self._map, self.path)
+    self._map = _map(self.path)
+    self.version, self.metadata, self._tensors, _ = _parse(self._map, self.path)
     try:
       config = Config.from_metadata(self.metadata)
     except ValueError as e:

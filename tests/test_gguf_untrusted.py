@@ -194,3 +194,28 @@ def test_fuzz_random_headers(tail):
   finally:
     os.unlink(f.name)
   assert err is not None and elapsed < SECONDS and peak < PEAK_BYTES
+
+
+def test_read_metadata_gives_the_declared_types_and_refuses_as_the_file_reader(tmp_path):
+  """jaxllm.gguf.read_metadata (bench/peers/random_gguf.py copies a tokenizer with it): the values GGUFFile reads
+  and each key's value and item types as gguf's own reader sees them; a truncated file is the same GGUFError."""
+  import gguf
+  from jaxllm.gguf import GGUFFile, read_metadata
+  from tiny import write_tiny_model
+  path = write_tiny_model(tmp_path / "tiny.gguf", "qwen2")
+  meta, types = read_metadata(path)
+  assert meta.keys() == GGUFFile(path).metadata.keys() == types.keys()
+  for key, field in gguf.GGUFReader(path).fields.items():
+    if key.startswith("GGUF."):                          # the reader's own entries for the header's counts
+      continue
+    want = (field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    assert types[key] == want, key
+  assert {types[k][0] for k in types} >= {gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32,
+                                          gguf.GGUFValueType.ARRAY}
+  cut = tmp_path / "cut.gguf"
+  cut.write_bytes(open(path, "rb").read()[:2000])
+  with pytest.raises(GGUFError) as a:
+    read_metadata(cut)
+  with pytest.raises(GGUFError) as b:
+    GGUFFile(cut)
+  assert str(a.value) == str(b.value) and "truncated" in str(a.value)
