@@ -508,3 +508,26 @@ def test_a_failed_program_ends_its_requests_and_the_server_goes_on(served, clien
   r = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0)
   assert (r.choices[0].text, r.choices[0].finish_reason) == served.reference(ids, 20)
   assert post(served.url, "/health", None, method="GET")[0] == 200
+
+
+def test_an_api_key_is_required_where_set():
+  """With an API key, every endpoint but /health and /metrics is a 401 in OpenAI's shape (the official client's
+  AuthenticationError) unless the request carries 'Authorization: Bearer <key>'; without one, none is asked."""
+  from starlette.testclient import TestClient
+  with TestClient(create_app(ServerState("tiny"), api_key="s3cret")) as http:
+    assert http.get("/health").status_code == 503                 # answered (no model loaded here), no key needed
+    assert http.get("/metrics").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"X-Api-Key": "s3cret"}):
+      for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/nothing")):
+        r = http.request(method, path, headers=headers, json={"prompt": "x"} if method == "POST" else None)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (headers, path)
+        assert r.json()["error"]["code"] == "invalid_api_key" and "Authorization: Bearer" in r.json()["error"]["message"]
+    assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == "tiny"
+    wrong = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+      wrong.models.list()
+    right = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=http, max_retries=0)
+    assert [m.id for m in right.models.list().data] == ["tiny"]
+  with TestClient(create_app(ServerState("tiny"))) as http:
+    assert http.get("/v1/models").status_code == 200

@@ -25,16 +25,18 @@ def _get(url: str):
     return None, None
 
 
-def _serve(*args):
+def _serve(*args, **env):
   return subprocess.Popen([sys.executable, "-m", "jaxllm.serve", *args], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAXLLM_CPU_THREADS="1"))
+                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAXLLM_CPU_THREADS="1", **env))
 
 
 def test_serves_after_loading_and_stops_on_sigterm(tmp_path):
+  """... with the API key from JAXLLM_API_KEY: /health answers without it, a completion needs it."""
   path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
   port = free_port()
   proc = _serve(path, "--port", str(port), "--max-batch", "2", "--max-context", "512", "--prefill-chunk", "16",
-                "--no-compile-cache", "--shutdown-timeout", "60")
+                "--no-compile-cache", "--shutdown-timeout", "60", JAXLLM_API_KEY="k3y")
+  key = {"Authorization": "Bearer k3y"}
   url = f"http://127.0.0.1:{port}"
   try:
     seen, deadline = [], time.monotonic() + 120
@@ -47,8 +49,14 @@ def test_serves_after_loading_and_stops_on_sigterm(tmp_path):
       assert proc.poll() is None, proc.communicate()
       time.sleep(0.05)
     assert seen == [503, 200], seen               # loading, then ready (the port is bound before the model loads)
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "hi", "max_tokens": 3}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps({"prompt": "hi", "max_tokens": 3}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+      urllib.request.urlopen(req, timeout=30)
+      raise AssertionError("a completion without the API key was served")
+    except urllib.error.HTTPError as e:
+      assert e.code == 401 and json.loads(e.read())["error"]["code"] == "invalid_api_key"
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json", **key})
     with urllib.request.urlopen(req, timeout=30) as r:
       answer = json.loads(r.read())
     assert answer["model"] == "tiny" and answer["usage"]["completion_tokens"] >= 1
@@ -56,7 +64,7 @@ def test_serves_after_loading_and_stops_on_sigterm(tmp_path):
     # requests, lets the stream finish, then exits.
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 500, "ignore_eos": True,
-                                                        "temperature": 0, "stream": True, "n": 12}))
+                                                        "temperature": 0, "stream": True, "n": 12}), headers=key)
     resp = conn.getresponse()
     assert resp.read(6) == b"data: "
     proc.send_signal(signal.SIGTERM)

@@ -6,12 +6,17 @@ bytes), decoded, validated (jaxllm.serve.protocol), its prompt rendered and toke
 submitted to the scheduler as one scheduler Request per choice; events come back from the engine thread
 through an asyncio queue and leave as one JSON response or as server-sent events in OpenAI's chunk format,
 ending with `data: [DONE]`. A client that disconnects cancels its requests, which frees their slots.
+
+With an API key (create_app's api_key: the CLI's --api-key or JAXLLM_API_KEY), every endpoint but /health and
+/metrics (load balancers' and scrapers' probes) answers 401 in OpenAI's error JSON (code "invalid_api_key")
+unless the request carries `Authorization: Bearer <key>`, as vLLM and llama-server do.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import sys
 import threading
@@ -22,6 +27,7 @@ from typing import Callable
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,6 +39,7 @@ from jaxllm.serve.scheduler import Delta, Done, QueueFull, Request, Scheduler
 MAX_BODY = 16 * 2**20     # bytes of a request body
 LOADING_RETRY = 5         # Retry-After (seconds) while the model loads
 DISCONNECT_CHECK = 0.5    # seconds between checks that the client of a plain (not streamed) request is still there
+OPEN_PATHS = ("/health", "/metrics")   # answered without the API key
 
 
 class ServerState:
@@ -54,6 +61,25 @@ class ServerState:
 
 def _error_response(e: P.ApiError) -> JSONResponse:
   return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _RequireKey:
+  """ASGI middleware: an HTTP request outside OPEN_PATHS without `Authorization: Bearer <key>` gets a 401 (the
+  key compared in constant time); the rest pass through untouched (streamed responses too)."""
+
+  def __init__(self, app, key: str):
+    self.app, self.expected = app, f"Bearer {key}".encode()
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+      given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+      if not hmac.compare_digest(given, self.expected):
+        what = "no API key was given" if not given else "the API key is not this server's"
+        error = P.ApiError(401, f"{what}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key",
+                           kind="invalid_request_error", headers={"WWW-Authenticate": "Bearer"})
+        await _error_response(error)(scope, receive, send)
+        return
+    await self.app(scope, receive, send)
 
 
 async def _json_body(request: HttpRequest):
@@ -346,9 +372,11 @@ def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Tru
 
 # ---- endpoints -------------------------------------------------------------------------------------
 
-def create_app(state: ServerState, loader: Callable[[], Scheduler] | None = None) -> Starlette:
+def create_app(state: ServerState, loader: Callable[[], Scheduler] | None = None,
+               api_key: str | None = None) -> Starlette:
   """The app. loader, when given, builds the scheduler on a thread at start-up (GET /health answers 503 until it
-  returns); the scheduler is stopped at shutdown, ending the requests in flight."""
+  returns); the scheduler is stopped at shutdown, ending the requests in flight. api_key: required of every
+  request outside OPEN_PATHS (None or "": none)."""
 
   async def chat(http: HttpRequest) -> Response:
     req = P.parse(P.ChatRequest, await _json_body(http))
@@ -455,5 +483,5 @@ def create_app(state: ServerState, loader: Callable[[], Scheduler] | None = None
             Route("/metrics", metrics, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"])]
-  return Starlette(routes=routes, lifespan=lifespan,
+  return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_RequireKey, key=api_key)] if api_key else [],
                    exception_handlers={P.ApiError: api_error, HTTPException: http_error, Exception: crash})

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--served-model-name", help="the model's name in the API (default: the demo name or file stem)")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
   p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+  p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY") or None, metavar="KEY",
+                 help="require 'Authorization: Bearer KEY' of every request but /health and /metrics (default: "
+                      "$JAXLLM_API_KEY, which keeps the key out of the process list; unset: no key)")
   p.add_argument("--max-batch", "--parallel", "-np", dest="max_batch", type=int, default=4, metavar="N",
                  help="slots: requests decoded together in one batched KV cache (default 4)")
   p.add_argument("--max-context", "--ctx-size", "-c", dest="max_context", type=int, default=None, metavar="S",
@@ -119,7 +122,7 @@ def main(argv=None) -> int:
     except BaseException:
       servers[0].should_exit = True     # a server without a model is of no use: exit with status 1
       raise
-  app = create_app(state, loader)
+  app = create_app(state, loader, api_key=args.api_key)
   config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                           timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
   servers.append(uvicorn.Server(config))
