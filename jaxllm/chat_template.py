@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import os
+import stat
 import sys
 import time
 
@@ -39,6 +41,7 @@ MAX_SECONDS = 1.0            # one render (its first compiles the template too),
 MAX_DEPTH = 200              # Python calls nested in the render: about 40 levels of macros calling macros
 MAX_OUTPUT = MAX_SIZE        # the rendered prompt, in characters
 MAX_SOURCE = 2**18           # characters of template text (real templates are 1-20 KB)
+MAX_TEMPLATE_FILE = 2**24    # bytes of a template file (a tokenizer_config.json holds its added tokens too)
 
 _THIS_FILE = sys._getframe().f_code.co_filename     # as this module's code names it
 _CHECKS = (_THIS_FILE, SANDBOX_FILE)   # the checks' code: its loops are bounded, its calls shallow
@@ -206,3 +209,50 @@ class ChatTemplate:
 
   def _where(self) -> str:
     return f"{self.origin!r}: " if self.origin else ""
+
+
+def read_template_file(path: str | os.PathLike) -> str:
+  """The chat template a file holds, for use in place of the model's (generate's and serve's --chat-template):
+  the jinja2 text itself, or, in a .json file, a Hugging Face tokenizer_config.json's or chat_template.json's
+  "chat_template": the text, or a list of {"name", "template"} whose "default" is taken.
+
+  Raises:
+    ValueError: naming the file and saying what it holds instead (not a regular file, too large, not UTF-8,
+      not JSON, no template, an empty or too long one). A FIFO or device is refused without blocking on it.
+  """
+  path = os.fspath(path)
+  where = f"chat template file {path!r}"
+  try:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))   # a FIFO opens without a writer, then is refused
+  except OSError as e:
+    raise ValueError(f"cannot read {where}: {e.strerror or e}") from None
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise ValueError(f"{where} is not a regular file")
+  with os.fdopen(fd, "rb") as f:
+    data = f.read(MAX_TEMPLATE_FILE + 1)
+  if len(data) > MAX_TEMPLATE_FILE:
+    raise ValueError(f"{where} is larger than {MAX_TEMPLATE_FILE} bytes")
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{where} is not UTF-8 text: byte {data[e.start:e.start + 1]!r} at offset {e.start}") from None
+  if path.endswith(".json"):
+    try:
+      config = json.loads(text)
+    except ValueError as e:
+      raise ValueError(f"{where} is not JSON: {e}") from None
+    text = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(text, list):                     # Hugging Face's named templates
+      named = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}
+      if "default" not in named:
+        raise ValueError(f"{where} names its templates {sorted(map(str, named))[:10]}, none of them 'default'")
+      text = named["default"]
+    if not isinstance(text, str):
+      raise ValueError(f"{where} has no \"chat_template\" text (a JSON file must be a tokenizer_config.json or a "
+                       f"chat_template.json; any other file is read as the template itself)")
+  if not text.strip():
+    raise ValueError(f"{where} holds an empty template")
+  if len(text) > MAX_SOURCE:
+    raise ValueError(f"{where}: the template is {len(text)} characters long; at most {MAX_SOURCE} are allowed")
+  return text

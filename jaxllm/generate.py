@@ -71,6 +71,15 @@ def _check_args(args) -> list[str]:
     raise SystemExit(f"error: --threads must be >= 1, got {args.threads}")
   if args.system and not (args.chat or args.interactive):
     raise SystemExit("error: --system needs --chat or -i")
+  args.template = None
+  if args.chat_template:
+    if not (args.chat or args.interactive):
+      raise SystemExit("error: --chat-template needs --chat or -i")
+    from jaxllm.chat_template import read_template_file
+    try:
+      args.template = read_template_file(args.chat_template)
+    except ValueError as e:
+      raise SystemExit(f"error: --chat-template: {e}") from None
   if args.max_context is not None and args.max_context < 2:
     raise SystemExit(f"error: --max-context must be >= 2, got {args.max_context}")
   texts = list(args.prompt)
@@ -183,6 +192,11 @@ def _main(argv) -> int:
     config, weights, tok = load(model, quant=args.quant, progress=stages, cache=not args.no_cache)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise SystemExit(f"error: {e}") from None
+  if args.template is not None:
+    try:
+      tok.set_chat_template(args.template, origin=args.chat_template)
+    except ValueError as e:
+      raise SystemExit(f"error: --chat-template: {e}") from None
   if args.n_gpu_layers is not None:
     import jax
     where = "the GPU" if jax.default_backend() == "gpu" else f"the {jax.default_backend().upper()} (no GPU here)"

@@ -204,6 +204,24 @@ class Tokenizer:
     data = b"".join(self._bytes[i] for i in ids if not (skip_special and i in self._special))
     return data.decode("utf-8", errors="replace")
 
+  def set_chat_template(self, source: str, origin: str | None = None) -> None:
+    """Renders chats with `source` (jinja2 text from elsewhere than the model file, as --chat-template reads
+    it: chat_template.read_template_file) in place of the file's; origin names it in its errors. A template
+    that cannot render a one-message chat is refused here, not on each request.
+
+    Raises:
+      ChatTemplateError (a ValueError): the template failed on [{"role": "user", "content": "Hi"}].
+    """
+    if not isinstance(source, str):
+      raise TypeError(f"a chat template is a str, got {type(source).__name__}")
+    template, kept = ChatTemplate(source, origin or self.source), (self.chat_template, self._template)
+    self.chat_template, self._template = source, template
+    try:
+      self.apply_chat_template([{"role": "user", "content": "Hi"}])
+    except ValueError:
+      self.chat_template, self._template = kept
+      raise
+
   def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
                           tools: Sequence[Mapping] | None = None) -> str:
     """Renders `messages` ([{"role": ..., "content": ...}]) with the model's template; `tools` (OpenAI's

@@ -7,6 +7,7 @@ few milliseconds. A hypothesis fuzz test renders random templates built from jin
 """
 import contextlib
 import gc
+import json
 import os
 import sys
 import threading
@@ -623,3 +624,49 @@ def test_fuzz_a_random_template_renders_or_is_a_clean_error(source, messages):
     else:
       assert isinstance(out, str)
     assert elapsed < 1.0, source
+
+
+def test_a_template_file_is_read_or_refused_with_what_it_holds(tmp_path):
+  """read_template_file (--chat-template): jinja2 text as it is; a tokenizer_config.json's or chat_template.json's
+  "chat_template" (a string, or the "default" of named ones); every other content is a ValueError naming the
+  file and what it holds, and a FIFO is refused without waiting for a writer."""
+  from jaxllm.chat_template import MAX_SOURCE, read_template_file
+
+  def write(name, content):
+    p = tmp_path / name
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return p
+  assert read_template_file(write("t.jinja", QWEN25)) == QWEN25
+  assert read_template_file(write("tokenizer_config.json", json.dumps({"chat_template": QWEN25, "x": 1}))) == QWEN25
+  named = [{"name": "tool_use", "template": "a"}, {"name": "default", "template": "b"}]
+  assert read_template_file(write("chat_template.json", json.dumps({"chat_template": named}))) == "b"
+  os.mkfifo(tmp_path / "fifo")
+  for path, words in ((write("nd.json", json.dumps({"chat_template": named[:1]})), "none of them 'default'"),
+                      (write("none.json", json.dumps({"bos_token": "<s>"})), 'no "chat_template" text'),
+                      (write("list.json", "[1, 2]"), 'no "chat_template" text'),
+                      (write("bad.json", "{chat"), "is not JSON"),
+                      (write("bin.jinja", b"{{ x }}\xff\xfe"), "is not UTF-8 text: byte b'\\xff' at offset 7"),
+                      (write("empty.jinja", " \n"), "holds an empty template"),
+                      (write("long.jinja", "x" * (MAX_SOURCE + 1)), "characters long"),
+                      (tmp_path / "fifo", "is not a regular file"),
+                      (tmp_path, "is not a regular file"),
+                      (tmp_path / "missing", "cannot read chat template file")):
+    with pytest.raises(ValueError) as e:
+      read_template_file(path)
+    assert f"{str(path)!r}" in str(e.value) and words in str(e.value), (path, e.value)
+
+
+def test_set_chat_template_renders_with_it_or_keeps_the_old_one():
+  """Tokenizer.set_chat_template: chats render with the new template, its errors name its origin; one that fails
+  on a one-message chat is refused at once and the tokenizer keeps the template it had."""
+  tok = _tokenizer(**{"tokenizer.chat_template": QWEN25})
+  before = tok.apply_chat_template(CHAT[:2])
+  with pytest.raises(ChatTemplateError, match="^'/t/broken.jinja': .*TemplateSyntaxError"):
+    tok.set_chat_template("{% for m in messages %}", origin="/t/broken.jinja")
+  with pytest.raises(ChatTemplateError, match="^'/t/raises.jinja': .*it raised an error: no"):
+    tok.set_chat_template("{{ raise_exception('no') }}", origin="/t/raises.jinja")
+  assert tok.apply_chat_template(CHAT[:2]) == before
+  tok.set_chat_template("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}", origin="/t/ok.jinja")
+  assert tok.apply_chat_template(CHAT[:2]) == "system:Be brief.;user:Hi there;"
+  with pytest.raises(ChatTemplateError, match="^'/t/ok.jinja': "):
+    tok.apply_chat_template([{"role": "user", "content": "x" * (chat_template.MAX_SIZE + 1)}])

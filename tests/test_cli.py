@@ -292,3 +292,34 @@ def test_chat_full_context_drops_the_oldest_turns(path, capsys, monkeypatch):
   assert "error" not in captured.err and "context full (96 tokens): dropped the oldest" in captured.err
   assert all("SYSTEM RULES" in p for p in prompts) and "turn number 7" in prompts[-1]
   assert "turn number 0" not in prompts[-1]
+
+
+def test_chat_template_file_replaces_the_models(path, capsys, tmp_path):
+  """--chat-template FILE renders the chat (the prompt's ids are its text's); a tokenizer_config.json's template
+  too; a broken, missing or FIFO template, or one without --chat, is one line and status 1, before the model
+  loads where the file alone shows it."""
+  from jaxllm.load import read_model
+  _, tok = read_model(path)
+  plain = tmp_path / "t.jinja"
+  plain.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                   "{% if add_generation_prompt %}<bot>{% endif %}", encoding="utf-8")
+  config = tmp_path / "tokenizer_config.json"
+  config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "x"},
+                                                  {"name": "default", "template": "{{ messages[0].content }}!"}]}))
+  for file, text in ((plain, "<system>be brief<user>hi<bot>"), (config, "be brief!")):
+    cli_main([path, "--chat", "--system", "be brief", "--prompt", "hi", "--max-tokens", "2", "--show-tokens", "-q",
+              "--chat-template", str(file)])
+    assert f"prompt ids: {tok.encode(text)}\n" in capsys.readouterr().out, file
+  broken = tmp_path / "broken.jinja"
+  broken.write_text("{% for m in messages %}", encoding="utf-8")
+  fifo = tmp_path / "fifo"
+  os.mkfifo(fifo)
+  for args, words in (([], "--chat-template needs --chat or -i"),
+                      (["--chat"], "TemplateSyntaxError"),
+                      (["--chat", "--chat-template", str(tmp_path / "none")], "cannot read chat template file"),
+                      (["--chat", "--chat-template", str(fifo)], "is not a regular file")):
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+      cli_main([path, "--prompt", "hi", "-q", "--chat-template", str(broken), *args])
+    assert str(e.value).startswith("error: --chat-template") and words in str(e.value), e.value
+    assert time.monotonic() - t0 < 30

@@ -93,3 +93,15 @@ def test_bad_arguments_and_a_broken_model_exit_1(tmp_path):
   out, err = proc.communicate(timeout=60)
   assert proc.returncode == 1, err
   assert "Traceback" not in err and "[jaxllm] error:" in err
+  # --chat-template: a file that cannot be read ends it before the model loads; a template that cannot render a
+  # chat, once the model has loaded (the file alone cannot show it): one line each, status 1.
+  tiny = write_tiny_model(tmp_path / "tiny.gguf", "qwen2")
+  r = subprocess.run([sys.executable, "-m", "jaxllm.serve", str(tiny), "--chat-template", str(tmp_path / "none.jinja")],
+                     capture_output=True, text=True, timeout=60)
+  assert r.returncode == 1 and r.stderr.startswith("error: --chat-template: cannot read chat template file"), r.stderr
+  template = tmp_path / "broken.jinja"
+  template.write_text("{% if %}", encoding="utf-8")
+  proc = _serve(str(tiny), "--port", str(free_port()), "--chat-template", str(template))
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 1 and "Traceback" not in err, err
+  assert f"[jaxllm] error: --chat-template: {str(template)!r}: " in err and "TemplateSyntaxError" in err, err

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"tokens per slot, prompt and answer (default {DEFAULT_CONTEXT}, at most the model's)")
   p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                  help="requests queued for a slot before new ones get 503 (default 64)")
+  p.add_argument("--chat-template", metavar="FILE",
+                 help="render chats with this template instead of the model's: a jinja2 file, or a Hugging Face "
+                      "tokenizer_config.json or chat_template.json (its \"chat_template\")")
   p.add_argument("--wide-top-k", action="store_true",
                  help=f"take top_k above {MAX_TOP_K} (compiles the sampler's wide step too: a longer start; a batch "
                       "with such a request sorts the vocabulary each step)")
@@ -79,6 +82,11 @@ def make_loader(args, model: str):
     stages = Stages(quiet=args.quiet)
     config, weights, tok = load_model(model, quant=resolve_quant(args.quant, tensor_parallel=args.tp != 1),
                                       progress=stages, cache=not args.no_cache)
+    if args.template is not None:
+      try:
+        tok.set_chat_template(args.template, origin=args.chat_template)
+      except ValueError as e:          # a load error: on stderr, and the server exits 1
+        raise ValueError(f"--chat-template: {e}") from None
     context = args.max_context or min(DEFAULT_CONTEXT, config.context_length)
     if context > config.context_length:
       raise ValueError(f"--max-context {context} is longer than the {config.context_length} tokens the model "
@@ -111,6 +119,13 @@ def main(argv=None) -> int:
   model = args.model or args.model_pos or DEFAULT_MODEL
   if model not in DEMO_MODELS and not os.path.exists(model):
     raise SystemExit(f"error: {model!r} is neither a file nor one of {sorted(DEMO_MODELS)}")
+  args.template = None
+  if args.chat_template:
+    from jaxllm.chat_template import read_template_file
+    try:
+      args.template = read_template_file(args.chat_template)
+    except ValueError as e:
+      raise SystemExit(f"error: --chat-template: {e}") from None
   import uvicorn
   from jaxllm.serve.app import ServerState, create_app
   state = ServerState(args.served_model_name or served_name(model))
