@@ -21,12 +21,17 @@ def _default_context(prompt_len: int, max_tokens: int, model_ctx: int) -> int:
   return max(min(want, model_ctx), prompt_len + 1)
 
 
+MAX_TEXT_FILE = 2**26     # bytes of a --file, --prompts-file or --json-schema (a pipe is read up to it too)
+
+
 def _read_text(path: str, what: str) -> str:
   try:
     with open(path, "rb") as f:
-      data = f.read()
+      data = f.read(MAX_TEXT_FILE + 1)
   except OSError as e:
     raise SystemExit(f"error: cannot read {what}: {e}") from None
+  if len(data) > MAX_TEXT_FILE:
+    raise SystemExit(f"error: {what} {path!r} is longer than {MAX_TEXT_FILE} bytes")
   try:
     return data.decode("utf-8")
   except UnicodeDecodeError as e:

@@ -1,4 +1,6 @@
 """Bad input gets a clear error that says what was expected and what was given."""
+import time
+
 import gguf
 import numpy as np
 import pytest
@@ -132,6 +134,10 @@ def test_cli_rejects_hostile_text_inputs(tmp_path, capsys):
     cli_main([path, "-f", str(bad)])
   with pytest.raises(SystemExit, match=r"cannot read --file"):
     cli_main([path, "-f", str(tmp_path / "absent.txt")])
+  t0 = time.monotonic()
+  with pytest.raises(SystemExit, match=r"--file '/dev/zero' is longer than \d+ bytes"):
+    cli_main([path, "-f", "/dev/zero"])                           # endless: read up to the bound, then refused
+  assert time.monotonic() - t0 < 5
   with pytest.raises(SystemExit, match=r"the text is not valid Unicode: surrogates not allowed at position 1"):
     cli_main([path, "-p", "a\udcff", "-q"])                       # what undecodable argv bytes become
   with pytest.raises(SystemExit, match="is a directory"):
