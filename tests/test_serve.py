@@ -531,3 +531,28 @@ def test_an_api_key_is_required_where_set():
     assert [m.id for m in right.models.list().data] == ["tiny"]
   with TestClient(create_app(ServerState("tiny"))) as http:
     assert http.get("/v1/models").status_code == 200
+
+
+def test_allowed_origins_answer_browsers_before_the_key():
+  """--allowed-origin: a browser's preflight from an allowed origin is answered (it carries no key, so before the
+  key check) and the API's answers name the origin; another origin gets neither; without the option no answer
+  carries CORS headers."""
+  from starlette.testclient import TestClient
+  preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+  app = create_app(ServerState("tiny"), api_key="s3cret", allowed_origins=["https://ui.example"])
+  with TestClient(app) as http:
+    r = http.options("/v1/chat/completions", headers={"Origin": "https://ui.example", **preflight})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = http.get("/v1/models", headers={"Origin": "https://ui.example", "Authorization": "Bearer s3cret"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    r = http.get("/v1/models", headers={"Origin": "https://ui.example"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://ui.example"  # readable
+    r = http.options("/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = http.get("/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer s3cret"})
+    assert "access-control-allow-origin" not in r.headers
+  with TestClient(create_app(ServerState("tiny"))) as http:
+    r = http.get("/v1/models", headers={"Origin": "https://ui.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert http.options("/v1/models", headers={"Origin": "https://ui.example", **preflight}).status_code == 405

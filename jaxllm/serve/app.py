@@ -9,7 +9,9 @@ ending with `data: [DONE]`. A client that disconnects cancels its requests, whic
 
 With an API key (create_app's api_key: the CLI's --api-key or JAXLLM_API_KEY), every endpoint but /health and
 /metrics (load balancers' and scrapers' probes) answers 401 in OpenAI's error JSON (code "invalid_api_key")
-unless the request carries `Authorization: Bearer <key>`, as vLLM and llama-server do.
+unless the request carries `Authorization: Bearer <key>`, as vLLM and llama-server do. With allowed origins
+(--allowed-origin), browsers' cross-origin requests from them are answered (CORS, preflights before the key
+check: a preflight carries no key).
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Sequence
 
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -373,10 +376,11 @@ def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Tru
 # ---- endpoints -------------------------------------------------------------------------------------
 
 def create_app(state: ServerState, loader: Callable[[], Scheduler] | None = None,
-               api_key: str | None = None) -> Starlette:
+               api_key: str | None = None, allowed_origins: Sequence[str] = ()) -> Starlette:
   """The app. loader, when given, builds the scheduler on a thread at start-up (GET /health answers 503 until it
   returns); the scheduler is stopped at shutdown, ending the requests in flight. api_key: required of every
-  request outside OPEN_PATHS (None or "": none)."""
+  request outside OPEN_PATHS (None or "": none). allowed_origins: the web origins ("*": any) whose pages may
+  call the API from a browser (CORS)."""
 
   async def chat(http: HttpRequest) -> Response:
     req = P.parse(P.ChatRequest, await _json_body(http))
@@ -483,5 +487,11 @@ def create_app(state: ServerState, loader: Callable[[], Scheduler] | None = None
             Route("/metrics", metrics, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"])]
-  return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_RequireKey, key=api_key)] if api_key else [],
+  middleware = []                     # the first is the outermost
+  if allowed_origins:
+    middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                                 allow_headers=["Authorization", "Content-Type"]))
+  if api_key:
+    middleware.append(Middleware(_RequireKey, key=api_key))
+  return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                    exception_handlers={P.ApiError: api_error, HTTPException: http_error, Exception: crash})

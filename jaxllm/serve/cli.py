@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY") or None, metavar="KEY",
                  help="require 'Authorization: Bearer KEY' of every request but /health and /metrics (default: "
                       "$JAXLLM_API_KEY, which keeps the key out of the process list; unset: no key)")
+  p.add_argument("--allowed-origin", dest="allowed_origins", action="append", default=[], metavar="ORIGIN",
+                 help="a web origin (https://chat.example.com; * for any) whose pages may call the API from a browser "
+                      "(CORS); repeatable; default none")
   p.add_argument("--max-batch", "--parallel", "-np", dest="max_batch", type=int, default=4, metavar="N",
                  help="slots: requests decoded together in one batched KV cache (default 4)")
   p.add_argument("--max-context", "--ctx-size", "-c", dest="max_context", type=int, default=None, metavar="S",
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
     except BaseException:
       servers[0].should_exit = True     # a server without a model is of no use: exit with status 1
       raise
-  app = create_app(state, loader, api_key=args.api_key)
+  app = create_app(state, loader, api_key=args.api_key, allowed_origins=args.allowed_origins)
   config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                           timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
   servers.append(uvicorn.Server(config))
