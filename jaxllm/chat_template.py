@@ -41,6 +41,7 @@ MAX_SECONDS = 1.0            # one render (its first compiles the template too),
 MAX_DEPTH = 200              # Python calls nested in the render: about 40 levels of macros calling macros
 MAX_OUTPUT = MAX_SIZE        # the rendered prompt, in characters
 MAX_SOURCE = 2**18           # characters of template text (real templates are 1-20 KB)
+MAX_PAUSED = 4.0             # seconds of garbage collections at most that one render is not charged for
 MAX_TEMPLATE_FILE = 2**24    # bytes of a template file (a tokenizer_config.json holds its added tokens too)
 
 _THIS_FILE = sys._getframe().f_code.co_filename     # as this module's code names it
@@ -65,15 +66,19 @@ def _collection_starts(phase: str, info: dict) -> None:
 def _collection_ends(phase: str, info: dict) -> None:
   guard = getattr(render_state, "guard", None)
   if guard is not None and phase == "stop" and guard.collecting_since is not None:
-    guard.deadline += _clock() - guard.collecting_since
+    credit = min(_clock() - guard.collecting_since, guard.pause_left)
+    guard.deadline += credit
+    guard.pause_left -= credit
     guard.collecting_since = None
 
 
 # A garbage collection that starts in a render pauses it for as long as the whole process's heap takes to
 # scan (a second or more in a process with torch and jax loaded): not the template's time. Its pause, with the
-# callbacks that run in it, moves the deadline on: _collection_starts runs before the other callbacks,
-# _collection_ends after those registered before this module was imported. What the template allocates is
-# bounded by MAX_BUILT, so it cannot make the collections long itself.
+# callbacks that run in it, moves the deadline on, by MAX_PAUSED in all at most (a full collection's cost is
+# the process's heap, not the template's; the cap bounds how much of it many collections can add):
+# _collection_starts runs before the other callbacks, _collection_ends after those registered before this
+# module was imported. Within a collection no limit is raised: the finalizers it runs (a template's generator
+# closed, its `finally` lines) are where Python would print the exception and turn tracing off.
 gc.callbacks.insert(0, _collection_starts)
 gc.callbacks.append(_collection_ends)
 _COLLECTION_CODE = (_collection_starts.__code__, _collection_ends.__code__)
@@ -90,6 +95,7 @@ class _Guard:
     self.deadline = _clock() + MAX_SECONDS
     self.compiling, self.depth, self.built = False, 0, 0
     self.collecting_since: float | None = None     # the thread time a garbage collection started at, in one
+    self.pause_left = MAX_PAUSED                   # collections' seconds still to be credited
     self.frame_tracer = self._frame       # made once: a bound method per event would be garbage per event
 
   def trace(self, frame, event, arg):
@@ -98,26 +104,28 @@ class _Guard:
     if code in _COLLECTION_CODE:           # a collection's callbacks: a limit raised there would be lost
       return None
     if self.compiling:                     # jinja2's compiler: its loops are bounded by the source's length
-      if (_clock() > self.deadline and not code.co_flags & _GENERATOR
+      if (_clock() > self.deadline and self.collecting_since is None and not code.co_flags & _GENERATOR
           and code.co_filename.startswith(_RAISE_IN_COMPILER)):
         raise self._limit()
       return None
     if code.co_filename in _CHECKS:        # the checks: their loops are bounded, their calls shallow
-      if _clock() > self.deadline:
+      if _clock() > self.deadline and self.collecting_since is None:
         raise self._limit()
       return None                          # no events from inside: faster, and no depth to count
     self.depth += 1
-    if ((self.depth > MAX_DEPTH or _clock() > self.deadline) and not code.co_flags & _GENERATOR
-        and code.co_filename.startswith(_RAISE_IN)):
+    if (self._over() and not code.co_flags & _GENERATOR and code.co_filename.startswith(_RAISE_IN)):
       raise self._limit()
     return self.frame_tracer
+
+  def _over(self) -> bool:
+    """Whether a limit is passed (calls nest too deep, or the deadline), outside a garbage collection."""
+    return (self.depth > MAX_DEPTH or _clock() > self.deadline) and self.collecting_since is None
 
   def _frame(self, frame, event, arg):
     """A frame's tracer: each line (a loop with an empty body runs lines too) checks the limits again."""
     if event == "return":
       self.depth -= 1
-    elif (event == "line" and (self.depth > MAX_DEPTH or _clock() > self.deadline)
-          and frame.f_code.co_filename.startswith(_RAISE_IN)):
+    elif event == "line" and self._over() and frame.f_code.co_filename.startswith(_RAISE_IN):
       raise self._limit()
     return self.frame_tracer
 

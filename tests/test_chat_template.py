@@ -506,6 +506,36 @@ def test_a_garbage_collection_is_not_the_templates_time():
   assert burnt and text.endswith("<|im_start|>assistant\n")
 
 
+def test_collections_are_credited_up_to_a_bound():
+  """Collections are not charged to a render only up to MAX_PAUSED in all: a template that makes many long
+  ones (each 0.1 s here, as a large heap's would be) still ends near MAX_SECONDS + MAX_PAUSED."""
+  def callback(phase, info):
+    if phase == "start" and getattr(template_sandbox.render_state, "guard", None) is not None:
+      calls.append(phase)
+      t0 = time.thread_time()
+      while time.thread_time() - t0 < 0.1:
+        pass
+
+  calls, threshold = [], gc.get_threshold()
+  template = ChatTemplate("{% set ns = namespace(keep=[]) %}{% for i in range(10**5) %}{% set ns.keep = [ns.keep] %}"
+                          "{% endfor %}")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(chat_template, "MAX_SECONDS", 0.05)
+    mp.setattr(chat_template, "MAX_PAUSED", 0.5)
+    _ends_in_time(template, 1)                              # compiled, before collections take the time
+    gc.callbacks.append(callback)
+    gc.set_threshold(50)
+    try:
+      t0 = time.monotonic()
+      _ends_in_time(template, 1)
+    finally:
+      gc.callbacks.remove(callback)
+      gc.set_threshold(*threshold)
+  # More than one collection ran (uncredited, the first would have ended it), and not without end (uncredited
+  # beyond MAX_PAUSED: the loop's ~2000 collections would take minutes).
+  assert len(calls) >= 2 and time.monotonic() - t0 < SECONDS
+
+
 def test_too_long_messages_are_refused_before_rendering():
   messages = [{"role": "user", "content": "x" * (chat_template.MAX_SIZE + 1)}]
   with pytest.raises(ChatTemplateError, match="^'/models/evil.gguf': the messages are too long to render"):
