@@ -21,7 +21,7 @@ def _default_context(prompt_len: int, max_tokens: int, model_ctx: int) -> int:
   return max(min(want, model_ctx), prompt_len + 1)
 
 
-MAX_TEXT_FILE = 2**26     # bytes of a --file, --prompts-file or --json-schema (a pipe is read up to it too)
+MAX_TEXT_FILE = 2**26     # bytes of a --file (standard input too), --prompts-file or --json-schema
 
 
 def _read_text(path: str, what: str) -> str:
@@ -40,7 +40,9 @@ def _read_text(path: str, what: str) -> str:
 
 
 def _read_stdin(what: str) -> str:
-  data = sys.stdin.buffer.read()
+  data = sys.stdin.buffer.read(MAX_TEXT_FILE + 1)
+  if len(data) > MAX_TEXT_FILE:
+    raise SystemExit(f"error: {what} (standard input) is longer than {MAX_TEXT_FILE} bytes")
   try:
     return data.decode("utf-8")
   except UnicodeDecodeError as e:

@@ -148,6 +148,10 @@ def test_file_dash_reads_the_prompt_from_stdin(path, capsys, monkeypatch):
   tok = Tokenizer(GGUFFile(path).metadata)
   (record,) = _json_lines(capsys.readouterr().out)
   assert record["prompt_ids"] == tok.encode("the prompt from a pipe")
+  from jaxllm.generate import MAX_TEXT_FILE
+  monkeypatch.setattr(sys, "stdin", _Stdin("x" * (MAX_TEXT_FILE + 1)))     # an endless pipe is read up to the bound
+  with pytest.raises(SystemExit, match=r"--file - \(standard input\) is longer than \d+ bytes"):
+    cli_main([path, "-f", "-"])
 
 
 # Item 3: seeds ------------------------------------------------------------------------------------
