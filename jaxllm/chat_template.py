@@ -146,12 +146,13 @@ class ChatTemplate:
   Args:
     source: the jinja2 template text.
     origin: where it came from, for error messages (the model file's path), or None.
+    owner: whose template it is, in error messages ("the model's chat template failed: ...").
   """
 
-  def __init__(self, source: str, origin: str | None = None):
+  def __init__(self, source: str, origin: str | None = None, owner: str = "the model's"):
     if not isinstance(source, str):
       raise TypeError(f"a chat template is a str, got {type(source).__name__}")
-    self.source, self.origin = source, origin
+    self.source, self.origin, self.owner = source, origin, owner
     self._template: jinja2.Template | None = None
     self._broken: ChatTemplateError | None = None
 
@@ -213,7 +214,7 @@ class ChatTemplate:
       what = f"{type(failure).__name__}: {failure}"
     if len(what) > 500:
       what = what[:500] + "..."
-    return ChatTemplateError(f"{self._where()}the model's chat template failed: {what}")
+    return ChatTemplateError(f"{self._where()}{self.owner} chat template failed: {what}")
 
   def _where(self) -> str:
     return f"{self.origin!r}: " if self.origin else ""
@@ -230,6 +231,7 @@ def read_template_file(path: str | os.PathLike) -> str:
   """
   path = os.fspath(path)
   where = f"chat template file {path!r}"
+  as_json = path.lower().endswith(".json")
   try:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))   # a FIFO opens without a writer, then is refused
   except OSError as e:
@@ -242,19 +244,19 @@ def read_template_file(path: str | os.PathLike) -> str:
   if len(data) > MAX_TEMPLATE_FILE:
     raise ValueError(f"{where} is larger than {MAX_TEMPLATE_FILE} bytes")
   try:
-    text = data.decode("utf-8")
+    text = data.decode("utf-8-sig")                # a byte-order mark is not the template's
   except UnicodeDecodeError as e:
     raise ValueError(f"{where} is not UTF-8 text: byte {data[e.start:e.start + 1]!r} at offset {e.start}") from None
-  if path.endswith(".json"):
+  if as_json:
     try:
       config = json.loads(text)
-    except ValueError as e:
-      raise ValueError(f"{where} is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:      # RecursionError: arrays nested thousands deep
+      raise ValueError(f"{where} is not JSON that can be read: {str(e)[:200]}") from None
     text = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(text, list):                     # Hugging Face's named templates
-      named = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}
+      named = {t["name"]: t.get("template") for t in text if isinstance(t, dict) and isinstance(t.get("name"), str)}
       if "default" not in named:
-        raise ValueError(f"{where} names its templates {sorted(map(str, named))[:10]}, none of them 'default'")
+        raise ValueError(f"{where} names its templates {sorted(named)[:10]}, none of them 'default'")
       text = named["default"]
     if not isinstance(text, str):
       raise ValueError(f"{where} has no \"chat_template\" text (a JSON file must be a tokenizer_config.json or a "
@@ -264,3 +266,23 @@ def read_template_file(path: str | os.PathLike) -> str:
   if len(text) > MAX_SOURCE:
     raise ValueError(f"{where}: the template is {len(text)} characters long; at most {MAX_SOURCE} are allowed")
   return text
+
+
+def read_template(value: str) -> tuple[str, str]:
+  """--chat-template's value, as vLLM takes it: a file (read_template_file), or else, where it holds jinja2's
+  braces or a line break, the template text itself. Returns (the text, its origin for error messages).
+
+  Raises:
+    ValueError: read_template_file's, or for a value that is neither a file nor template text.
+  """
+  if os.path.exists(value) or not any(c in value for c in "{}\n"):
+    try:
+      return read_template_file(value), value
+    except ValueError as e:
+      if os.path.exists(value):
+        raise
+      raise ValueError(f"{e} (nor is it template text; a built-in template's name, as llama.cpp takes, is not "
+                       "one here)") from None
+  if len(value) > MAX_SOURCE:
+    raise ValueError(f"the template text is {len(value)} characters long; at most {MAX_SOURCE} are allowed")
+  return value, "the --chat-template text"

@@ -41,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "Ctrl-C stops an answer, Ctrl-C at the prompt exits)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
   p.add_argument("--system", help="system message for --chat and -i (else the template's default)")
-  p.add_argument("--chat-template", metavar="FILE",
-                 help="for --chat and -i, render chats with this template instead of the model's: a jinja2 file, or "
-                      "a Hugging Face tokenizer_config.json or chat_template.json (its \"chat_template\")")
+  p.add_argument("--chat-template", "--chat-template-file", metavar="FILE|TEXT",
+                 help="for --chat and -i, render chats with this template instead of the model's: a jinja2 file, a "
+                      "Hugging Face tokenizer_config.json or chat_template.json (its \"chat_template\"), or the "
+                      "template text itself")
   p.add_argument("--max-tokens", "--n-predict", "-n", dest="max_tokens", type=int, default=None,
                  help="new tokens at most (default 64; -i: until the end of the answer or 1024)")
   p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")

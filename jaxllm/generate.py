@@ -82,9 +82,9 @@ def _check_args(args) -> list[str]:
   if args.chat_template:
     if not (args.chat or args.interactive):
       raise SystemExit("error: --chat-template needs --chat or -i")
-    from jaxllm.chat_template import read_template_file
+    from jaxllm.chat_template import read_template
     try:
-      args.template = read_template_file(args.chat_template)
+      args.template, args.template_origin = read_template(args.chat_template)
     except ValueError as e:
       raise SystemExit(f"error: --chat-template: {e}") from None
   if args.max_context is not None and args.max_context < 2:
@@ -201,7 +201,7 @@ def _main(argv) -> int:
     raise SystemExit(f"error: {e}") from None
   if args.template is not None:
     try:
-      tok.set_chat_template(args.template, origin=args.chat_template)
+      tok.set_chat_template(args.template, origin=args.template_origin)
     except ValueError as e:
       raise SystemExit(f"error: --chat-template: {e}") from None
   if args.n_gpu_layers is not None:

@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from jaxllm.chat_template import ChatTemplate
+from jaxllm.chat_template import ChatTemplate, ChatTemplateError
 
 # Split patterns per `tokenizer.ggml.pre` family (the ones llama.cpp's vocab loader uses).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -206,18 +206,22 @@ class Tokenizer:
 
   def set_chat_template(self, source: str, origin: str | None = None) -> None:
     """Renders chats with `source` (jinja2 text from elsewhere than the model file, as --chat-template reads
-    it: chat_template.read_template_file) in place of the file's; origin names it in its errors. A template
-    that cannot render a one-message chat is refused here, not on each request.
+    it: chat_template.read_template) in place of the file's; origin names it in its errors. A template that
+    cannot render a one-message chat, or renders it without the message, is refused here, not on each request.
 
     Raises:
-      ChatTemplateError (a ValueError): the template failed on [{"role": "user", "content": "Hi"}].
+      ChatTemplateError (a ValueError): the template failed on [{"role": "user", "content": "Hi"}] or left
+        "Hi" out.
     """
     if not isinstance(source, str):
       raise TypeError(f"a chat template is a str, got {type(source).__name__}")
-    template, kept = ChatTemplate(source, origin or self.source), (self.chat_template, self._template)
+    template, kept = ChatTemplate(source, origin or self.source, owner="the"), (self.chat_template, self._template)
     self.chat_template, self._template = source, template
     try:
-      self.apply_chat_template([{"role": "user", "content": "Hi"}])
+      text = self.apply_chat_template([{"role": "user", "content": "Hi"}])
+      if "Hi" not in text:     # a file of something else (a JSON config read as text) renders without the chat
+        raise ChatTemplateError(f"{template._where()}the chat template does not render a chat's messages: a "
+                                f"one-message chat ('Hi') became {text[:80]!r}")
     except ValueError:
       self.chat_template, self._template = kept
       raise

@@ -671,14 +671,19 @@ def test_a_template_file_is_read_or_refused_with_what_it_holds(tmp_path):
     p.write_bytes(content if isinstance(content, bytes) else content.encode())
     return p
   assert read_template_file(write("t.jinja", QWEN25)) == QWEN25
+  assert read_template_file(write("bom.jinja", b"\xef\xbb\xbf" + QWEN25.encode())) == QWEN25    # no BOM kept
+  assert read_template_file(write("UPPER.JSON", json.dumps({"chat_template": QWEN25}))) == QWEN25
   assert read_template_file(write("tokenizer_config.json", json.dumps({"chat_template": QWEN25, "x": 1}))) == QWEN25
   named = [{"name": "tool_use", "template": "a"}, {"name": "default", "template": "b"}]
   assert read_template_file(write("chat_template.json", json.dumps({"chat_template": named}))) == "b"
   os.mkfifo(tmp_path / "fifo")
+  odd_names = [{"name": ["x"], "template": "a"}, {"name": "tool_use", "template": "b"}]
   for path, words in ((write("nd.json", json.dumps({"chat_template": named[:1]})), "none of them 'default'"),
+                      (write("odd.json", json.dumps({"chat_template": odd_names})), "['tool_use'], none of them"),
+                      (write("deep.json", "[" * 100_000 + "]" * 100_000), "is not JSON that can be read"),
                       (write("none.json", json.dumps({"bos_token": "<s>"})), 'no "chat_template" text'),
                       (write("list.json", "[1, 2]"), 'no "chat_template" text'),
-                      (write("bad.json", "{chat"), "is not JSON"),
+                      (write("bad.json", "{chat"), "is not JSON that can be read"),
                       (write("bin.jinja", b"{{ x }}\xff\xfe"), "is not UTF-8 text: byte b'\\xff' at offset 7"),
                       (write("empty.jinja", " \n"), "holds an empty template"),
                       (write("long.jinja", "x" * (MAX_SOURCE + 1)), "characters long"),
@@ -690,6 +695,19 @@ def test_a_template_file_is_read_or_refused_with_what_it_holds(tmp_path):
     assert f"{str(path)!r}" in str(e.value) and words in str(e.value), (path, e.value)
 
 
+def test_a_template_argument_is_a_file_or_the_text_itself(tmp_path):
+  """read_template (--chat-template's value, as vLLM reads it): a path is read as a file; a value with jinja2's
+  braces or a line break is the template; anything else is the file's error, saying a built-in name is not one."""
+  from jaxllm.chat_template import read_template
+  (tmp_path / "t.jinja").write_text("{{ messages[0].content }}", encoding="utf-8")
+  assert read_template(str(tmp_path / "t.jinja")) == ("{{ messages[0].content }}", str(tmp_path / "t.jinja"))
+  assert read_template("{{ messages[0].content }}") == ("{{ messages[0].content }}", "the --chat-template text")
+  with pytest.raises(ValueError, match=r"^cannot read chat template file 'chatml': .* name, as llama.cpp takes"):
+    read_template("chatml")
+  with pytest.raises(ValueError, match="characters long"):
+    read_template("{" * (chat_template.MAX_SOURCE + 1))
+
+
 def test_set_chat_template_renders_with_it_or_keeps_the_old_one():
   """Tokenizer.set_chat_template: chats render with the new template, its errors name its origin; one that fails
   on a one-message chat is refused at once and the tokenizer keeps the template it had."""
@@ -697,8 +715,10 @@ def test_set_chat_template_renders_with_it_or_keeps_the_old_one():
   before = tok.apply_chat_template(CHAT[:2])
   with pytest.raises(ChatTemplateError, match="^'/t/broken.jinja': .*TemplateSyntaxError"):
     tok.set_chat_template("{% for m in messages %}", origin="/t/broken.jinja")
-  with pytest.raises(ChatTemplateError, match="^'/t/raises.jinja': .*it raised an error: no"):
+  with pytest.raises(ChatTemplateError, match="^'/t/raises.jinja': the chat template failed: it raised an error: no"):
     tok.set_chat_template("{{ raise_exception('no') }}", origin="/t/raises.jinja")
+  with pytest.raises(ChatTemplateError, match="^'/t/c.json': the chat template does not render a chat's messages"):
+    tok.set_chat_template('{"bos_token": "<s>"}', origin="/t/c.json")             # a config read as a template
   assert tok.apply_chat_template(CHAT[:2]) == before
   tok.set_chat_template("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}", origin="/t/ok.jinja")
   assert tok.apply_chat_template(CHAT[:2]) == "system:Be brief.;user:Hi there;"

@@ -310,7 +310,8 @@ def test_chat_template_file_replaces_the_models(path, capsys, tmp_path):
   config = tmp_path / "tokenizer_config.json"
   config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "x"},
                                                   {"name": "default", "template": "{{ messages[0].content }}!"}]}))
-  for file, text in ((plain, "<system>be brief<user>hi<bot>"), (config, "be brief!")):
+  for file, text in ((plain, "<system>be brief<user>hi<bot>"), (config, "be brief!"),
+                     ("{{ messages[-1].content }}?", "hi?")):                  # the template text itself (vLLM's)
     cli_main([path, "--chat", "--system", "be brief", "--prompt", "hi", "--max-tokens", "2", "--show-tokens", "-q",
               "--chat-template", str(file)])
     assert f"prompt ids: {tok.encode(text)}\n" in capsys.readouterr().out, file

@@ -40,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"tokens per slot, prompt and answer (default {DEFAULT_CONTEXT}, at most the model's)")
   p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                  help="requests queued for a slot before new ones get 503 (default 64)")
-  p.add_argument("--chat-template", metavar="FILE",
-                 help="render chats with this template instead of the model's: a jinja2 file, or a Hugging Face "
-                      "tokenizer_config.json or chat_template.json (its \"chat_template\")")
+  p.add_argument("--chat-template", "--chat-template-file", metavar="FILE|TEXT",
+                 help="render chats with this template instead of the model's: a jinja2 file, a Hugging Face "
+                      "tokenizer_config.json or chat_template.json (its \"chat_template\"), or the template text")
   p.add_argument("--wide-top-k", action="store_true",
                  help=f"take top_k above {MAX_TOP_K} (compiles the sampler's wide step too: a longer start; a batch "
                       "with such a request sorts the vocabulary each step)")
@@ -87,7 +87,7 @@ def make_loader(args, model: str):
                                       progress=stages, cache=not args.no_cache)
     if args.template is not None:
       try:
-        tok.set_chat_template(args.template, origin=args.chat_template)
+        tok.set_chat_template(args.template, origin=args.template_origin)
       except ValueError as e:          # a load error: on stderr, and the server exits 1
         raise ValueError(f"--chat-template: {e}") from None
     context = args.max_context or min(DEFAULT_CONTEXT, config.context_length)
@@ -124,9 +124,9 @@ def main(argv=None) -> int:
     raise SystemExit(f"error: {model!r} is neither a file nor one of {sorted(DEMO_MODELS)}")
   args.template = None
   if args.chat_template:
-    from jaxllm.chat_template import read_template_file
+    from jaxllm.chat_template import read_template
     try:
-      args.template = read_template_file(args.chat_template)
+      args.template, args.template_origin = read_template(args.chat_template)
     except ValueError as e:
       raise SystemExit(f"error: --chat-template: {e}") from None
   import uvicorn
