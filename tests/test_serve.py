@@ -221,6 +221,8 @@ def test_top_k_beyond_the_candidates_needs_the_wide_programs(tmp_path):
   assert e.value.status == 400 and e.value.param == "top_k" and "--wide-top-k" in str(e.value)
   assert sampling(CompletionRequest.model_validate(wide), wide_top_k=True)[0].top_k == MAX_TOP_K + 1
   assert sampling(CompletionRequest.model_validate(dict(wide, temperature=0)))[0].greedy
+  for k in (MAX_TOP_K + 1, 2 ** 31):                  # at least the vocabulary: every token, no wide step needed
+    assert sampling(CompletionRequest.model_validate(dict(wide, top_k=k)), vocab_size=MAX_TOP_K + 1)[0].top_k == 0
   gf = GGUFFile(write_tiny_model(tmp_path / "tiny.gguf", "qwen2", context=256))
   scheduler = Scheduler(Engine(gf.config, load_weights(gf, progress=False), None, max_context=64), slots=2)
   with pytest.raises(ValueError, match="wide_top_k=True"):
@@ -299,7 +301,7 @@ def test_concurrent_streams_each_equal_to_alone_without_compiling(served):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 2 ** 31}, 400, "top_k"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": -2}, 400, "top_k"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
@@ -556,3 +558,24 @@ def test_allowed_origins_answer_browsers_before_the_key():
     r = http.get("/v1/models", headers={"Origin": "https://ui.example"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     assert http.options("/v1/models", headers={"Origin": "https://ui.example", **preflight}).status_code == 405
+
+
+def test_wide_top_k_with_logit_biases_batched_as_alone(served):
+  """Sampled top_k above the candidates beside logit biases (the masked wide program) and beside greedy and
+  narrow rows: with a bias of 0 the ids are Engine.generate's (the wide step, not the candidates), a banned
+  token is never drawn, a forced one always is, and each request's ids in one batch are its ids alone; nothing
+  compiles."""
+  from test_serve_tools import _run
+  prompt = served.tokenizer.encode("hello there")
+  wide = SamplingParams(temperature=1.5, top_k=200)
+  free = served.alone.generate(prompt, 8, wide, seed=7, ignore_eos=True).ids     # _run's seed
+  before = post(served.url, "/metrics", None, method="GET")[2]                    # after the reference's compiles
+  banned = {free[0]: -100.0, free[1]: -100.0}
+  cases = [(prompt, 8, wide, banned), (prompt, 8, wide, {5: 0.0}), (prompt, 8, SamplingParams(), {7: 100.0}),
+           (prompt, 8, SamplingParams(temperature=0.9, top_k=40), None), (prompt, 8, wide, {9: 100.0})]
+  alone = [_run(served, [c])[0] for c in cases]
+  assert not set(banned) & set(alone[0]) and alone[1] == free and alone[2] == [7] * 8 and alone[4] == [9] * 8
+  assert _run(served, cases) == alone
+  after = post(served.url, "/metrics", None, method="GET")[2]
+  compiles = "jaxllm_xla_compiles_while_serving_total"
+  assert metric(after, compiles) == metric(before, compiles)

@@ -214,7 +214,8 @@ async def _generate(http: HttpRequest, state: ServerState, req, kind: str, promp
   other than "auto" constrains the output to one call (tools.grammar). parallel_tool_calls false: the first
   call only."""
   scheduler = state.ready
-  params, seed, stop = P.sampling(req, wide_top_k=scheduler.programs.wide_top_k)
+  params, seed, stop = P.sampling(req, wide_top_k=scheduler.programs.wide_top_k,
+                                  vocab_size=scheduler.engine.config.vocab_size)
   if req.stream_options is not None and not req.stream:
     raise P.ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
   limits = [P.max_new_tokens(req, len(p), scheduler.engine.max_context) for p in prompts]

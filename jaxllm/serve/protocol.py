@@ -294,11 +294,13 @@ def tool_setup(req: ChatRequest) -> tuple[list[dict] | None, str | tuple[str, st
   return [t.model_dump(exclude_none=True) for t in req.tools], choice
 
 
-def sampling(req: _Common, wide_top_k: bool = False) -> tuple[SamplingParams, int | None, list[str]]:
+def sampling(req: _Common, wide_top_k: bool = False,
+             vocab_size: int | None = None) -> tuple[SamplingParams, int | None, list[str]]:
   """The request's SamplingParams (the engine's checks, as 400s), its seed and its stop strings. wide_top_k:
-  whether the server compiled the wide step (--wide-top-k), which a top_k above MAX_TOP_K needs."""
+  whether the server compiled the wide step (--wide-top-k), which a top_k above MAX_TOP_K needs; a top_k of
+  at least vocab_size keeps every token: no top-k (the wide step would sort for nothing)."""
   repeat = req.repeat_penalty if req.repeat_penalty is not None else req.repetition_penalty
-  top_k = 0 if req.top_k == -1 else req.top_k
+  top_k = 0 if req.top_k == -1 or (vocab_size is not None and req.top_k >= vocab_size) else req.top_k
   extra = {}
   if req.repeat_last_n is not None:
     if "repeat_last_n" not in {f.name for f in dataclasses.fields(SamplingParams)}:
