@@ -192,7 +192,8 @@ def _parse(buf, path: str) -> tuple[int, dict[str, Any], dict[str, _Tensor], dic
 
 
 def _map(path: str) -> mmap.mmap:
-  """The file mapped read-only; GGUFError where it cannot be read or is too short to be GGUF."""
+  """The file mapped read-only; FileNotFoundError where there is none, GGUFError where it cannot be read or is
+  too short to be GGUF."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no such model file: {path!r}")
   try:
@@ -208,7 +209,7 @@ def _map(path: str) -> mmap.mmap:
 def read_metadata(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]]]:
   """The metadata of any GGUF file (a model's, or one of metadata alone, a tokenizer's say), parsed and bounded
   as GGUFFile parses it, and each key's types as the file declares them: (gguf.GGUFValueType of the value, of
-  an array's items or None). No model is required of it."""
+  an array's items or None). No model is required of it. Raises FileNotFoundError or GGUFError."""
   path = os.fspath(path)
   buf = _map(path)
   try:

@@ -526,6 +526,12 @@ def test_an_api_key_is_required_where_set():
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (headers, path)
         assert r.json()["error"]["code"] == "invalid_api_key" and "Authorization: Bearer" in r.json()["error"]["message"]
     assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == "tiny"
+    assert http.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200   # any case
+    from starlette.websockets import WebSocketDisconnect
+    with pytest.raises(WebSocketDisconnect) as closed:
+      with http.websocket_connect("/v1/models") as ws:
+        ws.receive_text()
+    assert closed.value.code == 1008
     wrong = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
     with pytest.raises(openai.AuthenticationError):
       wrong.models.list()

@@ -87,6 +87,10 @@ def test_bad_arguments_and_a_broken_model_exit_1(tmp_path):
   r = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--max-batch", "0"], capture_output=True, text=True,
                      timeout=60)
   assert r.returncode == 1 and "--max-batch must be >= 1" in r.stderr
+  for key in ("", " ", "k\u00e9y", "a b"):
+    r = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--api-key", key], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "--api-key (or JAXLLM_API_KEY) must be printable ASCII" in r.stderr, (key, r.stderr)
   broken = tmp_path / "broken.gguf"
   broken.write_bytes(b"GGUF" + b"\0" * 64)
   proc = _serve(str(broken), "--port", str(free_port()))

@@ -67,16 +67,21 @@ def _error_response(e: P.ApiError) -> JSONResponse:
 
 
 class _RequireKey:
-  """ASGI middleware: an HTTP request outside OPEN_PATHS without `Authorization: Bearer <key>` gets a 401 (the
-  key compared in constant time); the rest pass through untouched (streamed responses too)."""
+  """ASGI middleware: an HTTP (or websocket) request outside OPEN_PATHS without `Authorization: Bearer <key>`
+  (the scheme in any case) gets a 401, the key compared in constant time; the rest pass through untouched
+  (streamed responses too)."""
 
   def __init__(self, app, key: str):
-    self.app, self.expected = app, f"Bearer {key}".encode()
+    self.app, self.expected = app, key.encode()
 
   async def __call__(self, scope, receive, send):
-    if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+    if scope["type"] in ("http", "websocket") and scope["path"] not in OPEN_PATHS:
       given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-      if not hmac.compare_digest(given, self.expected):
+      scheme, _, token = given.partition(b" ")
+      if not (scheme.lower() == b"bearer") & hmac.compare_digest(token, self.expected):
+        if scope["type"] == "websocket":
+          await send({"type": "websocket.close", "code": 1008})     # policy violation
+          return
         what = "no API key was given" if not given else "the API key is not this server's"
         error = P.ApiError(401, f"{what}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key",
                            kind="invalid_request_error", headers={"WWW-Authenticate": "Bearer"})

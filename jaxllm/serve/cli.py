@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+  if args.api_key is not None and not (args.api_key.strip() and args.api_key.isascii() and args.api_key.isprintable()
+                                       and " " not in args.api_key):
+    raise SystemExit("error: --api-key (or JAXLLM_API_KEY) must be printable ASCII without spaces, and not empty")
   for name, low in (("max_batch", 1), ("max_waiting", 0), ("port", 0)):
     if getattr(args, name) < low:
       raise SystemExit(f"error: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
