@@ -5,20 +5,14 @@ while the model loads, 200 once it serves), /metrics (Prometheus text). A reques
 bytes), decoded, validated (jaxllm.serve.protocol), its prompt rendered and tokenized on a worker thread, then
 submitted to the scheduler as one scheduler Request per choice; events come back from the engine thread
 through an asyncio queue and leave as one JSON response or as server-sent events in OpenAI's chunk format,
-ending with `data: [DONE]`. A client that disconnects cancels its requests, which frees their slots.
-
-With an API key (create_app's api_key: the CLI's --api-key or JAXLLM_API_KEY), every endpoint but /health and
-/metrics (load balancers' and scrapers' probes) answers 401 in OpenAI's error JSON (code "invalid_api_key")
-unless the request carries `Authorization: Bearer <key>`, as vLLM and llama-server do. With allowed origins
-(--allowed-origin), browsers' cross-origin requests from them are answered (CORS, preflights before the key
-check: a preflight carries no key).
+ending with `data: [DONE]`. A client that disconnects cancels its requests, which frees their slots. Who may
+call it (an API key, browsers' origins): jaxllm.serve.access.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
 import sys
 import threading
@@ -29,12 +23,11 @@ from typing import Callable, Sequence
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from jaxllm.serve import access
 from jaxllm.serve import protocol as P
 from jaxllm.serve import tools as T
 from jaxllm.serve.scheduler import Delta, Done, QueueFull, Request, Scheduler
@@ -42,7 +35,6 @@ from jaxllm.serve.scheduler import Delta, Done, QueueFull, Request, Scheduler
 MAX_BODY = 16 * 2**20     # bytes of a request body
 LOADING_RETRY = 5         # Retry-After (seconds) while the model loads
 DISCONNECT_CHECK = 0.5    # seconds between checks that the client of a plain (not streamed) request is still there
-OPEN_PATHS = ("/health", "/metrics")   # answered without the API key
 
 
 class ServerState:
@@ -64,30 +56,6 @@ class ServerState:
 
 def _error_response(e: P.ApiError) -> JSONResponse:
   return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-class _RequireKey:
-  """ASGI middleware: an HTTP (or websocket) request outside OPEN_PATHS without `Authorization: Bearer <key>`
-  (the scheme in any case) gets a 401, the key compared in constant time; the rest pass through untouched
-  (streamed responses too)."""
-
-  def __init__(self, app, key: str):
-    self.app, self.expected = app, key.encode()
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] in ("http", "websocket") and scope["path"] not in OPEN_PATHS:
-      given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-      scheme, _, token = given.partition(b" ")
-      if not (scheme.lower() == b"bearer") & hmac.compare_digest(token, self.expected):
-        if scope["type"] == "websocket":
-          await send({"type": "websocket.close", "code": 1008})     # policy violation
-          return
-        what = "no API key was given" if not given else "the API key is not this server's"
-        error = P.ApiError(401, f"{what}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key",
-                           kind="invalid_request_error", headers={"WWW-Authenticate": "Bearer"})
-        await _error_response(error)(scope, receive, send)
-        return
-    await self.app(scope, receive, send)
 
 
 async def _json_body(request: HttpRequest):
@@ -385,7 +353,7 @@ def create_app(state: ServerState, loader: Callable[[], Scheduler] | None = None
                api_key: str | None = None, allowed_origins: Sequence[str] = ()) -> Starlette:
   """The app. loader, when given, builds the scheduler on a thread at start-up (GET /health answers 503 until it
   returns); the scheduler is stopped at shutdown, ending the requests in flight. api_key: required of every
-  request outside OPEN_PATHS (None or "": none). allowed_origins: the web origins ("*": any) whose pages may
+  request outside access.OPEN_PATHS (None or "": none). allowed_origins: the web origins ("*": any) whose pages may
   call the API from a browser (CORS)."""
 
   async def chat(http: HttpRequest) -> Response:
@@ -493,11 +461,5 @@ def create_app(state: ServerState, loader: Callable[[], Scheduler] | None = None
             Route("/metrics", metrics, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"])]
-  middleware = []                     # the first is the outermost
-  if allowed_origins:
-    middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                                 allow_headers=["Authorization", "Content-Type"]))
-  if api_key:
-    middleware.append(Middleware(_RequireKey, key=api_key))
-  return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+  return Starlette(routes=routes, lifespan=lifespan, middleware=access.middleware(api_key, allowed_origins),
                    exception_handlers={P.ApiError: api_error, HTTPException: http_error, Exception: crash})
