@@ -458,28 +458,44 @@ def test_a_limit_is_not_lost_in_a_finalizer(name):
     _ends_in_time(ChatTemplate(source), 20)
 
 
+@contextlib.contextmanager
+def _collecting(callback, threshold: int):
+  """`callback` among gc's callbacks, and a collection every `threshold` allocations, for the block."""
+  saved = gc.get_threshold()
+  gc.callbacks.append(callback)
+  gc.set_threshold(threshold)
+  try:
+    yield
+  finally:
+    gc.callbacks.remove(callback)
+    gc.set_threshold(*saved)
+
+
+def _burn(seconds: float) -> None:
+  """Runs Python lines for `seconds` of the thread's CPU time."""
+  t0 = time.thread_time()
+  while time.thread_time() - t0 < seconds:
+    pass
+
+
+# A loop that keeps a list each turn (a collection every few turns at a low threshold) and runs for minutes.
+KEEPER = "{% set ns = namespace(keep=[]) %}{% for i in range(10**5) %}{% set ns.keep = [ns.keep] %}{% endfor %}"
+
+
 def test_a_limit_is_not_lost_in_a_gc_callback():
   """Python runs gc callbacks (jax registers one) in the middle of the template; had a limit been raised in
   one, Python would print it and turn tracing off."""
   def callback(phase, info):
     calls.append(phase)
-    t0 = time.thread_time()
-    while time.thread_time() - t0 < 0.005:               # lines of Python the deadline may pass in
-      pass
+    _burn(0.005)                                          # lines of Python the deadline may pass in
 
-  calls, threshold = [], gc.get_threshold()
-  template = ChatTemplate("{% set ns = namespace(keep=[]) %}{% for i in range(10**5) %}{% set ns.keep = [ns.keep] %}"
-                          "{% endfor %}")
+  calls = []
+  template = ChatTemplate(KEEPER)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(chat_template, "MAX_SECONDS", 0.05)
     _ends_in_time(template, 1)                              # compiled, before collections take the time
-    gc.callbacks.append(callback)
-    gc.set_threshold(50)                                    # a collection every 50 lists the template keeps
-    try:
+    with _collecting(callback, 50):                         # a collection every 50 lists the template keeps
       _ends_in_time(template, 10)
-    finally:
-      gc.callbacks.remove(callback)
-      gc.set_threshold(*threshold)
   assert calls
 
 
@@ -489,20 +505,13 @@ def test_a_garbage_collection_is_not_the_templates_time():
   def callback(phase, info):
     if phase == "start" and getattr(template_sandbox.render_state, "guard", None) is not None and not burnt:
       burnt.append(phase)
-      t0 = time.thread_time()
-      while time.thread_time() - t0 < 2 * chat_template.MAX_SECONDS:
-        pass
+      _burn(2 * chat_template.MAX_SECONDS)
 
-  burnt, threshold = [], gc.get_threshold()
+  burnt = []
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(chat_template, "MAX_SECONDS", 0.2)
-    gc.callbacks.append(callback)
-    gc.set_threshold(10)                                    # a collection within the first allocations
-    try:
+    with _collecting(callback, 10):                         # a collection within the first allocations
       text = ChatTemplate(QWEN25).render(messages=CHAT, add_generation_prompt=True)
-    finally:
-      gc.callbacks.remove(callback)
-      gc.set_threshold(*threshold)
   assert burnt and text.endswith("<|im_start|>assistant\n")
 
 
@@ -513,28 +522,20 @@ def test_collections_are_credited_up_to_a_bound():
   def callback(phase, info):
     if phase == "start" and getattr(template_sandbox.render_state, "guard", None) is not None:
       calls.append(phase)
-      t0 = time.thread_time()
-      while time.thread_time() - t0 < 0.05:
-        pass
+      _burn(0.05)
 
-  calls, threshold = [], gc.get_threshold()
-  template = ChatTemplate("{% set ns = namespace(keep=[]) %}{% for i in range(10**5) %}{% set ns.keep = [ns.keep] %}"
-                          "{% endfor %}")
+  calls = []
+  template = ChatTemplate(KEEPER)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(chat_template, "MAX_SECONDS", 0.2)
     mp.setattr(chat_template, "MAX_PAUSED", 0.2)
     with pytest.raises(ChatTemplateError):
       template.render(messages=CHAT)                        # compiled, before collections take the time
-    gc.callbacks.append(callback)
-    gc.set_threshold(50)
-    try:
+    with _collecting(callback, 50):
       t0 = time.thread_time()
       with pytest.raises(ChatTemplateError, match="rendering took longer than 0.2 s"):
         template.render(messages=CHAT)
       elapsed = time.thread_time() - t0
-    finally:
-      gc.callbacks.remove(callback)
-      gc.set_threshold(*threshold)
   # More than one collection ran (uncredited, the first would have ended it), and no more were credited than
   # MAX_PAUSED allows.
   assert len(calls) >= 2 and elapsed < 0.2 + 0.2 + 0.15, (len(calls), elapsed)
