@@ -108,3 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
                  help="remove cached conversions and compiled steps (downloaded models stay), then exit")
   p.add_argument("--version", action="version", version=f"jaxllm {VERSION}")
   return p
+
+
+def read_chat_template(value: str | None) -> tuple[str | None, str | None]:
+  """--chat-template's (generate's and serve's) template and its origin (chat_template.read_template), or
+  (None, None) without one; what cannot be read is a one-line error."""
+  if not value:
+    return None, None
+  from jaxllm.chat_template import read_template
+  try:
+    return read_template(value)
+  except ValueError as e:
+    raise SystemExit(f"error: --chat-template: {e}") from None

@@ -11,7 +11,8 @@ import secrets
 import sys
 import time
 
-from jaxllm.cli_options import CHAT_CONTEXT, CONTEXT_ROUND, INTERRUPTED, MAX_REPEAT_LAST_N, build_parser
+from jaxllm.cli_options import (CHAT_CONTEXT, CONTEXT_ROUND, INTERRUPTED, MAX_REPEAT_LAST_N, build_parser,
+                                read_chat_template)
 from jaxllm.models import DEFAULT_MODEL
 from jaxllm.weights import resolve_quant
 
@@ -78,15 +79,9 @@ def _check_args(args) -> list[str]:
     raise SystemExit(f"error: --threads must be >= 1, got {args.threads}")
   if args.system and not (args.chat or args.interactive):
     raise SystemExit("error: --system needs --chat or -i")
-  args.template = None
-  if args.chat_template:
-    if not (args.chat or args.interactive):
-      raise SystemExit("error: --chat-template needs --chat or -i")
-    from jaxllm.chat_template import read_template
-    try:
-      args.template, args.template_origin = read_template(args.chat_template)
-    except ValueError as e:
-      raise SystemExit(f"error: --chat-template: {e}") from None
+  if args.chat_template and not (args.chat or args.interactive):
+    raise SystemExit("error: --chat-template needs --chat or -i")
+  args.template, args.template_origin = read_chat_template(args.chat_template)
   if args.max_context is not None and args.max_context < 2:
     raise SystemExit(f"error: --max-context must be >= 2, got {args.max_context}")
   texts = list(args.prompt)

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from jaxllm.cli_options import read_chat_template
 from jaxllm.kernels import KERNEL_CHOICES
 from jaxllm.models import DEFAULT_MODEL, DEMO_MODELS
 from jaxllm.sampling import MAX_TOP_K
@@ -125,13 +126,7 @@ def main(argv=None) -> int:
   model = args.model or args.model_pos or DEFAULT_MODEL
   if model not in DEMO_MODELS and not os.path.exists(model):
     raise SystemExit(f"error: {model!r} is neither a file nor one of {sorted(DEMO_MODELS)}")
-  args.template = None
-  if args.chat_template:
-    from jaxllm.chat_template import read_template
-    try:
-      args.template, args.template_origin = read_template(args.chat_template)
-    except ValueError as e:
-      raise SystemExit(f"error: --chat-template: {e}") from None
+  args.template, args.template_origin = read_chat_template(args.chat_template)
   import uvicorn
   from jaxllm.serve.app import ServerState, create_app
   state = ServerState(args.served_model_name or served_name(model))

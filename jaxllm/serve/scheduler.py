@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxllm.sampling import MAX_TOP_K, SamplingParams, full_mask
+from jaxllm.sampling import SamplingParams, full_mask
 from jaxllm.serve.metrics import CompileCounter, Metrics
 from jaxllm.serve.slots import FULL, GREEDY, WIDE, Prefill, SlotPrograms
 from jaxllm.structured import GrammarCompiler
@@ -178,9 +178,7 @@ class Scheduler:
     top_k above MAX_TOP_K where the scheduler was made without wide_top_k."""
     if self._stop.is_set():
       raise RuntimeError("the server is shutting down")
-    if request.params.wide_top_k and not self.programs.wide_top_k:
-      raise ValueError(f"top_k above {MAX_TOP_K} needs a scheduler made with wide_top_k=True, got top_k="
-                       f"{request.params.top_k}")
+    self.programs.check(request.params)
     with self._lock:
       if self._queued >= self.max_waiting + self._free_slots():
         raise QueueFull(self._queued, retry_after=max(1, self._queued // max(self.slots, 1)))

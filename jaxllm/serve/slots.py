@@ -315,6 +315,13 @@ class SlotPrograms:
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     return e.compile_program(("slot-swap", self.slots), swap_rows, 0, (_spec(self.state), scalar, scalar))
 
+  def check(self, params: SamplingParams) -> None:
+    """ValueError where these slots cannot sample with `params`: a top_k above MAX_TOP_K without the wide
+    programs."""
+    if params.wide_top_k and not self.wide_top_k:
+      raise ValueError(f"top_k above {MAX_TOP_K} needs slots made with wide_top_k=True (these compile no wide "
+                       f"programs), got top_k={params.top_k}")
+
   def modes(self) -> tuple:
     """The decode modes this server compiles."""
     return (GREEDY, FULL, WIDE) if self.wide_top_k else (GREEDY, FULL)
@@ -345,9 +352,7 @@ class SlotPrograms:
     """The chunks that bring prompt[start:] into `slot` (its cache already holding prompt[:start]); mask: the
     token mask [ceil(V / 32)] its first token is drawn under (None: every token); bias: the row's logit biases
     ({token id: bias}), which its first token and every masked decode call apply."""
-    if params.wide_top_k and not self.wide_top_k:
-      raise ValueError(f"top_k above {MAX_TOP_K} needs the wide programs, which these slots do not compile "
-                       f"(wide_top_k=False), got top_k={params.top_k}")
+    self.check(params)
     chunk = self.engine.prefill_chunk
     rest = list(prompt[start:])
     full, tail = divmod(len(rest), chunk)
