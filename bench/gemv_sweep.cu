@@ -257,6 +257,7 @@ Config MakeStream() {
 
 int main(int argc, char** argv) {
   FILE* out = argc > 1 ? std::fopen(argv[1], "w") : nullptr;
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);   // a line at a time into a log, also when killed
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
@@ -436,6 +437,7 @@ int main(int argc, char** argv) {
                        "\"gbps\": %.1f, \"rel_err\": %s, \"floor_us\": %.3f, \"matmul\": %s}\n", sh.name, sh.n, sh.k,
                        m, c.name.c_str(), us, wbytes / us / 1e3, c.matmul ? std::to_string(err).c_str() : "null",
                        floor_us, c.matmul ? "true" : "false");
+        if (out) std::fflush(out);      // a sweep cut short by its time limit keeps what it measured
       }
 #ifdef WITH_CUBLAS
       bf16* wd;

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# On the H200 (a device call; carry as bench/device/prep.sh says): issue 36's open measurements, most telling
+# first, each started only while it fits before DEADLINE (default 570 s):
+#   1. where the 7B step's time goes outside the matmuls: bench/step_profile.py at batch 1 and 16;
+#   2. the W8A16 configuration sweep (bench/gemv_sweep.cu, with the staged tensor-core candidate
+#      bench/w8a16_mma_staged.cuh) on the 7B shapes and the tensor-core edges;
+#   3. the 1B and 1.5B shapes at batch 1 (issue 36's 0.42 ms target; the 1B-3B down rule);
+#   4. 7B prefill (TTFT at 2k and 8k) beside llama-bench -p 2048,8192 (bench/scaling.py --prefill).
+# Writes under $OUT: profile.json, gemv_sweep_mma.jsonl, gemv_sweep_m1.jsonl, bench.jsonl, prefill/ (scaling.py's); logs in $OUT/g.tgz.
+set -u
+ROOT=$PWD
+cd .carry/tree || { echo "perf.sh: no .carry/tree (bench/device/prep.sh makes it)"; exit 2; }
+export DEADLINE=${DEADLINE:-570}
+source bench/device_call.sh
+export JAXLLM_GIT_COMMIT=$(cat $ROOT/.carry/commit 2>/dev/null || echo unknown)
+(tar xJf $ROOT/.carry/llamacpp-cuda-sm90.tar.xz -C /tmp 2>/dev/null) &
+if room 120 "step profile"; then
+  timeout 150 python3 bench/step_profile.py --model synthetic:qwen2.5-7b --batch 1,16 --out $OUT/profile.json \
+    > $R/profile.log 2>&1; stamp "step_profile rc $?"
+fi
+if room 240 "gemv sweep"; then
+  cb=$(python3 -c "import nvidia.cublas as c, os; print(os.path.dirname(c.__file__))" 2>/dev/null || true)
+  src="-O3 -std=c++17 -arch=sm_90 -I ffi -I $(python3 -c "import jax; print(jax.ffi.include_dir())") bench/gemv_sweep.cu -o /tmp/gemv_sweep"
+  nvcc $src -DWITH_CUBLAS -I"$cb/include" -L"$cb/lib" -l:libcublas.so.13 -Xlinker -rpath="$cb/lib" > $R/gemv_build.log 2>&1 \
+    || nvcc $src >> $R/gemv_build.log 2>&1
+  stamp "gemv_sweep built rc $?"
+  # Tensor cores at 7B (full and part-filled row tiles), then batch 1 on the 1B-3B down projections.
+  GEMV_MS=16,32,64,13,50 timeout 150 /tmp/gemv_sweep $OUT/gemv_sweep_mma.jsonl qkv_7b,o_7b,gate_up_7b,down_7b,odd_n \
+    > $R/gemv_sweep_mma.log 2>&1; stamp "gemv_sweep (tensor cores) rc $?"
+  GEMV_MS=1 timeout 60 /tmp/gemv_sweep $OUT/gemv_sweep_m1.jsonl down_1b,down_1.5b,down_3b \
+    > $R/gemv_sweep_m1.log 2>&1; stamp "gemv_sweep (batch 1) rc $?"
+fi
+B="python3 -m jaxllm.bench --loop pipelined --repeat 3 --prompt-len 128 --decode-len 128 --out $OUT/bench.jsonl"
+for preset in llama-3.2-1b qwen2.5-1.5b; do
+  room 60 "$preset batch 1" && { timeout 90 $B synthetic:$preset --label $preset-b1 >> $R/bench.log 2>&1; stamp "$preset rc $?"; }
+done
+wait
+CB=$(find / -name "libcublas.so.13*" -not -path "/proc/*" 2>/dev/null | head -1)
+export LD_LIBRARY_PATH=/tmp/llamacpp-bin:${CB:+$(dirname $CB):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+left() { echo $(( DEADLINE - 25 - $(date +%s) + T0 )); }
+if room 150 "7B prefill"; then
+  timeout $(left) python3 bench/scaling.py --dir $R/prefill --presets qwen2.5-7b --batches 1 --kernels auto \
+    --prefill 2048,8192 --llama-bench /tmp/llamacpp-bin/llama-bench --vocab $ROOT/.carry/vocab.gguf --peer-types Q8_0,Q4_0 \
+    --gguf-dir /tmp/gguf --time-limit $(( $(left) - 10 )) > $R/prefill.log 2>&1; stamp "prefill rc $?"
+  cp $R/prefill/*.jsonl $R/prefill.md $OUT/ 2>/dev/null
+fi
+python3 - $OUT/bench.jsonl <<'PY' 2>/dev/null
+import json, sys
+for l in open(sys.argv[1]):
+  r = json.loads(l); print(r.get("label"), "TPOT ms", r.get("tpot_token_ms_p50"), "step", r.get("tpot_step_ms_p50"))
+PY

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the H200 (a device call; carry as bench/device/prep.sh says): issue 38's comparison, jaxllm.serve beside
+# llama-server on the same random-Q8_0 GGUF and the same load generator at 1, 8, 32 and 64 streams
+# (bench/serve_peers.py), the 0.5B shape then the 7B. Resumes: a carried .carry/serve.jsonl (the last call's
+# serve.jsonl) is read first, and the records it holds are not run again.
+#   PRESETS (default qwen2.5-0.5b,qwen2.5-7b), DEADLINE (seconds for the whole call, default 570)
+# Writes $OUT/serve.jsonl and $OUT/serve.md; logs in $OUT/g.tgz.
+set -u
+ROOT=$PWD
+cd .carry/tree || { echo "serve.sh: no .carry/tree (bench/device/prep.sh makes it)"; exit 2; }
+export DEADLINE=${DEADLINE:-570}
+source bench/device_call.sh
+tar xJf $ROOT/.carry/llamacpp-cuda-sm90.tar.xz -C /tmp || { stamp "no llama.cpp build"; exit 1; }
+CB=$(find / -name "libcublas.so.13*" -not -path "/proc/*" 2>/dev/null | head -1)
+export LD_LIBRARY_PATH=/tmp/llamacpp-bin:${CB:+$(dirname $CB):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+echo "cublas: $CB" >> $R/env.txt
+timeout 60 /tmp/llamacpp-bin/llama-server --version > $R/llama_version.txt 2>&1; stamp "llama-server --version rc $?"
+D=$R/serve
+mkdir -p $D
+[ -f $ROOT/.carry/serve.jsonl ] && cp $ROOT/.carry/serve.jsonl $D/serve.jsonl
+left() { echo $(( DEADLINE - 25 - $(date +%s) + T0 )); }
+stamp "serve_peers, $(left) s left"
+python3 bench/serve_peers.py --dir $D --presets ${PRESETS:-qwen2.5-0.5b,qwen2.5-7b} \
+  --llama-server /tmp/llamacpp-bin/llama-server --vocab $ROOT/.carry/vocab.gguf --gguf-dir /tmp/gguf \
+  --time-limit $(left) > $R/serve.log 2>&1
+stamp "serve_peers rc $?"
+cp $D/serve.jsonl $OUT/ 2>/dev/null; cp $R/serve.md $OUT/ 2>/dev/null
+tail -40 $R/serve.log
