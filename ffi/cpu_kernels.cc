@@ -6,10 +6,15 @@
 // are integer: each 64-wide group of x is split into two int16 parts, x ~ s1 q1 + s2 q2 (q1 = round(x / s1),
 // s1 = max |x| / 32767, then the remainder the same way), which leaves about 2^-30 of the group's largest
 // |x| unrepresented, far below f32's rounding of the products; the weights meet both in vpdpwssd (int16 x
-// int16 pairs summed exactly in int32), two conversions and FMAs per 64 weights. Elsewhere the group is
-// widened to f32.
+// int16 pairs summed exactly in int32), two conversions and FMAs per 64 weights. With AVX2 and no VNNI the
+// same split x meets the weights in vpmaddwd at half the width (each int32 lane kept to 4 products, exact in
+// f32 as above). Elsewhere the group is widened to f32.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define JAXLLM_CPU_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JAXLLM_CPU_AVX2 1
+#endif
+#if defined(JAXLLM_CPU_VNNI) || defined(JAXLLM_CPU_AVX2)
 #include <immintrin.h>
 #endif
 #include <algorithm>
@@ -84,7 +89,7 @@ void RowsDot64Any(const float* x, int64_t mt, int64_t k, const int8_t* row, cons
   }
 }
 
-#ifdef JAXLLM_CPU_VNNI
+#if defined(JAXLLM_CPU_VNNI) || defined(JAXLLM_CPU_AVX2)
 // One row of x, its 64-wide groups as two int16 parts (see the top of the file): q [G][2][64], s [G][2].
 struct SplitX {
   std::vector<int16_t> q;
@@ -122,9 +127,12 @@ SplitX Split(const float* x, int64_t k) {
   return sx;
 }
 
+#endif
+
+#ifdef JAXLLM_CPU_VNNI
 // One weight row against the split x: sum_g scale[g] (s1 D1 + s2 D2), D the groups' exact integer inner
 // products (each int32 lane sums 4 products of at most 32767 x 128: exact in f32).
-float RowDotVnni(const SplitX& x, int64_t groups, const int8_t* __restrict row, const float* __restrict scales) {
+float RowDotInt16(const SplitX& x, int64_t groups, const int8_t* __restrict row, const float* __restrict scales) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup)));
@@ -141,7 +149,34 @@ float RowDotVnni(const SplitX& x, int64_t groups, const int8_t* __restrict row, 
   }
   return _mm512_reduce_add_ps(acc);
 }
+#endif
 
+#ifdef JAXLLM_CPU_AVX2
+// RowDotInt16 with AVX2: per group, its 64 weights as four int16 vectors against the parts' four each;
+// vpmaddwd's pairs added two at a time, so an int32 lane holds 4 products (exact in f32), two of them a part.
+float RowDotInt16(const SplitX& x, int64_t groups, const int8_t* __restrict row, const float* __restrict scales) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i w[4];
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kGroup + 16 * i)));
+    const __m256i* qv = reinterpret_cast<const __m256i*>(&x.q[size_t(g) * 2 * kGroup]);
+    __m256 part[2];
+    for (int p = 0; p < 2; ++p) {
+      const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(qv + 4 * p)),
+                                         _mm256_madd_epi16(w[1], _mm256_loadu_si256(qv + 4 * p + 1)));
+      const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(qv + 4 * p + 2)),
+                                         _mm256_madd_epi16(w[3], _mm256_loadu_si256(qv + 4 * p + 3)));
+      part[p] = _mm256_add_ps(_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b));
+    }
+    const float sw = scales[g];
+    acc = _mm256_fmadd_ps(part[0], _mm256_set1_ps(sw * x.s[2 * g]), acc);
+    acc = _mm256_fmadd_ps(part[1], _mm256_set1_ps(sw * x.s[2 * g + 1]), acc);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
 #endif
 
 // y[m, n] = x[m] . dequant(w[n]) for f32 rows xf [M, K]; emit(m, n, value) stores each (from pool threads,
@@ -149,13 +184,13 @@ float RowDotVnni(const SplitX& x, int64_t groups, const int8_t* __restrict row, 
 template <typename Emit>
 void MatmulF32(ffi::ThreadPool& pool, const MatmulShape& s, const float* xf, const int8_t* wl, const float* sl,
                Emit emit) {
-#ifdef JAXLLM_CPU_VNNI
-  // One row of x (decode at batch 1): measured 1.1-1.3x the f32 path's rate on the 2-core AMD EPYC (up to
-  // ~20 G weights/s, near what its memory delivers); four rows ran no faster, so M > 1 keeps the f32 path.
+#if defined(JAXLLM_CPU_VNNI) || defined(JAXLLM_CPU_AVX2)
+  // One row of x (decode at batch 1): with VNNI measured 1.1-1.3x the f32 path's rate on the 2-core AMD EPYC
+  // (up to ~20 G weights/s, near what its memory delivers); four rows ran no faster, so M > 1 keeps the f32 path.
   if (s.group == kGroup && s.m == 1 && AllFinite(xf, s.k)) {
     const SplitX x = Split(xf, s.k);
     ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) emit(0, n, RowDotVnni(x, s.groups, wl + n * s.k, sl + n * s.groups));
+      for (int64_t n = n0; n < n1; ++n) emit(0, n, RowDotInt16(x, s.groups, wl + n * s.k, sl + n * s.groups));
     });
     return;
   }

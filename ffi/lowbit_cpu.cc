@@ -11,12 +11,18 @@
 // every value within 128x of that largest one), and the group's f32 sum for the min term. Two groups a
 // step: their 32 bytes widened to int16 once, the low nibbles (values 0..15 of both groups) and the high
 // ones (values 16..31) meet x arranged the same way in vpdpwssd, so the 16 int32 lanes hold both groups'
-// exact integer inner products (8 lanes each), converted and scaled by one FMA. Several rows of x, or no
-// VNNI: each weight row is dequantized to f32 once and reused for every row of x.
+// exact integer inner products (8 lanes each), converted and scaled by one FMA. One row of x with AVX2 and
+// no VNNI (most x86 CPUs without AVX-512): the same int16 x and the same exact sums, at half the width: a
+// group's 16 bytes widened to int16 once, its values 0..15 and 16..31 against x's in two vpmaddwd (pairs
+// summed in int32), added, converted and scaled by one FMA. Several rows of x, or neither: each weight row is
+// dequantized to f32 once and reused for every row of x (tiles of rows of x and of weights with AVX-512 or
+// AVX2).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512VL__)
 #define JAXLLM_LOWBIT_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JAXLLM_LOWBIT_AVX2 1
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(JAXLLM_LOWBIT_AVX2)
 #include <immintrin.h>
 #endif
 #include <algorithm>
@@ -33,6 +39,14 @@ namespace jaxllm {
 namespace {
 
 constexpr int64_t kLowGroup = 32;   // values a scale and min (jaxllm.quant.LOWBIT_GROUP)
+
+#ifdef JAXLLM_LOWBIT_AVX2
+inline float HSum(__m256 v) {   // the sum of the 8 lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 inline float HalfToF32(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -107,8 +121,10 @@ void DequantRow(const uint8_t* q, const uint32_t* high, const uint16_t* scale, c
 }
 
 #if defined(__AVX512F__)
+#define JAXLLM_LOWBIT_TILES 1
 constexpr int kWTile = 4;   // weight rows dequantized together (the micro-kernel's columns)
 constexpr int kXTile = 4;   // rows of x a micro-kernel call takes
+constexpr int kLanes = 16;  // K a multiple of this
 
 // out[i][j] = x[i] . w[j] for MR rows of x (stride k) and kWTile dequantized weight rows (stride k), K a
 // multiple of 16: MR x kWTile accumulators of 16 lanes, each step kWTile + MR loads for MR x kWTile FMAs
@@ -129,16 +145,38 @@ void TileDot(const float* __restrict x, const float* __restrict w, int64_t k, fl
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < kWTile; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
+#elif defined(JAXLLM_LOWBIT_AVX2)
+#define JAXLLM_LOWBIT_TILES 1
+constexpr int kWTile = 4;   // as above, with 8 lanes: MR x 4 accumulators, 4 weight and 1 x register of 16
+constexpr int kXTile = 2;
+constexpr int kLanes = 8;
+
+template <int MR>
+void TileDot(const float* __restrict x, const float* __restrict w, int64_t k, float (*out)[kWTile]) {
+  __m256 acc[MR][kWTile];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kWTile; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < k; e += 8) {
+    __m256 wv[kWTile];
+    for (int j = 0; j < kWTile; ++j) wv[j] = _mm256_loadu_ps(w + j * k + e);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * k + e);
+      for (int j = 0; j < kWTile; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kWTile; ++j) out[i][j] = HSum(acc[i][j]);
+}
 #endif
 
-// The path of several rows of x (or no VNNI): y [M, N] = x [M, K] . w^T, each weight row n dequantized once
-// by dequant(n, w [K] f32) and dotted with every row of x (with AVX-512: kWTile rows at a time, against
-// tiles of kXTile rows of x).
+// The path of several rows of x (or no VNNI or AVX2): y [M, N] = x [M, K] . w^T, each weight row n dequantized
+// once by dequant(n, w [K] f32) and dotted with every row of x (with AVX-512 or AVX2: kWTile rows at a time,
+// against tiles of kXTile rows of x).
 template <typename Dequant>
 void DotDequantizedRows(ffi::ThreadPool& pool, const float* xf, int64_t m, int64_t n, int64_t k, void* out,
                         ffi::DataType t, Dequant dequant) {
-#if defined(__AVX512F__)
-  if (k % 16 == 0) {
+#ifdef JAXLLM_LOWBIT_TILES
+  if (k % kLanes == 0) {
     ForRowChunks(pool, n, [&](int64_t n0, int64_t n1) {
       std::vector<float> w(static_cast<size_t>(kWTile * k));
       float tile[kXTile][kWTile];
@@ -152,8 +190,8 @@ void DotDequantizedRows(ffi::ThreadPool& pool, const float* xf, int64_t m, int64
           switch (mt) {
             case 1: TileDot<1>(xt, w.data(), k, tile); break;
             case 2: TileDot<2>(xt, w.data(), k, tile); break;
-            case 3: TileDot<3>(xt, w.data(), k, tile); break;
-            default: TileDot<4>(xt, w.data(), k, tile); break;
+            case 3: TileDot<std::min(3, kXTile)>(xt, w.data(), k, tile); break;
+            default: TileDot<kXTile>(xt, w.data(), k, tile); break;
           }
           for (int i = 0; i < mt; ++i)
             for (int j = 0; j < rt; ++j) StoreF32(out, t, (m0 + i) * n + r0 + j, tile[i][j]);
@@ -178,6 +216,49 @@ void DotDequantizedRows(ffi::ThreadPool& pool, const float* xf, int64_t m, int64
     }
   });
 }
+
+#if defined(JAXLLM_LOWBIT_VNNI) || defined(JAXLLM_LOWBIT_AVX2)
+// Weight rows the one-row paths ask the caches for ahead of the row they compute (8; lab switch
+// JAXLLM_LOWBIT_PREFETCH, 0: none): with the hardware's prefetch alone, qwen2.5-0.5b's gate/up read 13 GB/s
+// of the VM's 41 (8 ahead: 30; docs/kernels.md).
+inline int64_t PrefetchRows() {
+  static const int64_t rows = [] {
+    const char* e = LabEnv("JAXLLM_LOWBIT_PREFETCH");
+    return e ? std::atoll(e) : int64_t(8);
+  }();
+  return rows;
+}
+
+inline void Prefetch(const void* base, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(base) + off, _MM_HINT_T0);
+}
+
+// One row of x as int16 in its own order, q = round(x / s) with s [K / 32] = max |x| / 32767 of each 32, and
+// sum [K / 32] each 32's f32 sum (for the min terms).
+struct NaturalX {
+  std::vector<int16_t> q;
+  std::vector<float> s, sum;
+};
+
+NaturalX SplitNatural(const float* x, int64_t k) {
+  NaturalX nx{std::vector<int16_t>(size_t(k)), std::vector<float>(size_t(k / kLowGroup)),
+              std::vector<float>(size_t(k / kLowGroup))};
+  for (int64_t g = 0; g < k / kLowGroup; ++g) {
+    const float* v = x + g * kLowGroup;
+    float mx = 0.f, sum = 0.f;
+    for (int j = 0; j < kLowGroup; ++j) {
+      mx = std::max(mx, std::fabs(v[j]));
+      sum += v[j];
+    }
+    const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+    nx.s[size_t(g)] = mx / 32767.f;
+    nx.sum[size_t(g)] = sum;
+    for (int j = 0; j < kLowGroup; ++j) nx.q[size_t(g * kLowGroup + j)] = int16_t(std::nearbyint(v[j] * inv));
+  }
+  return nx;
+}
+
+#endif
 
 #ifdef JAXLLM_LOWBIT_VNNI
 // One row of x for the VNNI path: per pair of groups p (2p, 2p + 1), lo [32] int16 = values 0..15 of group 2p
@@ -222,21 +303,6 @@ inline void FifthBitMasks(const uint32_t* high, __mmask32* lo, __mmask32* hi) {
   *lo = __mmask32((h & 0xffff) | ((h >> 16) & 0xffff0000u));
   *hi = __mmask32(((h >> 16) & 0xffff) | ((h >> 32) & 0xffff0000u));
 #endif
-}
-
-// Weight rows the one-row paths ask the caches for ahead of the row they compute (8; lab switch
-// JAXLLM_LOWBIT_PREFETCH, 0: none): with the hardware's prefetch alone, qwen2.5-0.5b's gate/up read 13 GB/s
-// of the VM's 41 (8 ahead: 30; docs/kernels.md).
-inline int64_t PrefetchRows() {
-  static const int64_t rows = [] {
-    const char* e = LabEnv("JAXLLM_LOWBIT_PREFETCH");
-    return e ? std::atoll(e) : int64_t(8);
-  }();
-  return rows;
-}
-
-inline void Prefetch(const void* base, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(base) + off, _MM_HINT_T0);
 }
 
 // R consecutive weight rows against the split x (groups even; minv null: min = implicit_min * scale): the
@@ -297,6 +363,66 @@ void RowsDotLow(const LowX& x, const uint8_t* __restrict q, const uint32_t* __re
 }
 #endif
 
+#ifdef JAXLLM_LOWBIT_AVX2
+// Lanes j of 16 int16: 16 where bit j of h (16 bits) is set, else 0 (a group's fifth bits, half of them).
+inline __m256i FifthBits(uint32_t h) {
+  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                        int16_t(-32768));
+  const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(int16_t(h)), bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi16(16));
+}
+
+// RowsDotLow of the VNNI path with AVX2: R consecutive weight rows against x in its own order (as there: ds [R * groups]
+// scratch, out[r] row r's result). A group's int32 lanes each sum 4 products of at most 31 x 32767: exact in f32.
+template <int R>
+void RowsDotLow(const NaturalX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
+                    const uint16_t* __restrict scale, const uint16_t* __restrict minv, float implicit_min,
+                    int64_t groups, float* ds, float* out, const uint8_t* q_ahead) {
+  __m256 acc[R];
+  float tail[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+  // The groups' combined scales (weight scale x x scale) and the min terms, 8 groups at a time.
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 xs = _mm256_loadu_ps(&x.s[size_t(g)]), xsum = _mm256_loadu_ps(&x.sum[size_t(g)]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + r * groups + g)));
+      const __m256 mn = minv ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minv + r * groups + g)))
+                             : _mm256_mul_ps(sc, _mm256_set1_ps(implicit_min));
+      _mm256_storeu_ps(ds + r * groups + g, _mm256_mul_ps(sc, xs));
+      acc[r] = _mm256_fmadd_ps(mn, xsum, acc[r]);
+    }
+  }
+  for (; g < groups; ++g)
+    for (int r = 0; r < R; ++r) {
+      const float sc = HalfToF32(scale[r * groups + g]);
+      ds[r * groups + g] = sc * x.s[size_t(g)];
+      tail[r] += (minv ? HalfToF32(minv[r * groups + g]) : sc * implicit_min) * x.sum[size_t(g)];
+    }
+  const __m256i nibble = _mm256_set1_epi16(15);
+  for (g = 0; g < groups; ++g) {
+    if (q_ahead && (g & 3) == 0) {   // the same line of the rows ahead, spread over the pass
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q_ahead + (r * groups + g) * 16), _MM_HINT_T0);
+    }
+    const __m256i* xv = reinterpret_cast<const __m256i*>(&x.q[size_t(g) * kLowGroup]);
+    const __m256i x0 = _mm256_loadu_si256(xv), x1 = _mm256_loadu_si256(xv + 1);   // values 0..15, 16..31
+    for (int r = 0; r < R; ++r) {
+      // Byte j as int16 in lane j: its low nibble is value j, its high one value j + 16.
+      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (r * groups + g) * 16)));
+      __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_srli_epi16(b, 4);
+      if (high) {
+        const uint32_t h = high[r * groups + g];
+        lo = _mm256_add_epi16(lo, FifthBits(h & 0xffff));
+        hi = _mm256_add_epi16(hi, FifthBits(h >> 16));
+      }
+      const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(ds + r * groups + g), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = HSum(acc[r]) + tail[r];
+}
+#endif
+
 ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer high,
                      ffi::AnyBuffer scale, ffi::AnyBuffer minv, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
   LowBitShape s;
@@ -311,9 +437,14 @@ ffi::Error LowBitCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, f
   const uint16_t* ml =
       s.implicit_min != 0.f ? nullptr : static_cast<const uint16_t*>(minv.untyped_data()) + layer * s.n * g;
   void* out = y->untyped_data();
-#ifdef JAXLLM_LOWBIT_VNNI
+#if defined(JAXLLM_LOWBIT_VNNI)
   if (s.m == 1 && g % 2 == 0 && AllFinite(xf.data(), s.k)) {
     const LowX lx = SplitLow(xf.data(), g);
+#elif defined(JAXLLM_LOWBIT_AVX2)
+  if (s.m == 1 && AllFinite(xf.data(), s.k)) {
+    const NaturalX lx = SplitNatural(xf.data(), s.k);
+#endif
+#if defined(JAXLLM_LOWBIT_VNNI) || defined(JAXLLM_LOWBIT_AVX2)
     ForRowChunks(pool, s.n, [&](int64_t n0, int64_t n1) {
       constexpr int R = 4;   // rows a pass
       std::vector<float> ds(static_cast<size_t>(R * g));
@@ -408,25 +539,6 @@ void DequantRowQ6K(const uint8_t* ql, const uint8_t* qh, const int8_t* sc, const
 }
 
 #ifdef JAXLLM_LOWBIT_VNNI
-// One row of x as int16 in its own order, q = round(x / s) with s [K / 32] = max |x| / 32767 of each 32.
-struct NaturalX {
-  std::vector<int16_t> q;
-  std::vector<float> s;
-};
-
-NaturalX SplitNatural(const float* x, int64_t k) {
-  NaturalX nx{std::vector<int16_t>(size_t(k)), std::vector<float>(size_t(k / kLowGroup))};
-  for (int64_t g = 0; g < k / kLowGroup; ++g) {
-    const float* v = x + g * kLowGroup;
-    float mx = 0.f;
-    for (int j = 0; j < kLowGroup; ++j) mx = std::max(mx, std::fabs(v[j]));
-    const float inv = mx > 0.f ? 32767.f / mx : 0.f;
-    nx.s[size_t(g)] = mx / 32767.f;
-    for (int j = 0; j < kLowGroup; ++j) nx.q[size_t(g * kLowGroup + j)] = int16_t(std::nearbyint(v[j] * inv));
-  }
-  return nx;
-}
-
 // One Q6_K row against x: per 32 values, q - 32 as int16 against x's int16 in vpdpwssd (lanes 0..7 the first
 // 16 values, one scale; 8..15 the next 16), scaled by d * sc * s with one FMA.
 float RowDotQ6K(const NaturalX& x, const uint8_t* __restrict ql, const uint8_t* __restrict qh,
@@ -471,6 +583,47 @@ float RowDotQ6K(const NaturalX& x, const uint8_t* __restrict ql, const uint8_t* 
 }
 #endif
 
+#ifdef JAXLLM_LOWBIT_AVX2
+// RowDotQ6K with AVX2: per 16 values (one scale), q - 32 as int16 against x's int16 in vpmaddwd (8 int32 lanes,
+// 2 products each: exact), scaled by d * sc * s with one FMA.
+float RowDotQ6K(const NaturalX& x, const uint8_t* __restrict ql, const uint8_t* __restrict qh,
+                const int8_t* __restrict sc, const uint16_t* __restrict d, int64_t supers,
+                const uint8_t* ql_ahead, const uint8_t* qh_ahead) {
+  const __m256i mask = _mm256_set1_epi16(0x30), nibble = _mm256_set1_epi16(15), off = _mm256_set1_epi16(32);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    if (ql_ahead) {   // the same super-block of the row ahead, spread over the row
+      _mm_prefetch(reinterpret_cast<const char*>(ql_ahead + s * 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ql_ahead + s * 128 + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qh_ahead + s * 64), _MM_HINT_T0);
+    }
+    // ds[j]: the scale of values 16j..16j+15 of the super-block (d * sc[j] * x's scale of their 32).
+    const float dd = HalfToF32(d[s]);
+    float ds[16];
+    for (int j = 0; j < 16; ++j) ds[j] = dd * float(sc[s * 16 + j]) * x.s[size_t(s * 8 + j / 2)];
+    for (int h = 0; h < 2; ++h)
+      for (int l0 = 0; l0 < 32; l0 += 16) {   // bytes l0..l0+15 of each 32 of the half's ql and qh
+        const uint8_t* lo = ql + s * 128 + h * 64 + l0;
+        const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo + 32)));
+        const __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + s * 64 + h * 32 + l0)));
+        // Values l0.., 32 + l0.., 64 + l0.., 96 + l0.. of the half (16 each), each minus 32.
+        const __m256i v[4] = {
+            _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_slli_epi16(hb, 4), mask)), off),
+            _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_slli_epi16(hb, 2), mask)), off),
+            _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(a, 4), _mm256_and_si256(hb, mask)), off),
+            _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(b, 4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), mask)), off)};
+        const int16_t* xq = &x.q[size_t(s * kSuper + h * 128 + l0)];
+        for (int i = 0; i < 4; ++i) {
+          const __m256i dot = _mm256_madd_epi16(v[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)));
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(ds[h * 8 + 2 * i + l0 / 16]), acc);
+        }
+      }
+  }
+  return HSum(acc);
+}
+#endif
+
 ffi::Error Q6KCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ql, ffi::AnyBuffer qh, ffi::AnyBuffer sc,
                   ffi::AnyBuffer d, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
   int64_t m, n, k;
@@ -484,7 +637,7 @@ ffi::Error Q6KCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer ql, ffi
   const int8_t* sl = static_cast<const int8_t*>(sc.untyped_data()) + layer * n * (k / 16);
   const uint16_t* dl = static_cast<const uint16_t*>(d.untyped_data()) + layer * n * supers;
   void* out = y->untyped_data();
-#ifdef JAXLLM_LOWBIT_VNNI
+#if defined(JAXLLM_LOWBIT_VNNI) || defined(JAXLLM_LOWBIT_AVX2)
   if (m == 1 && AllFinite(xf.data(), k)) {
     const NaturalX nx = SplitNatural(xf.data(), k);
     const int64_t ahead = PrefetchRows();
