@@ -374,8 +374,8 @@ inline __m256i FifthBits(uint32_t h) {
 
 // RowsDotLow of the VNNI path with AVX2: R consecutive weight rows against x in its own order (as there: ds [R * groups]
 // scratch, out[r] row r's result). A group's int32 lanes each sum 4 products of at most 31 x 32767: exact in f32.
-template <int R>
-void RowsDotLow(const NaturalX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
+template <int R, bool kFifth>
+void RowsDotLowAvx2(const NaturalX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
                     const uint16_t* __restrict scale, const uint16_t* __restrict minv, float implicit_min,
                     int64_t groups, float* ds, float* out, const uint8_t* q_ahead) {
   __m256 acc[R];
@@ -402,15 +402,17 @@ void RowsDotLow(const NaturalX& x, const uint8_t* __restrict q, const uint32_t* 
   const __m256i nibble = _mm256_set1_epi16(15);
   for (g = 0; g < groups; ++g) {
     if (q_ahead && (g & 3) == 0) {   // the same line of the rows ahead, spread over the pass
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q_ahead + (r * groups + g) * 16), _MM_HINT_T0);
     }
     const __m256i* xv = reinterpret_cast<const __m256i*>(&x.q[size_t(g) * kLowGroup]);
     const __m256i x0 = _mm256_loadu_si256(xv), x1 = _mm256_loadu_si256(xv + 1);   // values 0..15, 16..31
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       // Byte j as int16 in lane j: its low nibble is value j, its high one value j + 16.
       const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (r * groups + g) * 16)));
       __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_srli_epi16(b, 4);
-      if (high) {
+      if (kFifth) {
         const uint32_t h = high[r * groups + g];
         lo = _mm256_add_epi16(lo, FifthBits(h & 0xffff));
         hi = _mm256_add_epi16(hi, FifthBits(h >> 16));
@@ -420,6 +422,14 @@ void RowsDotLow(const NaturalX& x, const uint8_t* __restrict q, const uint32_t* 
     }
   }
   for (int r = 0; r < R; ++r) out[r] = HSum(acc[r]) + tail[r];
+}
+
+template <int R>
+void RowsDotLow(const NaturalX& x, const uint8_t* __restrict q, const uint32_t* __restrict high,
+                const uint16_t* __restrict scale, const uint16_t* __restrict minv, float implicit_min,
+                int64_t groups, float* ds, float* out, const uint8_t* q_ahead) {
+  (high ? RowsDotLowAvx2<R, true> : RowsDotLowAvx2<R, false>)(x, q, high, scale, minv, implicit_min, groups, ds, out,
+                                                              q_ahead);
 }
 #endif
 

@@ -3,7 +3,7 @@
 # sources, and packs the binaries with their shared libraries into one tarball that unpacks to llamacpp-bin/.
 #
 #   bash bench/peers/build_llamacpp.sh cuda 90 OUT.tar.xz   # for an sm_90 GPU (the H200), built on this CPU machine
-#   bash bench/peers/build_llamacpp.sh cpu - OUT.tar.xz     # this machine's CPU (AVX-512 as in docs/benchmarks.md)
+#   bash bench/peers/build_llamacpp.sh cpu - OUT.tar.xz     # for this machine's CPU (GGML_NATIVE: its own instructions)
 #
 # The CUDA build needs nvcc (CUDA 13) but no GPU: cuBLAS comes from the nvidia-cublas wheel (its headers and
 # libraries; the tarball carries no cuBLAS, so the GPU machine's own is put on LD_LIBRARY_PATH there, as in
@@ -24,7 +24,7 @@ if [ ! -d src ]; then
   mv unpack/llama_cpp_python-0.3.36/vendor/llama.cpp src && rm -rf unpack
 fi
 # Only the three tools (the full tools/ list needs more than the sdist carries).
-printf 'add_subdirectory(llama-bench)\nadd_subdirectory(batched-bench)\nadd_subdirectory(ui)\nadd_subdirectory(server)\n' \
+printf 'add_subdirectory(llama-bench)\nadd_subdirectory(batched-bench)\nadd_subdirectory(ui)\nadd_subdirectory(mtmd)\nadd_subdirectory(server)\n' \
   > src/tools/CMakeLists.txt
 [ -f src/app/CMakeLists.txt ] || { mkdir -p src/app && : > src/app/CMakeLists.txt; }
 flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
@@ -53,12 +53,12 @@ if [ "$kind" = cuda ]; then
           -DCMAKE_CUDA_FLAGS="-I$CB/include" -DCMAKE_CXX_FLAGS="-I$CB/include" -DCMAKE_C_FLAGS="-I$CB/include")
   build=build-cuda
 else
-  flags+=(-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+  flags+=(-DGGML_NATIVE=ON)           # after the OFF above: the instructions of the CPU it is built on
   build=build-cpu
 fi
-cmake -S src -B $build "${flags[@]}" > cmake.log 2>&1 || { tail -40 cmake.log; exit 1; }
-cmake --build $build -j "$(nproc)" --target llama-bench llama-batched-bench llama-server > build.log 2>&1 \
-  || { grep -E "error|Error" build.log | head -20; tail -20 build.log; exit 1; }
+cmake -S src -B $build "${flags[@]}" > $build-cmake.log 2>&1 || { tail -40 $build-cmake.log; exit 1; }
+cmake --build $build -j "$(nproc)" --target llama-bench llama-batched-bench llama-server > $build.log 2>&1 \
+  || { grep -E "error|Error" $build.log | head -20; tail -20 $build.log; exit 1; }
 rm -rf pack && mkdir -p pack/llamacpp-bin
 cp $build/bin/llama-bench $build/bin/llama-batched-bench $build/bin/llama-server pack/llamacpp-bin/
 find $build -name "*.so*" \( -type f -o -type l \) -exec cp -P {} pack/llamacpp-bin/ \;
