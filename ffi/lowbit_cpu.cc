@@ -120,52 +120,51 @@ void DequantRow(const uint8_t* q, const uint32_t* high, const uint16_t* scale, c
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(JAXLLM_LOWBIT_AVX2)
 #define JAXLLM_LOWBIT_TILES 1
+// The f32 vector the tiles use: 16 lanes with AVX-512, else AVX2's 8.
+struct F32Vec {
+#if defined(__AVX512F__)
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V Zero() { return _mm512_setzero_ps(); }
+  static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float Sum(V v) { return _mm512_reduce_add_ps(v); }
+#else
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float Sum(V v) { return HSum(v); }
+#endif
+};
 constexpr int kWTile = 4;   // weight rows dequantized together (the micro-kernel's columns)
-constexpr int kXTile = 4;   // rows of x a micro-kernel call takes
-constexpr int kLanes = 16;  // K a multiple of this
+// Rows of x a micro-kernel call takes: MR x kWTile accumulators, kWTile weight and one x register must fit
+// the 32 (AVX-512) or 16 (AVX2) vector registers.
+constexpr int kXTile = F32Vec::kLanes == 16 ? 4 : 2;
+constexpr int kLanes = F32Vec::kLanes;   // K a multiple of this
 
 // out[i][j] = x[i] . w[j] for MR rows of x (stride k) and kWTile dequantized weight rows (stride k), K a
-// multiple of 16: MR x kWTile accumulators of 16 lanes, each step kWTile + MR loads for MR x kWTile FMAs
-// (the pairwise loop's two loads an FMA left it bound by loads and by x's trips through L2).
+// multiple of kLanes: MR x kWTile accumulators, each step kWTile + MR loads for MR x kWTile FMAs (the pairwise
+// loop's two loads an FMA left it bound by loads and by x's trips through L2).
 template <int MR>
 void TileDot(const float* __restrict x, const float* __restrict w, int64_t k, float (*out)[kWTile]) {
-  __m512 acc[MR][kWTile];
+  using V = F32Vec::V;
+  V acc[MR][kWTile];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kWTile; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t e = 0; e < k; e += 16) {
-    __m512 wv[kWTile];
-    for (int j = 0; j < kWTile; ++j) wv[j] = _mm512_loadu_ps(w + j * k + e);
+    for (int j = 0; j < kWTile; ++j) acc[i][j] = F32Vec::Zero();
+  for (int64_t e = 0; e < k; e += kLanes) {
+    V wv[kWTile];
+    for (int j = 0; j < kWTile; ++j) wv[j] = F32Vec::Load(w + j * k + e);
     for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * k + e);
-      for (int j = 0; j < kWTile; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      const V xv = F32Vec::Load(x + i * k + e);
+      for (int j = 0; j < kWTile; ++j) acc[i][j] = F32Vec::Fma(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kWTile; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-#elif defined(JAXLLM_LOWBIT_AVX2)
-#define JAXLLM_LOWBIT_TILES 1
-constexpr int kWTile = 4;   // as above, with 8 lanes: MR x 4 accumulators, 4 weight and 1 x register of 16
-constexpr int kXTile = 2;
-constexpr int kLanes = 8;
-
-template <int MR>
-void TileDot(const float* __restrict x, const float* __restrict w, int64_t k, float (*out)[kWTile]) {
-  __m256 acc[MR][kWTile];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kWTile; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t e = 0; e < k; e += 8) {
-    __m256 wv[kWTile];
-    for (int j = 0; j < kWTile; ++j) wv[j] = _mm256_loadu_ps(w + j * k + e);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * k + e);
-      for (int j = 0; j < kWTile; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kWTile; ++j) out[i][j] = HSum(acc[i][j]);
+    for (int j = 0; j < kWTile; ++j) out[i][j] = F32Vec::Sum(acc[i][j]);
 }
 #endif
 
