@@ -268,24 +268,14 @@ struct LowX {
 };
 
 LowX SplitLow(const float* x, int64_t groups) {
-  LowX lx{std::vector<int16_t>(size_t(groups) * kLowGroup), std::vector<float>(size_t(groups)),
-          std::vector<float>(size_t(groups))};
+  const NaturalX nx = SplitNatural(x, groups * kLowGroup);   // the same int16 values, scales and sums
+  LowX lx{std::vector<int16_t>(size_t(groups) * kLowGroup), nx.s, nx.sum};
   for (int64_t g = 0; g < groups; ++g) {
-    const float* v = x + g * kLowGroup;
-    float mx = 0.f, sum = 0.f;
-    for (int j = 0; j < kLowGroup; ++j) {
-      mx = std::max(mx, std::fabs(v[j]));
-      sum += v[j];
-    }
-    const float inv = mx > 0.f ? 32767.f / mx : 0.f;
-    lx.s[size_t(g)] = mx / 32767.f;
-    lx.sum[size_t(g)] = sum;
+    const int16_t* v = &nx.q[size_t(g) * kLowGroup];
     int16_t* pair = &lx.q[size_t(g / 2) * 64];
     const int half = int(g & 1) * 16;
-    for (int j = 0; j < 16; ++j) {
-      pair[half + j] = int16_t(std::nearbyint(v[j] * inv));
-      pair[32 + half + j] = int16_t(std::nearbyint(v[j + 16] * inv));
-    }
+    std::copy(v, v + 16, pair + half);
+    std::copy(v + 16, v + 32, pair + 32 + half);
   }
   return lx;
 }
