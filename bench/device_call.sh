@@ -2,6 +2,9 @@
 # extension built for sm_90, and helpers. Logs go to $OUT/r, packed into $OUT/g.tgz when the script exits.
 #   stamp MSG          seconds since the start, and MSG, into r/stamps.txt
 #   room SECONDS WHAT  true while SECONDS more fit before $DEADLINE (default 560 s), else logs WHAT as skipped
+#   left               seconds before $DEADLINE less a 25 s margin (a study's --time-limit)
+#   use_llamacpp TAR   unpacks a bench/peers/build_llamacpp.sh tarball to /tmp/llamacpp-bin and puts it and the
+#                      machine's cuBLAS on LD_LIBRARY_PATH
 # Expects the ignored .whl/ (the gguf wheel: the machine has no gguf) beside the working tree.
 # LAB=1 (set before sourcing) builds the lab extension, which reads the lab switches (JAXLLM_LAYERS_SKIP,
 # JAXLLM_PDL_EARLY, ...; docs/benchmarks.md): a script that sets one needs it, or the switch is ignored.
@@ -15,6 +18,13 @@ trap pack EXIT
 T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $R/stamps.txt; }
 DEADLINE=${DEADLINE:-560}
 room() { [ $(( $(date +%s) - T0 + $1 )) -lt $DEADLINE ] || { stamp "skipped: $2"; return 1; }; }
+left() { echo $(( DEADLINE - 25 - $(date +%s) + T0 )); }
+use_llamacpp() {
+  [ -x /tmp/llamacpp-bin/llama-server ] || tar xJf "$1" -C /tmp || { stamp "no llama.cpp build in $1"; return 1; }
+  local cb=$(find / -name "libcublas.so.13*" -not -path "/proc/*" 2>/dev/null | head -1)
+  echo "cublas: $cb" >> $R/env.txt
+  export LD_LIBRARY_PATH=/tmp/llamacpp-bin:${cb:+$(dirname $cb):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/env.txt

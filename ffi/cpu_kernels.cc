@@ -173,9 +173,7 @@ float RowDotInt16(const SplitX& x, int64_t groups, const int8_t* __restrict row,
     acc = _mm256_fmadd_ps(part[0], _mm256_set1_ps(sw * x.s[2 * g]), acc);
     acc = _mm256_fmadd_ps(part[1], _mm256_set1_ps(sw * x.s[2 * g + 1]), acc);
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  return HSum(acc);
 }
 #endif
 

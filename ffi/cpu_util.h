@@ -14,6 +14,9 @@
 #include <mutex>
 #include <thread>
 
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 #ifdef __linux__
 #include <sched.h>
 #endif
@@ -54,6 +57,14 @@ inline void StoreF32(void* dst, ffi::DataType t, int64_t offset, float v) {
 }
 
 // Whether every one of x[0, n) is finite (the integer paths need it; NaN and inf take the f32 paths).
+#ifdef __AVX__
+inline float HSum(__m256 v) {   // the sum of the 8 lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 inline bool AllFinite(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     if (!std::isfinite(x[i])) return false;

@@ -40,14 +40,6 @@ namespace {
 
 constexpr int64_t kLowGroup = 32;   // values a scale and min (jaxllm.quant.LOWBIT_GROUP)
 
-#ifdef JAXLLM_LOWBIT_AVX2
-inline float HSum(__m256 v) {   // the sum of the 8 lanes
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
 inline float HalfToF32(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   uint32_t bits;

@@ -13,7 +13,6 @@ cd .carry/tree || { echo "perf.sh: no .carry/tree (bench/device/prep.sh makes it
 export DEADLINE=${DEADLINE:-570}
 source bench/device_call.sh
 export JAXLLM_GIT_COMMIT=$(cat $ROOT/.carry/commit 2>/dev/null || echo unknown)
-(tar xJf $ROOT/.carry/llamacpp-cuda-sm90.tar.xz -C /tmp 2>/dev/null) &
 if room 120 "step profile"; then
   timeout 150 python3 bench/step_profile.py --model synthetic:qwen2.5-7b --batch 1,16 --out $OUT/profile.json \
     > $R/profile.log 2>&1; stamp "step_profile rc $?"
@@ -34,11 +33,7 @@ B="python3 -m jaxllm.bench --loop pipelined --repeat 3 --prompt-len 128 --decode
 for preset in llama-3.2-1b qwen2.5-1.5b; do
   room 60 "$preset batch 1" && { timeout 90 $B synthetic:$preset --label $preset-b1 >> $R/bench.log 2>&1; stamp "$preset rc $?"; }
 done
-wait
-CB=$(find / -name "libcublas.so.13*" -not -path "/proc/*" 2>/dev/null | head -1)
-export LD_LIBRARY_PATH=/tmp/llamacpp-bin:${CB:+$(dirname $CB):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-left() { echo $(( DEADLINE - 25 - $(date +%s) + T0 )); }
-if room 150 "7B prefill"; then
+if room 150 "7B prefill" && use_llamacpp $ROOT/.carry/llamacpp-cuda-sm90.tar.xz; then
   timeout $(left) python3 bench/scaling.py --dir $R/prefill --presets qwen2.5-7b --batches 1 --kernels auto \
     --prefill 2048,8192 --llama-bench /tmp/llamacpp-bin/llama-bench --vocab $ROOT/.carry/vocab.gguf --peer-types Q8_0,Q4_0 \
     --gguf-dir /tmp/gguf --time-limit $(( $(left) - 10 )) > $R/prefill.log 2>&1; stamp "prefill rc $?"

@@ -10,15 +10,11 @@ ROOT=$PWD
 cd .carry/tree || { echo "serve.sh: no .carry/tree (bench/device/prep.sh makes it)"; exit 2; }
 export DEADLINE=${DEADLINE:-570}
 source bench/device_call.sh
-tar xJf $ROOT/.carry/llamacpp-cuda-sm90.tar.xz -C /tmp || { stamp "no llama.cpp build"; exit 1; }
-CB=$(find / -name "libcublas.so.13*" -not -path "/proc/*" 2>/dev/null | head -1)
-export LD_LIBRARY_PATH=/tmp/llamacpp-bin:${CB:+$(dirname $CB):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-echo "cublas: $CB" >> $R/env.txt
+use_llamacpp $ROOT/.carry/llamacpp-cuda-sm90.tar.xz || exit 1
 timeout 60 /tmp/llamacpp-bin/llama-server --version > $R/llama_version.txt 2>&1; stamp "llama-server --version rc $?"
 D=$R/serve
 mkdir -p $D
 [ -f $ROOT/.carry/serve.jsonl ] && cp $ROOT/.carry/serve.jsonl $D/serve.jsonl
-left() { echo $(( DEADLINE - 25 - $(date +%s) + T0 )); }
 stamp "serve_peers, $(left) s left"
 python3 bench/serve_peers.py --dir $D --presets ${PRESETS:-qwen2.5-0.5b,qwen2.5-7b} \
   --llama-server /tmp/llamacpp-bin/llama-server --vocab $ROOT/.carry/vocab.gguf --gguf-dir /tmp/gguf \

@@ -27,7 +27,7 @@ fi
 printf 'add_subdirectory(llama-bench)\nadd_subdirectory(batched-bench)\nadd_subdirectory(ui)\nadd_subdirectory(mtmd)\nadd_subdirectory(server)\n' \
   > src/tools/CMakeLists.txt
 [ -f src/app/CMakeLists.txt ] || { mkdir -p src/app && : > src/app/CMakeLists.txt; }
-flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_INSTALL_RPATH='$ORIGIN'
        -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON)
@@ -46,14 +46,14 @@ if [ "$kind" = cuda ]; then
   mkdir -p stub && echo "" > stub/empty.c
   gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o stub/libcuda.so stub/empty.c
   NVCC=$(command -v nvcc)
-  flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_CUDA_COMPILER="$NVCC"
+  flags+=(-DGGML_NATIVE=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_CUDA_COMPILER="$NVCC"
           -DCUDA_cublas_LIBRARY="$CB/lib/libcublas.so" -DCUDA_cublasLt_LIBRARY="$CB/lib/libcublasLt.so"
           -DCUDA_cuda_driver_LIBRARY="$W/stub/libcuda.so" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--allow-shlib-undefined"
           -DCMAKE_SHARED_LINKER_FLAGS="-Wl,--no-as-needed"
           -DCMAKE_CUDA_FLAGS="-I$CB/include" -DCMAKE_CXX_FLAGS="-I$CB/include" -DCMAKE_C_FLAGS="-I$CB/include")
   build=build-cuda
 else
-  flags+=(-DGGML_NATIVE=ON)           # after the OFF above: the instructions of the CPU it is built on
+  flags+=(-DGGML_NATIVE=ON)           # the instructions of the CPU it is built on
   build=build-cpu
 fi
 cmake -S src -B $build "${flags[@]}" > $build-cmake.log 2>&1 || { tail -40 $build-cmake.log; exit 1; }
