@@ -345,9 +345,10 @@ class Scheduler:
 
   def _collect(self, tokens, owners: list) -> None:
     """Hands a call's tokens to the requests that held its rows when it was dispatched, where still running."""
-    tokens = np.asarray(tokens)
+    tokens = np.asarray(tokens)                     # [steps, rows]
+    live = {id(r) for r in self._running if r is not None}
     for column, run in enumerate(owners):
-      if run is not None and any(r is run for r in self._running):
+      if run is not None and id(run) in live:
         self._push(run, [int(t) for t in tokens[:, column]])
 
   def _busy(self) -> int:
