@@ -244,6 +244,11 @@ class SlotPrograms:
     self.counts = counts(slots)
     self.state = self._empty_state()
     self._blocks: dict[int, jax.Array] = {}          # per row count: the token block its calls donate
+    # The programs looked up so far, by key: serving looks them up several times a turn, and building their
+    # abstract arguments (the state's spec, a sampler's) costs more host time than a small model's step.
+    self._programs: dict[tuple, Callable] = {}
+    self._programs_graphs = engine.graphs_active      # what they were compiled under (a fallback clears them)
+    self._steps: dict[int, int] = {}                  # per row count: decode steps a call (the engine's choice)
 
   def _empty_state(self) -> DecodeState:
     n, engine = self.slots, self.engine
@@ -262,6 +267,16 @@ class SlotPrograms:
 
   # ---- programs ------------------------------------------------------------------------------
 
+  def _program(self, key: tuple, make: Callable[[], tuple]) -> Callable:
+    """The engine's program under key; make() -> (function, donated arguments, abstract arguments) runs only
+    the first time (or after the engine turned command buffers off, which drops what it had compiled)."""
+    if self._programs_graphs != self.engine.graphs_active:
+      self._programs, self._programs_graphs = {}, self.engine.graphs_active
+    program = self._programs.get(key)
+    if program is None:
+      program = self._programs[key] = self.engine.compile_program(key, *make())
+    return program
+
   def _args(self, size: int, final: bool, wide: bool = False) -> tuple:
     vec = jax.ShapeDtypeStruct((1,), jnp.int32)
     common = (self.engine.weights, _spec(self.state), jax.ShapeDtypeStruct((), jnp.int32),
@@ -277,43 +292,52 @@ class SlotPrograms:
   def extend_fn(self) -> Callable:
     e = self.engine
     fn = functools.partial(extend_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
-    return e.compile_program(("slot-extend", self.slots, e.prefill_chunk), fn, 1, self._args(e.prefill_chunk, False))
+    key = ("slot-extend", self.slots, e.prefill_chunk)
+    return self._program(key, lambda: (fn, 1, self._args(e.prefill_chunk, False)))
 
   def admit_fn(self, bucket: int, wide: bool = False) -> Callable:
     """admit_slot for a last chunk of `bucket` tokens; wide: for a request whose top_k is above MAX_TOP_K."""
     e = self.engine
     fn = functools.partial(admit_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
     key = ("slot-admit", self.slots, bucket) + (("wide",) if wide else ())
-    return e.compile_program(key, fn, 1, self._args(bucket, True, wide))
+    return self._program(key, lambda: (fn, 1, self._args(bucket, True, wide)))
 
   def score_fn(self, size: int) -> Callable:
     e = self.engine
     fn = functools.partial(score_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
-    tokens = jax.ShapeDtypeStruct((1, size), jnp.int32)
-    args = (e.weights, _spec(self.state), jax.ShapeDtypeStruct((), jnp.int32), tokens,
-            jax.ShapeDtypeStruct((1,), jnp.int32), tokens)
-    return e.compile_program(("slot-score", self.slots, size), fn, (), args)
+    tokens, vec = jax.ShapeDtypeStruct((1, size), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return self._program(("slot-score", self.slots, size),
+                         lambda: (fn, (), (e.weights, _spec(self.state), scalar, tokens, vec, tokens)))
 
   def decode_fn(self, count: int, mode: bool | str, masked: bool = False) -> Callable:
     """decode_rows over rows [0, count) in a decode mode (GREEDY, FULL or WIDE): (weights, state, block) ->
     (state, block); masked: one step a call, under the rows' token masks."""
     e = self.engine
-    k = 1 if masked else e.tokens_per_call_for(count)
-    step, _, args = e.decode_program(count, _ENGINE_MODE[mode], k, masked)
-    fn = functools.partial(decode_rows, step, count, k, masked, mode == WIDE)
-    block = jax.ShapeDtypeStruct((k, count), jnp.int32)
+    k = self._tokens_per_call(count, masked)
     key = ("slot-decode", self.slots, count, mode, k, e.device_loop) + (("masked",) if masked else ())
-    return e.compile_program(key, fn, (1, 2), (e.weights, _spec(self.state), block))
+
+    def make():
+      step, _, _ = e.decode_program(count, _ENGINE_MODE[mode], k, masked)
+      fn = functools.partial(decode_rows, step, count, k, masked, mode == WIDE)
+      return fn, (1, 2), (e.weights, _spec(self.state), jax.ShapeDtypeStruct((k, count), jnp.int32))
+    return self._program(key, make)
+
+  def _tokens_per_call(self, count: int, masked: bool) -> int:
+    """Decode steps a call of `count` rows takes (masked: one), asked of the engine once per count."""
+    if masked:
+      return 1
+    if count not in self._steps:
+      self._steps[count] = self.engine.tokens_per_call_for(count)
+    return self._steps[count]
 
   def put_masks_fn(self) -> Callable:
-    e = self.engine
     masks = jax.ShapeDtypeStruct(self.state.sampler.mask.shape, jnp.uint32)
-    return e.compile_program(("slot-masks", self.slots), put_masks, 0, (_spec(self.state), masks))
+    return self._program(("slot-masks", self.slots), lambda: (put_masks, 0, (_spec(self.state), masks)))
 
   def swap_fn(self) -> Callable:
-    e = self.engine
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    return e.compile_program(("slot-swap", self.slots), swap_rows, 0, (_spec(self.state), scalar, scalar))
+    return self._program(("slot-swap", self.slots), lambda: (swap_rows, 0, (_spec(self.state), scalar, scalar)))
 
   def check(self, params: SamplingParams) -> None:
     """ValueError where these slots cannot sample with `params`: a top_k above MAX_TOP_K without the wide
@@ -400,7 +424,7 @@ class SlotPrograms:
     """Dispatches one decode call (tokens_per_call steps; masked: one, under the masks put_masks wrote) of rows
     [0, count) and returns its tokens [K, count]: a device copy already on its way to the host (np.asarray reads
     it), so the caller may dispatch the next call, which donates the call's own token block, before reading them."""
-    k = 1 if masked else self.engine.tokens_per_call_for(count)
+    k = self._tokens_per_call(count, masked)
     block = self._blocks.pop((count, k), None)
     if block is None:
       block = np.zeros((k, count), np.int32)
