@@ -90,7 +90,7 @@ class _Job:
     self.logprobs, prompt_logprobs = P.logprobs_wanted(req)
     for pi, (prompt, limit) in enumerate(zip(prompts, limits)):
       for j, s in enumerate(P.seeds(seed, req.n)):
-        emit = functools.partial(_emit, loop, self.events, pi * req.n + j)
+        emit = functools.partial(_mailbox(loop).put, self.events, pi * req.n + j)
         constraint = None if grammar is None else grammar.constraint()     # one matcher per choice
         self.requests.append(Request(prompt, limit, emit, params, s, stop, req.ignore_eos, self.logprobs,
                                      prompt_logprobs, constraint, bias))
@@ -127,9 +127,41 @@ class _Job:
     return P.usage(self.prompt_tokens, sum(d.completion_tokens for d in self.done.values()))
 
 
-def _emit(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int, event) -> None:
-  with contextlib.suppress(RuntimeError):       # the event loop has closed (shutdown): nobody is listening
-    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+class _Mailbox:
+  """Hands events from the engine thread to one event loop's queues. The loop is woken once for whatever is
+  posted before it runs (one self-pipe write a batch, not one a token: at 64 streams a decode call posts 64
+  events); each queue gets its events in the order posted."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop, self._lock = loop, threading.Lock()
+    self._items: list[tuple[asyncio.Queue, tuple]] = []
+    self._scheduled = False
+
+  def put(self, events: asyncio.Queue, index: int, event) -> None:
+    with self._lock:
+      self._items.append((events, (index, event)))
+      if self._scheduled:
+        return
+      self._scheduled = True
+    with contextlib.suppress(RuntimeError):       # the event loop has closed (shutdown): nobody is listening
+      self.loop.call_soon_threadsafe(self._drain)
+
+  def _drain(self) -> None:
+    with self._lock:
+      items, self._items, self._scheduled = self._items, [], False
+    for events, item in items:
+      events.put_nowait(item)
+
+
+_BOX: list[_Mailbox] = []        # the mailbox of the loop that last made a job (a server runs one loop)
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+  """The running loop's mailbox (called on that loop). A job keeps the one it was made with, so jobs of
+  another loop (tests run one loop per client) still reach their own."""
+  if not _BOX or _BOX[0].loop is not loop:
+    _BOX[:] = [_Mailbox(loop)]
+  return _BOX[0]
 
 
 class _Logprobs:
