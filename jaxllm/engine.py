@@ -142,11 +142,15 @@ class Engine(Programs):
                           constraints=[None] * batch if masked else None)
       self._history = None
 
-  def compile_program(self, key: tuple, fn: Callable, donate: int | tuple[int, ...], args) -> Callable:
-    """Compiles fn(*args) (abstract arguments, `donate` donated) once per key, as the engine's own programs are:
-    with its compiler options, command-buffer fallback and disk cache, counted in `built`. For programs
-    built outside the engine over its weights (jaxllm.serve's slot programs); key's first item names them."""
-    return self._build(key, fn, donate, args)
+  def compile_program(self, key: tuple, make: Callable[[], tuple]) -> Callable:
+    """The program under key, compiled the first time: make() -> (fn, donated arguments, abstract arguments)
+    runs only then (callers look programs up every step, and abstract arguments cost more than a small
+    model's step to build). Compiled as the engine's own programs are: with its compiler options,
+    command-buffer fallback and disk cache, counted in `built`. For programs built outside the engine over
+    its weights (jaxllm.serve's slot programs); key's first item names them."""
+    if key in self._exe:
+      return self._exe[key]
+    return self._build(key, *make())
 
   # ---- generation ----------------------------------------------------------------------------
 

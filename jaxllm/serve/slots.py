@@ -244,10 +244,6 @@ class SlotPrograms:
     self.counts = counts(slots)
     self.state = self._empty_state()
     self._blocks: dict[int, jax.Array] = {}          # per row count: the token block its calls donate
-    # The programs looked up so far, by key: serving looks them up several times a turn, and building their
-    # abstract arguments (the state's spec, a sampler's) costs more host time than a small model's step.
-    self._programs: dict[tuple, Callable] = {}
-    self._programs_graphs = engine.graphs_active      # what they were compiled under (a fallback clears them)
     self._steps: dict[int, int] = {}                  # per row count: decode steps a call (the engine's choice)
 
   def _empty_state(self) -> DecodeState:
@@ -267,16 +263,6 @@ class SlotPrograms:
 
   # ---- programs ------------------------------------------------------------------------------
 
-  def _program(self, key: tuple, make: Callable[[], tuple]) -> Callable:
-    """The engine's program under key; make() -> (function, donated arguments, abstract arguments) runs only
-    the first time (or after the engine turned command buffers off, which drops what it had compiled)."""
-    if self._programs_graphs != self.engine.graphs_active:
-      self._programs, self._programs_graphs = {}, self.engine.graphs_active
-    program = self._programs.get(key)
-    if program is None:
-      program = self._programs[key] = self.engine.compile_program(key, *make())
-    return program
-
   def _args(self, size: int, final: bool, wide: bool = False) -> tuple:
     vec = jax.ShapeDtypeStruct((1,), jnp.int32)
     common = (self.engine.weights, _spec(self.state), jax.ShapeDtypeStruct((), jnp.int32),
@@ -293,22 +279,22 @@ class SlotPrograms:
     e = self.engine
     fn = functools.partial(extend_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
     key = ("slot-extend", self.slots, e.prefill_chunk)
-    return self._program(key, lambda: (fn, 1, self._args(e.prefill_chunk, False)))
+    return e.compile_program(key, lambda: (fn, 1, self._args(e.prefill_chunk, False)))
 
   def admit_fn(self, bucket: int, wide: bool = False) -> Callable:
     """admit_slot for a last chunk of `bucket` tokens; wide: for a request whose top_k is above MAX_TOP_K."""
     e = self.engine
     fn = functools.partial(admit_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
     key = ("slot-admit", self.slots, bucket) + (("wide",) if wide else ())
-    return self._program(key, lambda: (fn, 1, self._args(bucket, True, wide)))
+    return e.compile_program(key, lambda: (fn, 1, self._args(bucket, True, wide)))
 
   def score_fn(self, size: int) -> Callable:
     e = self.engine
     fn = functools.partial(score_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
     tokens, vec = jax.ShapeDtypeStruct((1, size), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    return self._program(("slot-score", self.slots, size),
-                         lambda: (fn, (), (e.weights, _spec(self.state), scalar, tokens, vec, tokens)))
+    return e.compile_program(("slot-score", self.slots, size),
+                             lambda: (fn, (), (e.weights, _spec(self.state), scalar, tokens, vec, tokens)))
 
   def decode_fn(self, count: int, mode: bool | str, masked: bool = False) -> Callable:
     """decode_rows over rows [0, count) in a decode mode (GREEDY, FULL or WIDE): (weights, state, block) ->
@@ -321,7 +307,7 @@ class SlotPrograms:
       step, _, _ = e.decode_program(count, _ENGINE_MODE[mode], k, masked)
       fn = functools.partial(decode_rows, step, count, k, masked, mode == WIDE)
       return fn, (1, 2), (e.weights, _spec(self.state), jax.ShapeDtypeStruct((k, count), jnp.int32))
-    return self._program(key, make)
+    return e.compile_program(key, make)
 
   def _tokens_per_call(self, count: int, masked: bool) -> int:
     """Decode steps a call of `count` rows takes (masked: one), asked of the engine once per count."""
@@ -333,11 +319,13 @@ class SlotPrograms:
 
   def put_masks_fn(self) -> Callable:
     masks = jax.ShapeDtypeStruct(self.state.sampler.mask.shape, jnp.uint32)
-    return self._program(("slot-masks", self.slots), lambda: (put_masks, 0, (_spec(self.state), masks)))
+    return self.engine.compile_program(("slot-masks", self.slots),
+                                       lambda: (put_masks, 0, (_spec(self.state), masks)))
 
   def swap_fn(self) -> Callable:
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    return self._program(("slot-swap", self.slots), lambda: (swap_rows, 0, (_spec(self.state), scalar, scalar)))
+    return self.engine.compile_program(("slot-swap", self.slots),
+                                       lambda: (swap_rows, 0, (_spec(self.state), scalar, scalar)))
 
   def check(self, params: SamplingParams) -> None:
     """ValueError where these slots cannot sample with `params`: a top_k above MAX_TOP_K without the wide
