@@ -11,7 +11,8 @@ programs.
 
 Executables are unpickled and their native code loaded: the directory is used only when it is the user's
 alone, and each file is checked, through its open descriptor, to be the user's and not writable by others
-(jaxllm.cachedir says why and how). `JAXLLM_COMPILE_CACHE=0` keeps nothing.
+(jaxllm.cachedir says why and how). `JAXLLM_COMPILE_CACHE=0` keeps nothing, and so does a process where JAX's
+own persistent cache is on (JAX_COMPILATION_CACHE_DIR): an executable that cache returns does not serialize whole.
 """
 from __future__ import annotations
 
@@ -141,10 +142,13 @@ def load_executable(key: str):
 
 def save_executable(key: str, compiled) -> bool:
   """Saves a compiled executable (atomically: a private file renamed into place); True if it did. Where the
-  cache cannot be written, warns once and keeps nothing."""
+  cache cannot be written, warns once and keeps nothing; while JAX's own persistent cache is on
+  (jax_cache_active), keeps nothing."""
   import pickle
   import jax
   from jax.experimental.serialize_executable import serialize
+  if jax_cache_active():             # the executable may be one JAX's cache returned: it may not serialize whole
+    return False
   shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
   devices = {d for s in shardings for d in s.device_set}
   if len(devices) != 1:              # one device's programs only (a mesh's would need its devices in the key)
@@ -170,6 +174,15 @@ def save_executable(key: str, compiled) -> bool:
     warn_once("unwritable", d, f"jaxllm: cannot write compiled executables to {d} ({e}); running without keeping "
                                "them (free space, set JAXLLM_CACHE to a writable directory, or JAXLLM_COMPILE_CACHE=0)")
     return False
+
+
+def jax_cache_active() -> bool:
+  """Whether JAX's own persistent compilation cache is on (JAX_COMPILATION_CACHE_DIR, jax.config, or
+  enable_compile_cache()). An executable it returned serializes without its compiled functions on the CPU: kept
+  and loaded in a later run, it fails when called ("Function broadcast_add_fusion not found"). While it is on,
+  save_executable keeps nothing and JAX's cache serves instead."""
+  import jax
+  return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
 
 
 def compile_cache_enabled() -> bool:
