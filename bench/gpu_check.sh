@@ -58,11 +58,12 @@ TESTS=${TESTS-}
 [ "$TESTS" = all ] && TESTS=tests
 if [ -n "$TESTS" ]; then
   # Several test processes share the GPU: no preallocation, so each takes only what it uses; and the CPUs: one
-  # BLAS thread each for the numpy references.
+  # BLAS thread each for the numpy references. loadgroup: a module marked xdist_group (its tests share a
+  # server or a subprocess's results) runs on one worker, its fixture set up once; groups start first.
   t0=$(date +%s)
   JAXLLM_TEST_TIMES="$DIR/test_times.jsonl" XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=1 \
     OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout "${T_TESTS:-420}" python3 -m pytest -v -rfEs -n "${WORKERS:-12}" \
-    --dist worksteal -p no:cacheprovider --durations=40 -o faulthandler_timeout=300 $TESTS > "$DIR/tests.log" 2>&1
+    --dist loadgroup -p no:cacheprovider --durations=40 -o faulthandler_timeout=300 $TESTS > "$DIR/tests.log" 2>&1
   rc=$?
   echo "tests: exit $rc in $(( $(date +%s) - t0 )) s"
   grep -E "^(FAILED|ERROR)" "$DIR/tests.log" | head -40

@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -12,6 +14,8 @@ from tiny import write_tiny_model  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3")
 _CACHE_ROOT = pytest.StashKey[str]()   # the session cache root to remove at the end ("": kept)
+_SHARED = pytest.StashKey[str]()       # the directory the test processes share, made by this process
+_SHARED_VAR = "JAXLLM_TEST_SHARED"     # its path (xdist's workers inherit it): XLA's compiles, `alone` tests' locks
 
 
 def pytest_configure(config):
@@ -19,6 +23,9 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "hf: compares with HF transformers on a real model (needs torch)")
   config.addinivalue_line("markers", "qwen: needs the 0.5B Qwen demo model (set JAXLLM_TEST_QWEN=1)")
   config.addinivalue_line("markers", "network: downloads a demo model (skipped with JAXLLM_TEST_OFFLINE=1)")
+  config.addinivalue_line("markers", "xdist_group(name): under pytest-xdist's --dist loadgroup, one worker runs "
+                          "the group (registered here too for runs without xdist)")
+  config.addinivalue_line("markers", "alone: holds wall-clock limits: under xdist no other test runs meanwhile")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,18 +54,58 @@ def pytest_sessionstart(session):
   downloads) and XDG_CACHE_HOME (pip's download cache, Hugging Face's) point into a temporary directory,
   removed at the end; subprocesses the tests start inherit both. The suite never reads or writes ~/.cache,
   so demo models are downloaded once per session. JAXLLM_TEST_CACHE names a directory to use instead (kept,
-  to reuse the downloads across sessions; the tests clear the converted models and executables in it)."""
+  to reuse the downloads across sessions; the tests clear the converted models and executables in it).
+  A second temporary directory is shared by the test processes (xdist's workers inherit its variable), removed
+  at the end: JAX's compilation cache and the locks of `alone` tests."""
   kept = os.environ.get("JAXLLM_TEST_CACHE")
   root = os.path.abspath(kept) if kept else tempfile.mkdtemp(prefix="jaxllm-test-cache-")
   session.config.stash[_CACHE_ROOT] = "" if kept else root
   os.environ["JAXLLM_CACHE"] = root
   os.environ["XDG_CACHE_HOME"] = os.path.join(root, "xdg")
+  shared = os.environ.get(_SHARED_VAR)
+  if not shared:
+    shared = tempfile.mkdtemp(prefix="jaxllm-test-shared-")
+    os.environ[_SHARED_VAR] = shared
+    session.config.stash[_SHARED] = shared
+  _share_xla_compiles(os.path.join(shared, "xla"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Under xdist, a test marked `alone` (it holds wall-clock limits) runs while no other worker runs a test (its
+  fixtures' setup included): it takes a shared directory's lock exclusively, every other test shares it. A
+  second lock, the gate, lets a waiting `alone` test in first: the others pass the gate before sharing."""
+  shared = os.environ.get(_SHARED_VAR)
+  if not os.environ.get("PYTEST_XDIST_WORKER") or not shared:
+    return (yield)
+  alone = item.get_closest_marker("alone") is not None
+  with open(os.path.join(shared, "gate.lock"), "a") as gate, open(os.path.join(shared, "run.lock"), "a") as run:
+    fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    if not alone:
+      fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+      return (yield)
+    finally:
+      with contextlib.suppress(OSError):
+        fcntl.flock(run, fcntl.LOCK_UN)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+def _share_xla_compiles(d: str):
+  """JAX's persistent compilation cache in the session's shared directory, for the test processes only (set in
+  jax.config: the CLIs and scripts the tests start compile as a user's run does). The tests build engines of
+  the same tiny models again and again, and compiling their programs anew is most of the suite's time."""
+  import jax
+  jax.config.update("jax_compilation_cache_dir", d)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_sessionfinish(session):
-  root = session.config.stash.get(_CACHE_ROOT, "")
-  if root:
-    shutil.rmtree(root, ignore_errors=True)
+  for root in (session.config.stash.get(_CACHE_ROOT, ""), session.config.stash.get(_SHARED, "")):
+    if root:
+      shutil.rmtree(root, ignore_errors=True)
 
 
 def pytest_runtest_logreport(report):
@@ -75,6 +122,20 @@ def pytest_runtest_logreport(report):
     line["report"] = str(report.longrepr)[-4000:]
   with open(path, "a") as f:
     f.write(json.dumps(line) + "\n")
+
+
+@pytest.fixture
+def own_compiles():
+  """JAX's persistent cache off for this test (the suite turns it on: _share_xla_compiles): the engine keeps
+  executables of its own only where that cache is off (jaxllm.executables.jax_cache_active)."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()        # JAX decides once whether the cache is used: decide again
+  yield
+  jax.config.update("jax_enable_compilation_cache", was)
+  compilation_cache.reset_cache()
 
 
 @pytest.fixture

@@ -24,6 +24,9 @@ import pytest
 
 import jaxllm
 
+# Wall-clock limits: under xdist no other test runs meanwhile (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT_S = 20.0
 DEMO = "smollm2-135m"

@@ -30,8 +30,9 @@ _PLANTED = "JAXLLM_TEST_PLANTED_CODE_RAN"
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-  """A fresh cache root for one test (not yet made), with the once-per-process warnings forgotten."""
+def cache(tmp_path, monkeypatch, own_compiles):
+  """A fresh cache root for one test (not yet made), with the once-per-process warnings forgotten; JAX's
+  persistent cache off (where it is on, the engine keeps no executables)."""
   root = tmp_path / "cache"
   monkeypatch.setenv("JAXLLM_CACHE", str(root))
   monkeypatch.setattr(cachedir, "_warned", set())
@@ -119,6 +120,26 @@ def test_a_private_cache_loads_its_executables_and_drops_damaged_ones(cache):
   assert executables.load_executable("bad") is None and not (cachedir.executables_dir() / "bad.bin").exists()
 
 
+def test_nothing_is_kept_while_jaxs_own_cache_is_on(cache, tmp_path):
+  """An executable JAX's persistent cache returned serializes without its functions on the CPU: kept, it loaded
+  and then failed when called ("Function broadcast_add_fusion not found"). While that cache is on (here as a
+  user's JAX_COMPILATION_CACHE_DIR sets it), nothing is kept, and the program runs from JAX's cache."""
+  code = ("import jax, jax.numpy as jnp; from jaxllm import executables; "
+          "f = lambda: jax.jit(lambda x: x * 2 + 1).lower(jax.ShapeDtypeStruct((4,), jnp.float32)).compile(); "
+          "f(); print(executables.save_executable('k', f()), f()(jnp.arange(4.0)).tolist())")
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+  assert run.returncode == 0 and run.stdout.split() == ["False", "[1.0,", "3.0,", "5.0,", "7.0]"], run.stderr[-2000:]
+  assert list((tmp_path / "xla").iterdir()) and not list(cachedir.executables_dir().glob("*.bin"))
+  gguf = write_tiny_model(tmp_path / "m.gguf", "qwen2")
+  cli = subprocess.run([sys.executable, "-m", "jaxllm.generate", gguf, "-p", "the", "-n", "2"], capture_output=True,
+                       text=True, env=env, timeout=300)
+  assert cli.returncode == 0 and "kept by JAX's own compilation cache (JAX_COMPILATION_CACHE_DIR)" in cli.stderr, \
+      cli.stderr[-2000:]
+  assert executables.save_executable("k", _compiled())                # JAX's cache off again: kept
+
+
 def test_a_kept_executable_runs_on_its_device_of_several(cache):
   """On a host of several devices (two simulated CPUs: the flag needs a process of its own), an executable kept
   in one run loads and runs in the next (it was loaded onto every device and failed: "Expected args to
@@ -174,7 +195,7 @@ def test_executable_keys_name_xla_flags_jax_settings_and_the_extension(cache, tm
     executables.code_version.cache_clear()
 
 
-def test_an_unwritable_cache_warns_once_and_the_run_goes_on(tmp_path, monkeypatch):
+def test_an_unwritable_cache_warns_once_and_the_run_goes_on(tmp_path, monkeypatch, own_compiles):
   (tmp_path / "file").write_text("a regular file")
   monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "file" / "cache"))   # cannot be made, even by root
   monkeypatch.setattr(cachedir, "_warned", set())

@@ -142,18 +142,18 @@ def test_score_memory_does_not_grow_with_the_vocabulary_times_length():
   # takes minutes a program; the default configurations are as exact, and this test is about memory.
   options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
 
-  def scorer(chunk):
-    return jax.jit(lambda tk, p, q: continuation_logprobs(config, weights, tk, p, q, chunk=chunk),
+  def scorer(chunk):    # the weights an argument, not constants folded into the program
+    return jax.jit(lambda w, tk, p, q: continuation_logprobs(config, w, tk, p, q, chunk=chunk),
                    compiler_options=options)
 
   def temp(t):
     tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
     lens = jax.ShapeDtypeStruct((b,), jnp.int32)
-    return scorer(64).lower(tokens, lens, lens).compile().memory_analysis().temp_size_in_bytes
+    return scorer(64).lower(weights, tokens, lens, lens).compile().memory_analysis().temp_size_in_bytes
   grown = temp(1024) - temp(256)
   assert grown < b * 768 * config.vocab_size * 4 / 4, grown     # the forward itself grows by ~50 MB
   tokens = jax.random.randint(jax.random.PRNGKey(0), (b, 300), 0, config.vocab_size)
   lens = (jnp.asarray([3, 10]), jnp.asarray([300, 200]))
-  chunked = scorer(64)(tokens, *lens)
-  whole = scorer(512)(tokens, *lens)
+  chunked = scorer(64)(weights, tokens, *lens)
+  whole = scorer(512)(weights, tokens, *lens)
   np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5)

@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+# The module's tests share a costly module fixture: under xdist one worker runs them all, setting it up once
+# (bench/gpu_check.sh runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("parallel")
+
 HERE = Path(__file__).resolve().parent
 
 

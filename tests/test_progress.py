@@ -114,7 +114,7 @@ def test_the_conversion_bar_counts_the_files_bytes(tmp_path, arch):
   assert any(d == pytest.approx(layers) for d in done)
 
 
-def test_stage_lines_say_what_happened(tmp_path, monkeypatch, capsys):
+def test_stage_lines_say_what_happened(tmp_path, monkeypatch, capsys, own_compiles):
   """What the conversion does to this file (for this platform's kernels), and whether the steps were compiled
   (and saved) or loaded."""
   where = "GPU" if jax.default_backend() == "gpu" else "CPU"
@@ -137,7 +137,7 @@ def test_stage_lines_say_what_happened(tmp_path, monkeypatch, capsys):
   assert "] compiled and warmed up in " in err and "(not kept: the compile cache is off)" in err
 
 
-def test_compile_line_names_each_case():
+def test_compile_line_names_each_case(own_compiles):
   def said(**built):
     return compile_line({"loaded": 0, "compiled": 0, "saved": 0, **built}, cache_on=True).format(s=1.234)
   assert said(loaded=3) == "loaded compiled steps and warmed up in 1.23 s"

@@ -29,6 +29,10 @@ from jaxllm.serve.app import ServerState, create_app
 from jaxllm.serve.scheduler import Scheduler
 from jaxllm.weights import load_weights
 
+# The module's tests share a costly module fixture: under xdist one worker runs them all, setting it up once
+# (bench/gpu_check.sh runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("serve")
+
 
 def free_port() -> int:
   with socket.socket() as s:

@@ -22,6 +22,10 @@ from test_chat_template import QWEN25, _tokenizer
 from test_serve import metric, post, serve_model
 from tiny import write_tiny_model
 
+# The module's tests share a costly module fixture: under xdist one worker runs them all, setting it up once
+# (bench/gpu_check.sh runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("serve_tools")
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}

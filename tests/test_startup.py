@@ -84,7 +84,7 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
   assert not [p for p in cachedir.models_dir().iterdir() if p.name.startswith(f".{key}.")]
 
 
-def test_engine_executables_load_from_disk(tmp_path, monkeypatch):
+def test_engine_executables_load_from_disk(tmp_path, monkeypatch, own_compiles):
   path = write_tiny_model(tmp_path / "m.gguf", "llama")
   config, weights, tok = jaxllm.load(path, progress=False)
   prompt = tok.encode("the cat sat")

@@ -25,6 +25,10 @@ from jaxllm.sampling import MAX_TOP_K, Sampler, SamplingParams, allowed_tokens, 
 from test_serve import metric, post, serve
 from tiny import write_tiny_model
 
+# The module's tests share a costly module fixture: under xdist one worker runs them all, setting it up once
+# (bench/gpu_check.sh runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("structured")
+
 FLAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                          "n": {"type": "integer", "minimum": 0, "maximum": 99},
                                          "colour": {"enum": ["red", "green", "blue"]}},
