@@ -70,26 +70,40 @@ def pytest_sessionstart(session):
   _share_xla_compiles(os.path.join(shared, "xla"))
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-  """Under xdist, a test marked `alone` (it holds wall-clock limits) runs while no other worker runs a test (its
-  fixtures' setup included): it takes a shared directory's lock exclusively, every other test shares it. A
-  second lock, the gate, lets a waiting `alone` test in first: the others pass the gate before sharing."""
+@contextlib.contextmanager
+def _turn(alone: bool):
+  """Under xdist, the locks that let a test marked `alone` (it holds wall-clock limits) run while no other
+  worker runs a test: it takes the run lock of the shared directory exclusively, every other test shares it. The
+  gate lets a waiting `alone` test in first: the others pass it before sharing the run lock."""
   shared = os.environ.get(_SHARED_VAR)
   if not os.environ.get("PYTEST_XDIST_WORKER") or not shared:
-    return (yield)
-  alone = item.get_closest_marker("alone") is not None
+    yield
+    return
   with open(os.path.join(shared, "gate.lock"), "a") as gate, open(os.path.join(shared, "run.lock"), "a") as run:
     fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
     fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
     if not alone:
       fcntl.flock(gate, fcntl.LOCK_UN)
     try:
-      return (yield)
+      yield
     finally:
-      with contextlib.suppress(OSError):
-        fcntl.flock(run, fcntl.LOCK_UN)
+      fcntl.flock(run, fcntl.LOCK_UN)
+      if alone:
         fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Every test but an `alone` one shares the run lock while it runs, its fixtures' setup included."""
+  with _turn(alone=False) if item.get_closest_marker("alone") is None else contextlib.nullcontext():
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  """An `alone` test holds the run lock alone while its body runs (a skipped one never waits for it)."""
+  with _turn(alone=True) if item.get_closest_marker("alone") is not None else contextlib.nullcontext():
+    return (yield)
 
 
 def _share_xla_compiles(d: str):
