@@ -17,6 +17,8 @@ import contextlib
 import sys
 import time
 
+from jaxllm.executables import jax_cache_active
+
 
 class Stages:
   """Times named stages and reports each as one line; `times` keeps the seconds of each by name."""
@@ -65,7 +67,6 @@ def compile_line(built: dict, cache_on: bool) -> str:
   what = f"compiled {compiled} steps, loaded {loaded}," if loaded else "compiled"
   if not cache_on:
     return what + " and warmed up in {s:.2f} s (not kept: the compile cache is off)"
-  from jaxllm.executables import jax_cache_active
   if not saved and jax_cache_active():
     return what + " and warmed up in {s:.2f} s, kept by JAX's own compilation cache (JAX_COMPILATION_CACHE_DIR)"
   kept = ("saved for the next run" if saved == compiled else "not saved" if not saved else
