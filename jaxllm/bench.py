@@ -269,7 +269,7 @@ def run(args) -> list[dict]:
              "peak_memory_bytes": peak, "peak_rss_bytes": _peak_rss(), "weights_bytes": all_weight_bytes,
              "cache_bytes": cache_bytes(config, args.batch, max_context, engine.cache_dtype),
              "prefill_chunk": engine.prefill_chunk, "tokens_per_call": engine.tokens_per_call_for(args.batch),
-             "device_loop": engine.device_loop, "env": env}
+             "device_loop": engine.loop_for(args.batch), "env": env}
       if rec["peak_memory_bytes"] is not None:
         rec["peak_beyond_weights_and_cache_bytes"] = rec["peak_memory_bytes"] - all_weight_bytes - rec["cache_bytes"]
       records.append(rec)

@@ -82,12 +82,13 @@ class Engine(Programs):
       instead of tracing and compiling again.
     tokens_per_call: decode steps per executable call (decode_steps): the host dispatches and reads once
       per that many tokens, which then arrive together; a stream may compute up to that many - 1 steps past
-      the point where its caller stops reading. None (the default): programs.GPU_TOKENS_PER_CALL where the GPU
-      runs the fused step, CPU_TOKENS_PER_CALL on the CPU with the while loop, else 1 (tokens_per_call_for says
-      which).
+      the point where its caller stops reading. None (the default): programs.GPU_TOKENS_PER_CALL on the GPU,
+      CPU_TOKENS_PER_CALL on the CPU, but 1 for an unfused step in an "unrolled" device loop
+      (tokens_per_call_for says which).
     device_loop: how a call of several steps runs them (decode.decode_steps' loop): "unrolled" (K copies of
-      the step in the program) or "while" (one copy in a while loop). None (the default): "while" on the CPU
-      (K unrolled CPU steps compile for ~20 s instead of ~3), "unrolled" on the GPU.
+      the step in the program) or "while" (one copy in a while loop). None (the default): "unrolled" where the
+      GPU runs the fused step, "while" elsewhere (loop_for says which: K unrolled CPU steps compile for ~20 s
+      instead of ~3, K unrolled unfused GPU steps for tens of seconds).
     mesh: a one-axis mesh (jaxllm.parallel.make_mesh(N)) to run tensor parallel over its N devices: the
       weights are laid out over it (W8A16 or float), the KV cache split by KV head; None: one device.
   """

@@ -150,7 +150,7 @@ class Programs:
     if device_loop is not None and device_loop not in DEVICE_LOOPS:
       raise ValueError(f"device_loop must be one of {DEVICE_LOOPS} or None, got {device_loop!r}")
     self.tokens_per_call = tokens_per_call
-    self.device_loop = device_loop or ("unrolled" if jax.default_backend() == "gpu" else "while")
+    self._device_loop = device_loop            # None: chosen per batch size (loop_for)
     self.config = config
     # Tensor parallel (jaxllm.parallel): the weights laid out over the mesh, the cache split by KV head.
     self.tp = None if mesh is None else parallel.plan(config, mesh)
@@ -283,7 +283,7 @@ class Programs:
   def steps_fn(self, batch: int, greedy: bool | str, k: int) -> Callable:
     """Compiled decode_steps(weights, state, block [k, B]) -> (state, block): k steps per call, the state
     and the token block donated."""
-    return self._build(("steps", batch, greedy, k, self.device_loop), *self.decode_program(batch, greedy, k))
+    return self._build(("steps", batch, greedy, k, self.loop_for(batch)), *self.decode_program(batch, greedy, k))
 
   def decode_program(self, batch: int, greedy: bool | str, k: int,
                      masked: bool = False) -> tuple[Callable, int | tuple, tuple]:
@@ -293,23 +293,38 @@ class Programs:
     state = self._state_spec(batch, greedy, masked)
     if k == 1:
       return (functools.partial(decode_step, self.config, kernels=self.kernels, **flags), 1, (self.weights, state))
-    return (functools.partial(decode_steps, self.config, kernels=self.kernels, loop=self.device_loop, **flags), (1, 2),
+    return (functools.partial(decode_steps, self.config, kernels=self.kernels, loop=self.loop_for(batch), **flags),
+            (1, 2),
             (self.weights, state, jax.ShapeDtypeStruct((k, batch), jnp.int32)))
+
+  def loop_for(self, batch: int) -> str:
+    """How a call of several steps at this batch size runs them (decode.decode_steps' loop): the engine's
+    device_loop, or by default "unrolled" where the GPU runs the fused step (K copies of a step that compiles in
+    about a second) and "while" elsewhere: on the CPU (K unrolled steps compile for ~20 s instead of ~3) and
+    for the GPU's unfused step (K unrolled copies compile for tens of seconds; one copy in a loop runs at the
+    unrolled program's TPOT, docs/results/2026-12-01-h200-cluster.md)."""
+    if self._device_loop is not None:
+      return self._device_loop
+    return "unrolled" if self._gpu_fused(batch) else "while"
 
   def tokens_per_call_for(self, batch: int) -> int:
     """Decode steps per executable call at this batch size: the engine's tokens_per_call, or by default
-    GPU_TOKENS_PER_CALL where the GPU runs the fused step (there the host's ~0.3 ms dispatch and ~0.4 ms
-    read would otherwise set the pace, docs/results/2026-12-01-h200-step.md), CPU_TOKENS_PER_CALL on the CPU
-    with the while loop (a call's launch, the token's copy and read, and the host thread waking beside the
-    two compute threads cost 15-25% of a step of one token a call), else 1 (the GPU's unfused step and
-    unrolled CPU steps compile for tens of seconds at K > 1)."""
+    GPU_TOKENS_PER_CALL on the GPU (there the host's ~0.3 ms dispatch and ~0.4 ms read, and at batch > 1 each
+    row's output handling, would otherwise set the pace: docs/results/2026-12-01-h200-step.md,
+    2026-12-05-h200-serve.md) and CPU_TOKENS_PER_CALL on the CPU (a call's launch, the token's copy and read,
+    and the host thread waking beside the two compute threads cost 15-25% of a step of one token a call),
+    but 1 where the loop_for is "unrolled" by request and the step unfused (such K-step programs compile for
+    tens of seconds)."""
     if self.tokens_per_call is not None:
       return self.tokens_per_call
-    if jax.default_backend() != "gpu":
-      return CPU_TOKENS_PER_CALL if self.device_loop == "while" else 1
-    if use_fused(self.config, self.weights, self._cache_spec(batch), batch, self.kernels):
-      return GPU_TOKENS_PER_CALL
-    return 1
+    if self.loop_for(batch) == "unrolled" and not self._gpu_fused(batch):
+      return 1
+    return GPU_TOKENS_PER_CALL if jax.default_backend() == "gpu" else CPU_TOKENS_PER_CALL
+
+  def _gpu_fused(self, batch: int) -> bool:
+    """Whether a decode step at this batch size runs the GPU's fused layer kernels."""
+    return (jax.default_backend() == "gpu"
+            and use_fused(self.config, self.weights, self._cache_spec(batch), batch, self.kernels))
 
   def advance_fn(self, batch: int, greedy: bool | str) -> Callable:
     """advance(state, block) -> (state, block, tokens): one executable call of tokens_per_call_for(batch)

@@ -124,7 +124,7 @@ def test_tokens_per_call_gives_the_same_tokens(model, k, device_loop):
 def test_tokens_per_call_must_be_a_small_positive_integer(model):
   path, one, tok = model
   if jax.default_backend() == "cpu":   # the defaults: 8 a call in a while loop, 1 where the loop is unrolled
-    assert one.device_loop == "while" and one.tokens_per_call_for(1) == 8
+    assert one.loop_for(1) == "while" and one.tokens_per_call_for(1) == 8
     unrolled = Engine(one.config, one.weights, tok, max_context=64, kernels="xla", device_loop="unrolled")
     assert unrolled.tokens_per_call_for(1) == 1
   assert Engine(one.config, one.weights, tok, max_context=64, kernels="xla", tokens_per_call=5).tokens_per_call_for(3) == 5

@@ -301,7 +301,7 @@ class SlotPrograms:
     (state, block); masked: one step a call, under the rows' token masks."""
     e = self.engine
     k = self._tokens_per_call(count, masked)
-    key = ("slot-decode", self.slots, count, mode, k, e.device_loop) + (("masked",) if masked else ())
+    key = ("slot-decode", self.slots, count, mode, k, e.loop_for(count)) + (("masked",) if masked else ())
 
     def make():
       step, _, _ = e.decode_program(count, _ENGINE_MODE[mode], k, masked)
