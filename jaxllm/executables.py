@@ -185,6 +185,25 @@ def jax_cache_active() -> bool:
   return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
 
 
+@contextlib.contextmanager
+def jax_cache_off():
+  """JAX's persistent compilation cache off while the block runs, then as it was: a compile inside compiles.
+  graphs.graph_state needs that: it reads the dump XLA writes while compiling, and the cache's key leaves the
+  dump options out, so an executable the cache holds would be returned with no dump written."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+  if not jax_cache_active():
+    yield
+    return
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()        # JAX decides once whether its cache is used: decide again
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+
+
 def compile_cache_enabled() -> bool:
   """Whether compiled steps are kept on disk: yes unless JAXLLM_COMPILE_CACHE=0 (the CLI's default)."""
   return os.environ.get("JAXLLM_COMPILE_CACHE", "1").strip().lower() not in ("0", "false", "off")

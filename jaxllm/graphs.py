@@ -16,6 +16,8 @@ import tempfile
 
 import jax
 
+from jaxllm.executables import jax_cache_off
+
 ENV_VAR = "JAXLLM_CUDA_GRAPHS"
 _FLAG = "xla_gpu_enable_command_buffer"
 
@@ -144,7 +146,8 @@ def graph_state(engine, greedy: bool | str = True, dump_dir: str | None = None) 
   with tempfile.TemporaryDirectory(prefix="jaxllm-dump-") as tmp:
     target = dump_dir or tmp
     options = dict(engine.compiler_options, xla_dump_to=target)
-    jax.jit(fn, donate_argnums=donate, compiler_options=options).lower(*args).compile()
+    with jax_cache_off():               # a cached executable comes with no dump
+      jax.jit(fn, donate_argnums=donate, compiler_options=options).lower(*args).compile()
     info.update(read_dump(target))
   if "work_thunks" in info:
     info["work_thunks_per_step"] = info["work_thunks"] / k

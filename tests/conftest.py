@@ -142,14 +142,9 @@ def pytest_runtest_logreport(report):
 def own_compiles():
   """JAX's persistent cache off for this test (the suite turns it on: _share_xla_compiles): the engine keeps
   executables of its own only where that cache is off (jaxllm.executables.jax_cache_active)."""
-  import jax
-  from jax.experimental.compilation_cache import compilation_cache
-  was = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()        # JAX decides once whether the cache is used: decide again
-  yield
-  jax.config.update("jax_enable_compilation_cache", was)
-  compilation_cache.reset_cache()
+  from jaxllm.executables import jax_cache_off
+  with jax_cache_off():
+    yield
 
 
 @pytest.fixture

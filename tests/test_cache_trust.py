@@ -140,6 +140,26 @@ def test_nothing_is_kept_while_jaxs_own_cache_is_on(cache, tmp_path):
   assert executables.save_executable("k", _compiled())                # JAX's cache off again: kept
 
 
+def test_a_compile_under_jax_cache_off_compiles(tmp_path):
+  """graphs.graph_state reads the dump XLA writes while it compiles; JAX's cache key leaves the dump options out,
+  so with a user's JAX_COMPILATION_CACHE_DIR a cached program came back with no dump ("state": "unknown" on the
+  GPU). Under executables.jax_cache_off a compile compiles and dumps; the cache is on again after it. (An
+  executable from the cache writes only its final HLO; the HLO before XLA's passes is dumped only by a compile.)"""
+  code = ("import glob, sys, jax, jax.numpy as jnp; from jaxllm.executables import jax_cache_off, jax_cache_active\n"
+          "def c(d): jax.jit(lambda x: x * 5 - 2, compiler_options={'xla_dump_to': d})"
+          ".lower(jax.ShapeDtypeStruct((4,), jnp.float32)).compile()\n"
+          "c(sys.argv[1] + '/a'); c(sys.argv[1] + '/b')\n"
+          "with jax_cache_off(): c(sys.argv[1] + '/c')\n"
+          "c(sys.argv[1] + '/d')\n"
+          "print(jax_cache_active(), *(bool(glob.glob(sys.argv[1] + f'/{k}/*before_optimizations*')) for k in 'abcd'))")
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dumps")], capture_output=True, text=True, env=env,
+                       timeout=120)
+  # a: compiled (and cached); b: the cache's, no dump; c: compiled under jax_cache_off; d: the cache's again
+  assert run.returncode == 0 and run.stdout.split() == ["True", "True", "False", "True", "False"], run.stderr[-2000:]
+
+
 def test_a_kept_executable_runs_on_its_device_of_several(cache):
   """On a host of several devices (two simulated CPUs: the flag needs a process of its own), an executable kept
   in one run loads and runs in the next (it was loaded onto every device and failed: "Expected args to
