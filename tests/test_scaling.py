@@ -303,6 +303,11 @@ def test_bad_arguments_are_one_line(tmp_path):
       scaling.main(["--dir", str(tmp_path / "d"), *argv])
 
 
+def _logs(d: Path) -> str:
+  """The tails of a study's run logs (<dir>/logs): why a run that wrote no records failed."""
+  return "\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in sorted((d / "logs").glob("*.log")))
+
+
 def _fake_tool(path: Path, text: str) -> str:
   """An executable that prints `text` after checking it was given a GGUF that exists (as llama.cpp would)."""
   path.write_text(f"#!{sys.executable}\nimport os, sys\nm = sys.argv[sys.argv.index('-m') + 1]\n"
@@ -329,7 +334,7 @@ def test_scaling_runs_end_to_end_on_the_tiny_preset(vocab, tmp_path):
   assert "tiny-b1" not in proc.stderr and "[scaling] tiny-b2: " in proc.stderr
   recs = scaling.read_jsonl(str(d / "scaling.jsonl"))
   ours = [(r["batch"], r["requested_kernels"], r["kernels"]) for r in recs[2:] if r.get("requested_kernels")]
-  assert [o[:2] for o in ours] == [(2, "auto"), (2, "xla")] and ours[1][2] == "xla"
+  assert [o[:2] for o in ours] == [(2, "auto"), (2, "xla")] and ours[1][2] == "xla", _logs(d)
   assert recs[2]["env"]["platform"] == PLATFORM and recs[2]["decode_tok_s_total"] > 0
   peers = sorted((r["peer"], r["quant"], r["batch"]) for r in recs if r.get("peer"))
   assert peers == sorted([("llama-bench", t, 1) for t in ("Q4_0", "Q4_K")] +
@@ -384,7 +389,8 @@ def test_prefill_rows_run_beside_llama_bench(vocab, tmp_path):
   assert "[scaling] tiny-b1" not in proc.stderr and "[scaling] llama-bench-tiny-Q4_0:" not in proc.stderr
   recs = scaling.read_jsonl(str(d / "scaling.jsonl"))
   ours = [r for r in recs if r.get("study") == "prefill" and r["label"] != "llama.cpp"]
-  assert len(ours) == 1 and ours[0]["prompt_len"] == 16 and ours[0]["ttft_ms"] > 0 and "requested_kernels" not in ours[0]
+  assert len(ours) == 1 and ours[0]["prompt_len"] == 16 and ours[0]["ttft_ms"] > 0 and "requested_kernels" not in ours[0], \
+      _logs(d)
   peer = [r for r in recs if r.get("peer") == "llama-bench-prefill"]
   assert len(peer) == 1 and peer[0]["prompt_len"] == 16
   text = (tmp_path / "pre.md").read_text()
