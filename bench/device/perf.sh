@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the H200 (a device call; carry as bench/device/prep.sh says): issue 36's open measurements, most telling
-# first, each started only while it fits before DEADLINE (default 570 s):
+# On the H200 (a device call from the repository root; carry as bench/device/prep.sh says): issue 36's open
+# measurements, most telling first, each started only while it fits before DEADLINE (default 570 s):
 #   1. where the 7B step's time goes outside the matmuls: bench/step_profile.py at batch 1 and 16;
 #   2. the W8A16 configuration sweep (bench/gemv_sweep.cu, with the staged tensor-core candidate
 #      bench/w8a16_mma_staged.cuh) on the 7B shapes and the tensor-core edges;
@@ -9,7 +9,10 @@
 # Writes under $OUT: profile.json, gemv_sweep_mma.jsonl, gemv_sweep_m1.jsonl, bench.jsonl, prefill/ (scaling.py's); logs in $OUT/g.tgz.
 set -u
 ROOT=$PWD
-cd .carry/tree || { echo "perf.sh: no .carry/tree (bench/device/prep.sh makes it)"; exit 2; }
+# The machine's copy of the working tree is what runs; prep.sh's .whl/ and .carry/vocab.gguf.xz travel beside it.
+[ -d .whl ] && [ -s .carry/vocab.gguf.xz ] ||
+  { echo "perf.sh: no .whl/ or .carry/vocab.gguf.xz (bench/device/prep.sh)"; exit 2; }
+[ -s .carry/vocab.gguf ] || xz -dc .carry/vocab.gguf.xz > .carry/vocab.gguf
 export DEADLINE=${DEADLINE:-570}
 source bench/device_call.sh
 export JAXLLM_GIT_COMMIT=$(cat $ROOT/.carry/commit 2>/dev/null || echo unknown)

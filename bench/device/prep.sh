@@ -1,39 +1,44 @@
 #!/usr/bin/env bash
-# Makes .carry/ (ignored) for the H200 calls of bench/device/*.sh, on the CPU machine, from the repository root:
+# Makes what the H200 calls of bench/device/*.sh carry beside the working tree (all ignored), on the CPU machine,
+# from the repository root:
 #
-#   bash bench/device/prep.sh            # the tree of HEAD with its wheels, the tokenizer GGUF
+#   bash bench/device/prep.sh            # the wheels, the tokenizer GGUF, HEAD's hash
 #   bash bench/device/prep.sh --llama    # and, in the background, the llama.cpp CUDA build (most of an hour)
 #
-#   .carry/tree/        `git archive HEAD` (what the calls build and run: edits after this do not travel),
-#                       with .whl/: the packages the H200 lacks, for its Python 3.12 (CONTRIBUTING.md)
-#   .carry/commit       HEAD's hash, for the records' commit field
-#   .carry/vocab.gguf   Qwen2.5's tokenizer in a GGUF of its own (bench/peers/random_gguf.py; the peers' files)
+#   .whl/               the packages the H200 lacks, for its Python 3.12 (CONTRIBUTING.md); bench/gpu_check.sh
+#                       and bench/device_call.sh install them into /tmp/site there
+#   .carry/commit       HEAD's hash, for the records' commit field (the call runs the working tree: commit first)
+#   .carry/vocab.gguf.xz   Qwen2.5's tokenizer in a GGUF of its own (bench/peers/random_gguf.py; the peers'
+#                       files), compressed (1.3 MB against 5.9)
 #   .carry/llamacpp-cuda-sm90.tar.xz   llama-bench, llama-batched-bench, llama-server for sm_90
 #                       (bench/peers/build_llamacpp.sh; log in /tmp/llamacpp-cuda.log)
 #
-# Then, one device call each (`run` with carry [".carry/tree", ".carry/llamacpp-cuda-sm90.tar.xz",
-# ".carry/vocab.gguf", ".carry/commit"], about 50 MB of the 64 MiB), chained so the machine stays warm:
-#   cd .carry/tree && JAXLLM_TEST_OFFLINE=1 TESTS=all WORKERS=16 T_TESTS=480 OUT=$OUT bash bench/gpu_check.sh
+# Then one device call each, from the repository root (the machine's copy of the working tree is what runs),
+# carrying [".whl", ".carry/llamacpp-cuda-sm90.tar.xz", ".carry/vocab.gguf.xz", ".carry/commit"] (about 56 MB
+# with the tree, of the 64 MiB), chained so the machine stays warm:
+#   JAXLLM_TEST_OFFLINE=1 TESTS=all WORKERS=16 T_TESTS=480 OUT=$OUT bash bench/gpu_check.sh   (carry .whl alone)
 #   bash bench/device/serve.sh
 #   bash bench/device/perf.sh
 set -euo pipefail
 [ -d .git ] && [ -f bench/device/prep.sh ] || { echo "prep.sh: run it from the repository root"; exit 2; }
 C=.carry
-mkdir -p $C
-[ -z "$(git status --porcelain --untracked-files=no)" ] || echo "prep.sh: uncommitted changes are not in the tree (it is HEAD)"
-rm -rf $C/tree && mkdir -p $C/tree && git archive HEAD | tar x -C $C/tree
+mkdir -p $C .whl
+[ -z "$(git status --porcelain --untracked-files=no)" ] || echo "prep.sh: uncommitted changes: .carry/commit is HEAD"
 git rev-parse HEAD > $C/commit
-python3 -m pip download -q -d $C/tree/.whl --python-version 3.12 --only-binary :all: \
+python3 -m pip download -q -d .whl --python-version 3.12 --only-binary :all: \
   --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 \
   starlette==1.10.0 uvicorn==0.54.0 "pydantic>=2.7,<3" openai==3.51.0 llguidance==1.9.1 jsonschema==4.26.0 \
   "gguf>=0.17,<1" 2>&1 | grep -v "^WARNING: Location" || true
 # The machine has its own numpy (its jax and torch are built against it): never shadow it from /tmp/site.
-rm -f $C/tree/.whl/numpy-*.whl
-ls $C/tree/.whl/*.whl > /dev/null
-[ -s $C/vocab.gguf ] || python3 bench/peers/random_gguf.py vocab qwen2.5-coder-0.5b $C/vocab.gguf
+rm -f .whl/numpy-*.whl
+ls .whl/*.whl > /dev/null
+if [ ! -s $C/vocab.gguf.xz ]; then
+  [ -s $C/vocab.gguf ] || python3 bench/peers/random_gguf.py vocab qwen2.5-coder-0.5b $C/vocab.gguf
+  xz -kc $C/vocab.gguf > $C/vocab.gguf.xz
+fi
 if [ "${1-}" = --llama ] && [ ! -s $C/llamacpp-cuda-sm90.tar.xz ]; then
   setsid nice bash bench/peers/build_llamacpp.sh cuda 90 $C/llamacpp-cuda-sm90.tar.xz > /tmp/llamacpp-cuda.log 2>&1 &
   echo "prep.sh: llama.cpp building in the background (tail /tmp/llamacpp-cuda.log)"
 fi
-du -sch $C/tree $C/vocab.gguf $C/llamacpp-cuda-sm90.tar.xz 2>/dev/null | tail -1
-echo "prep.sh: .carry/tree is $(cat $C/commit)"
+du -sch .whl $C/vocab.gguf.xz $C/llamacpp-cuda-sm90.tar.xz 2>/dev/null | tail -1
+echo "prep.sh: .carry/commit is $(cat $C/commit)"

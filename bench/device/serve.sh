@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# On the H200 (a device call; carry as bench/device/prep.sh says): issue 38's comparison, jaxllm.serve beside
-# llama-server on the same random-Q8_0 GGUF and the same load generator at 1, 8, 32 and 64 streams
-# (bench/serve_peers.py), the 0.5B shape then the 7B. Resumes: a carried .carry/serve.jsonl (the last call's
-# serve.jsonl) is read first, and the records it holds are not run again.
+# On the H200 (a device call from the repository root; carry as bench/device/prep.sh says): issue 38's
+# comparison, jaxllm.serve beside llama-server on the same random-Q8_0 GGUF and the same load generator at 1,
+# 8, 32 and 64 streams (bench/serve_peers.py), the 0.5B shape then the 7B. Resumes: a carried
+# .carry/serve.jsonl (the last call's serve.jsonl) is read first, and the records it holds are not run again.
 #   PRESETS (default qwen2.5-0.5b,qwen2.5-7b), DEADLINE (seconds for the whole call, default 570)
 # Writes $OUT/serve.jsonl and $OUT/serve.md; logs in $OUT/g.tgz.
 set -u
 ROOT=$PWD
-cd .carry/tree || { echo "serve.sh: no .carry/tree (bench/device/prep.sh makes it)"; exit 2; }
+# The machine's copy of the working tree is what runs; prep.sh's .whl/ and .carry/vocab.gguf.xz travel beside it.
+[ -d .whl ] && [ -s .carry/vocab.gguf.xz ] ||
+  { echo "serve.sh: no .whl/ or .carry/vocab.gguf.xz (bench/device/prep.sh)"; exit 2; }
+[ -s .carry/vocab.gguf ] || xz -dc .carry/vocab.gguf.xz > .carry/vocab.gguf
 export DEADLINE=${DEADLINE:-570}
 source bench/device_call.sh
 use_llamacpp $ROOT/.carry/llamacpp-cuda-sm90.tar.xz || exit 1
