@@ -427,7 +427,7 @@ def build_parser():
                  help="decode steps per executable call (Engine(tokens_per_call=K); default: the engine's)")
   p.add_argument("--device-loop", choices=("auto", "unrolled", "while"), default="auto",
                  help="how a call of K steps runs them: K unrolled copies, or a while loop (Engine(device_loop=); "
-                      "auto: while on the CPU, unrolled on the GPU)")
+                      "auto: unrolled where the GPU runs the fused step, while elsewhere: Engine.loop_for)")
   p.add_argument("--temperature", type=float, default=0.0, help="sampling (default greedy)")
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--top-p", type=float, default=1.0)

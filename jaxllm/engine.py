@@ -6,8 +6,8 @@ stay fixed from step to step: the condition for XLA to replay a recorded command
 data in that state, so one executable serves every request of a batch size (two, where every row is
 greedy: an argmax-only step). The loop is pipelined: call i+1 is dispatched before the tokens of call i
 are read on the host, so the device never waits for the host; `pipelined=False` reads every token before
-the next dispatch (the streaming baseline). A call is one decode step, or K (`tokens_per_call`, 8 by
-default where the GPU runs the fused step) whose tokens arrive together.
+the next dispatch (the streaming baseline). A call is K decode steps (`tokens_per_call`, 8 by default)
+whose tokens arrive together.
 
 A request under a grammar (`constraints`: jaxllm.structured's Constraint per row) runs the masked programs
 (its Sampler carries each row's token mask) one step a call, never ahead: each token goes to its row's

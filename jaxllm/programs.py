@@ -313,8 +313,8 @@ class Programs:
     row's output handling, would otherwise set the pace: docs/results/2026-12-01-h200-step.md,
     2026-12-05-h200-serve.md) and CPU_TOKENS_PER_CALL on the CPU (a call's launch, the token's copy and read,
     and the host thread waking beside the two compute threads cost 15-25% of a step of one token a call),
-    but 1 where the loop_for is "unrolled" by request and the step unfused (such K-step programs compile for
-    tens of seconds)."""
+    but 1 where the loop is "unrolled" by request (device_loop) and the step is not the GPU's fused one (such
+    K-step programs compile for tens of seconds)."""
     if self.tokens_per_call is not None:
       return self.tokens_per_call
     if self.loop_for(batch) == "unrolled" and not self._gpu_fused(batch):

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="C",
                  help="prompt tokens per prefill chunk (default 512 on the CPU, 4096 on the GPU)")
   p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
-                 help="decode steps per executable call (default 8 on the CPU and the GPU's fused step)")
+                 help="decode steps per executable call (default 8)")
   p.add_argument("--threads", "-t", type=int, default=None, metavar="N", help="CPU kernel threads (CPU only)")
   p.add_argument("--no-cache", action="store_true", help="convert the model again and do not cache the conversion")
   p.add_argument("--no-compile-cache", action="store_true", help="compile every program (no disk cache)")

@@ -245,6 +245,7 @@ class SlotPrograms:
     self.state = self._empty_state()
     self._blocks: dict[int, jax.Array] = {}          # per row count: the token block its calls donate
     self._steps: dict[int, int] = {}                  # per row count: decode steps a call (the engine's choice)
+    self._loops: dict[int, str] = {}                  # per row count: how a call runs them (Engine.loop_for)
 
   def _empty_state(self) -> DecodeState:
     n, engine = self.slots, self.engine
@@ -301,7 +302,9 @@ class SlotPrograms:
     (state, block); masked: one step a call, under the rows' token masks."""
     e = self.engine
     k = self._tokens_per_call(count, masked)
-    key = ("slot-decode", self.slots, count, mode, k, e.loop_for(count)) + (("masked",) if masked else ())
+    if count not in self._loops:
+      self._loops[count] = e.loop_for(count)
+    key = ("slot-decode", self.slots, count, mode, k, self._loops[count]) + (("masked",) if masked else ())
 
     def make():
       step, _, _ = e.decode_program(count, _ENGINE_MODE[mode], k, masked)
