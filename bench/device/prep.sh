@@ -22,9 +22,10 @@
 set -euo pipefail
 [ -d .git ] && [ -f bench/device/prep.sh ] || { echo "prep.sh: run it from the repository root"; exit 2; }
 C=.carry
-mkdir -p $C .whl
+mkdir -p $C
 [ -z "$(git status --porcelain --untracked-files=no)" ] || echo "prep.sh: uncommitted changes: .carry/commit is HEAD"
-git rev-parse HEAD > $C/commit
+git rev-parse HEAD > $C/commit       # rewrite it (git rev-parse HEAD > .carry/commit) after a later commit
+rm -rf .whl && mkdir .whl            # no wheel of an older version beside a newer one
 python3 -m pip download -q -d .whl --python-version 3.12 --only-binary :all: \
   --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 \
   starlette==1.10.0 uvicorn==0.54.0 "pydantic>=2.7,<3" openai==3.51.0 llguidance==1.9.1 jsonschema==4.26.0 \
