@@ -317,7 +317,7 @@ class Programs:
     K-step programs compile for tens of seconds)."""
     if self.tokens_per_call is not None:
       return self.tokens_per_call
-    if self.loop_for(batch) == "unrolled" and not self._gpu_fused(batch):
+    if self._device_loop == "unrolled" and not self._gpu_fused(batch):
       return 1
     return GPU_TOKENS_PER_CALL if jax.default_backend() == "gpu" else CPU_TOKENS_PER_CALL
 

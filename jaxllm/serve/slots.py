@@ -244,8 +244,8 @@ class SlotPrograms:
     self.counts = counts(slots)
     self.state = self._empty_state()
     self._blocks: dict[int, jax.Array] = {}          # per row count: the token block its calls donate
-    self._steps: dict[int, int] = {}                  # per row count: decode steps a call (the engine's choice)
-    self._loops: dict[int, str] = {}                  # per row count: how a call runs them (Engine.loop_for)
+    self._calls: dict[int, tuple[int, str]] = {}      # per row count: (decode steps a call, how they run), as the
+                                                      # engine chooses (tokens_per_call_for, loop_for)
 
   def _empty_state(self) -> DecodeState:
     n, engine = self.slots, self.engine
@@ -302,9 +302,7 @@ class SlotPrograms:
     (state, block); masked: one step a call, under the rows' token masks."""
     e = self.engine
     k = self._tokens_per_call(count, masked)
-    if count not in self._loops:
-      self._loops[count] = e.loop_for(count)
-    key = ("slot-decode", self.slots, count, mode, k, self._loops[count]) + (("masked",) if masked else ())
+    key = ("slot-decode", self.slots, count, mode, k, self._call(count)[1]) + (("masked",) if masked else ())
 
     def make():
       step, _, _ = e.decode_program(count, _ENGINE_MODE[mode], k, masked)
@@ -313,12 +311,16 @@ class SlotPrograms:
     return e.compile_program(key, make)
 
   def _tokens_per_call(self, count: int, masked: bool) -> int:
-    """Decode steps a call of `count` rows takes (masked: one), asked of the engine once per count."""
+    """Decode steps a call of `count` rows takes (masked: one)."""
     if masked:
       return 1
-    if count not in self._steps:
-      self._steps[count] = self.engine.tokens_per_call_for(count)
-    return self._steps[count]
+    return self._call(count)[0]
+
+  def _call(self, count: int) -> tuple[int, str]:
+    """(decode steps a call, their loop) for `count` rows, asked of the engine once per count."""
+    if count not in self._calls:
+      self._calls[count] = (self.engine.tokens_per_call_for(count), self.engine.loop_for(count))
+    return self._calls[count]
 
   def put_masks_fn(self) -> Callable:
     masks = jax.ShapeDtypeStruct(self.state.sampler.mask.shape, jnp.uint32)
