@@ -4,7 +4,7 @@
 #   1. where the 7B step's time goes outside the matmuls: bench/step_profile.py at batch 1 and 16;
 #   2. the W8A16 configuration sweep (bench/gemv_sweep.cu, with the staged tensor-core candidate
 #      bench/w8a16_mma_staged.cuh) on the 7B shapes and the tensor-core edges;
-#   3. the 1B and 1.5B shapes at batch 1 (issue 36's 0.42 ms target; the 1B-3B down rule);
+#   3. the 1B and 1.5B shapes at batch 1 (issue 36's 0.42 ms target; the 1B-3B down rule), the 7B at 16 and 64;
 #   4. 7B prefill (TTFT at 2k and 8k) beside llama-bench -p 2048,8192 (bench/scaling.py --prefill).
 # Writes under $OUT: profile.json, gemv_sweep_mma.jsonl, gemv_sweep_m1.jsonl, bench.jsonl, prefill/ (scaling.py's); logs in $OUT/g.tgz.
 set -u
@@ -36,6 +36,11 @@ B="python3 -m jaxllm.bench --loop pipelined --repeat 3 --prompt-len 128 --decode
 for preset in llama-3.2-1b qwen2.5-1.5b; do
   room 60 "$preset batch 1" && { timeout 90 $B synthetic:$preset --label $preset-b1 >> $R/bench.log 2>&1; stamp "$preset rc $?"; }
 done
+# The batched 7B step since the engine runs 8 steps a device call at batch > 1 (a while loop; was one step).
+for b in 16 64; do
+  room 100 "7B batch $b" && { timeout 150 $B synthetic:qwen2.5-7b --batch $b --label qwen2.5-7b-b$b >> $R/bench.log 2>&1
+                              stamp "7B batch $b rc $?"; }
+done
 if room 150 "7B prefill" && use_llamacpp $ROOT/.carry/llamacpp-cuda-sm90.tar.xz; then
   timeout $(left) python3 bench/scaling.py --dir $R/prefill --presets qwen2.5-7b --batches 1 --kernels auto \
     --prefill 2048,8192 --llama-bench /tmp/llamacpp-bin/llama-bench --vocab $ROOT/.carry/vocab.gguf --peer-types Q8_0,Q4_0 \
@@ -45,5 +50,7 @@ fi
 python3 - $OUT/bench.jsonl <<'PY' 2>/dev/null
 import json, sys
 for l in open(sys.argv[1]):
-  r = json.loads(l); print(r.get("label"), "TPOT ms", r.get("tpot_token_ms_p50"), "step", r.get("tpot_step_ms_p50"))
+  r = json.loads(l)
+  print(r.get("label"), "TPOT ms", r.get("tpot_token_ms_p50"), "step", r.get("tpot_step_ms_p50"), "total tok/s",
+        r.get("decode_tok_s_total"), "floor ms", r.get("byte_floor_ms"), "peak bytes", r.get("peak_memory_bytes"))
 PY
