@@ -131,16 +131,22 @@ def _run(tmp_path, *args) -> list[dict]:
   return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_no_bandwidth_beyond_the_copy_bandwidth(tmp_path):
+def test_rates_come_from_whole_calls(tmp_path):
   """Rates and bandwidths from whole calls only (issue 37, item 6): --decode-len 8 at 8 tokens a call once
   reported a weight bandwidth above the measured copy bandwidth (the call's tokens arrived at once, ready
-  before the first token was read); it is refused now, and the shortest run taken reports none above it."""
+  before the first token was read); it is refused now, and the shortest run taken reports a rate its own
+  steps explain. The copy bandwidth is no bound here: the tiny model's weights stay in the CPU's caches and
+  read faster than the 128 MB copy probe (on a loaded machine 14.2 GB/s against a probe's 12.7)."""
   with pytest.raises(SystemExit, match=r"--decode-len 8 is too short for 8 tokens per call.* give --decode-len 18 "
                                        r"or more, or --tokens-per-call 3 or fewer$"):
     _run(tmp_path, "--decode-len", "8", "--tokens-per-call", "8", "--loop", "pipelined")
   for r in _run(tmp_path, "--decode-len", "18", "--tokens-per-call", "8", "--loop", "both"):
-    rates = {k: v for k, v in r.items() if k.endswith("_gb_s") and k != "copy_gb_s"}
-    assert rates and all(v <= 1.1 * r["copy_gb_s"] for v in rates.values()), (r["loop"], rates, r["copy_gb_s"])
+    # The rate agrees with the calls' step times (within 4x: on a loaded 2-core machine one request's rate has
+    # been 1.8x another's in one run), where tokens read as they arrive would give up to 8x (timing_stats' own
+    # arithmetic is checked exactly in test_timing_stats_per_token_and_per_step).
+    by_steps = 1000 / r["tpot_step_ms_p50"]
+    assert by_steps / 4 < r["decode_tok_s"] < 4 * by_steps, (r["loop"], r["decode_tok_s"], by_steps)
+    assert r["weight_gb_s"] == pytest.approx(r["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9)
     assert r["calls_timed"] == 2 * 2 and r["tpot_step_ms_p50"] > 0          # 2 requests, 2 timed calls each
     assert r["tpot_token_ms_p50"] < r["tpot_step_ms_p50"]                   # 7 of 8 tokens arrive together
 
