@@ -12,7 +12,8 @@
 # command is in CONTRIBUTING.md) are installed into /tmp/site first. On a machine without the network, set
 # JAXLLM_TEST_OFFLINE=1: the tests that download a demo model then skip and say so.
 # Knobs: TESTS ("all", files, or empty), GEMV_SWEEP (non-empty: bench/gemv_sweep.cu), STAGES (bench/suite.py stages), WORKERS (test processes, default 12),
-# T_TESTS (seconds for the tests, default 420), PAIRS (suite pairs, default 5).
+# T_TESTS (seconds for the tests, default 420), PAIRS (suite pairs, default 5), MEM_FRACTION (each test process's
+# share of the GPU's memory, default 0.9 / WORKERS; empty: no limit).
 set -u
 if ! nvidia-smi -L >/dev/null 2>&1; then
   echo "bench/gpu_check.sh builds and runs the CUDA handlers: it needs an NVIDIA GPU, and nvidia-smi finds none here"
@@ -57,10 +58,17 @@ fi
 TESTS=${TESTS-}
 [ "$TESTS" = all ] && TESTS=tests
 if [ -n "$TESTS" ]; then
-  # Several test processes share the GPU: no preallocation, so each takes only what it uses; and the CPUs: one
-  # BLAS thread each for the numpy references. loadgroup: a module marked xdist_group (its tests share a
-  # server or a subprocess's results) runs on one worker, its fixture set up once; groups start first.
+  # Several test processes share the GPU: no preallocation, so each takes only what it uses, and each at most
+  # MEM_FRACTION of the card (default 0.9 / WORKERS; empty: no limit): XLA's allocator keeps what a process
+  # has taken, and on 2026-12-05 (H100, 16 workers) the LM-head kernel tests running at once filled the 80 GB
+  # card for the rest of the run, so tests after them failed wherever they allocated. With the limit, a test
+  # that needs more fails by itself, by name. And the CPUs: one BLAS thread each for the numpy references.
+  # loadgroup: a module marked xdist_group (its tests share a server or a subprocess's results) runs on one
+  # worker, its fixture set up once; groups start first.
   t0=$(date +%s)
+  frac=${MEM_FRACTION-$(python3 -c "print(round(0.9 / ${WORKERS:-12}, 3))")}
+  echo "tests: ${WORKERS:-12} processes${frac:+, each at most a fraction $frac of GPU memory}"
+  ${frac:+env XLA_CLIENT_MEM_FRACTION=$frac} \
   JAXLLM_TEST_TIMES="$DIR/test_times.jsonl" XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=1 \
     OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout "${T_TESTS:-420}" python3 -m pytest -v -rfEs -n "${WORKERS:-12}" \
     --dist loadgroup -p no:cacheprovider --durations=40 -o faulthandler_timeout=300 $TESTS > "$DIR/tests.log" 2>&1
