@@ -285,11 +285,12 @@ def _randint(key: jax.Array, shape: tuple[int, ...], lo: int, hi: int, dtype) ->
   """jax.random.randint(key, shape, lo, hi) as `dtype`, with a peak near the result's bytes: JAX's threefry draws
   32 bits an element and holds several such arrays while it does, so drawing a 1.5B shape's weights whole peaked
   at 18.8 GB of memory for a 1.9 GB model (on the GPU, a 7B's at ~21 GB, which the bench reported as the
-  model's peak). A large array is drawn in row blocks of about _SLICE elements (the fewest that divide its rows)."""
+  model's peak). A large array is drawn in row blocks of about _SLICE elements (the fewest that divide its rows;
+  a row a block where rows are longer than that)."""
   size, rows = int(np.prod(shape)), int(np.prod(shape[:-1]))
   if size <= 16 * _SLICE:
     return jax.random.randint(key, shape, lo, hi, jnp.int32).astype(dtype)
-  slices = next(b for b in range(-(-size // _SLICE), rows + 1) if rows % b == 0)
+  slices = next((b for b in range(-(-size // _SLICE), rows + 1) if rows % b == 0), rows)
   return _randint_sliced(key, tuple(shape), lo, hi, dtype, slices)
 
 

@@ -84,3 +84,13 @@ def test_large_random_weights_peak_near_their_bytes(shape):
   ratio, dtype, same_shape, lo, hi, differ = out.stdout.split()
   assert float(ratio) < 1.5 and dtype == "int8" and same_shape == "True", out.stdout
   assert (int(lo), int(hi), differ) == (-127, 127, "True"), out.stdout
+
+
+def test_rows_longer_than_a_slice_are_drawn_a_row_at_a_time():
+  """Two rows of 17M elements (more than 16 slices in all, each row longer than a slice): one row a block."""
+  import jax
+  import jax.numpy as jnp
+  from jaxllm.weights import _randint
+  q = np.asarray(_randint(jax.random.PRNGKey(0), (1, 2, 17 << 20), -127, 128, jnp.int8))
+  assert q.shape == (1, 2, 17 << 20) and q.dtype == np.int8 and (q.min(), q.max()) == (-127, 127)
+  assert (q[0, 0] != q[0, 1]).mean() > 0.99
