@@ -13,7 +13,8 @@
 # JAXLLM_TEST_OFFLINE=1: the tests that download a demo model then skip and say so.
 # Knobs: TESTS ("all", files, or empty), GEMV_SWEEP (non-empty: bench/gemv_sweep.cu), STAGES (bench/suite.py stages), WORKERS (test processes, default 12),
 # T_TESTS (seconds for the tests, default 420), PAIRS (suite pairs, default 5), MEM_FRACTION (each test process's
-# share of the GPU's memory, default 0.9 / WORKERS; empty: no limit).
+# share of the GPU's memory, default 0.9 / WORKERS; empty: no limit), ORDER (recorded test times the tests start
+# in, longest first; default tests/gpu_test_times.jsonl; empty: file order).
 set -u
 if ! nvidia-smi -L >/dev/null 2>&1; then
   echo "bench/gpu_check.sh builds and runs the CUDA handlers: it needs an NVIDIA GPU, and nvidia-smi finds none here"
@@ -64,12 +65,14 @@ if [ -n "$TESTS" ]; then
   # card for the rest of the run, so tests after them failed wherever they allocated. With the limit, a test
   # that needs more fails by itself, by name. And the CPUs: one BLAS thread each for the numpy references.
   # loadgroup: a module marked xdist_group (its tests share a server or a subprocess's results) runs on one
-  # worker, its fixture set up once; groups start first.
+  # worker, its fixture set up once; groups start first, then the other tests longest first by the times of a
+  # recorded GPU run (ORDER, default tests/gpu_test_times.jsonl: a run's test_times.jsonl; empty: file order).
   t0=$(date +%s)
   frac=${MEM_FRACTION-$(python3 -c "print(round(0.9 / ${WORKERS:-12}, 3))")}
   echo "tests: ${WORKERS:-12} processes${frac:+, each at most a fraction $frac of GPU memory}"
-  ${frac:+env XLA_CLIENT_MEM_FRACTION=$frac} \
-  JAXLLM_TEST_TIMES="$DIR/test_times.jsonl" XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=1 \
+  env ${frac:+XLA_CLIENT_MEM_FRACTION=$frac} \
+  JAXLLM_TEST_TIMES="$DIR/test_times.jsonl" JAXLLM_TEST_ORDER=${ORDER-tests/gpu_test_times.jsonl} \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=1 \
     OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout "${T_TESTS:-420}" python3 -m pytest -v -rfEs -n "${WORKERS:-12}" \
     --dist loadgroup -p no:cacheprovider --durations=40 -o faulthandler_timeout=300 $TESTS > "$DIR/tests.log" 2>&1
   rc=$?

@@ -38,6 +38,24 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.skip(reason="needs the network to download a demo model (JAXLLM_TEST_OFFLINE=1)"))
     if "qwen" in item.keywords and os.environ.get("JAXLLM_TEST_QWEN") != "1":
       item.add_marker(pytest.mark.skip(reason="Qwen tests are opt-in: set JAXLLM_TEST_QWEN=1"))
+  if os.environ.get("JAXLLM_TEST_ORDER"):
+    _longest_first(items, os.environ["JAXLLM_TEST_ORDER"])
+
+
+def _longest_first(items, times_file: str):
+  """The tests in order of the seconds a recorded run spent in each (the longest first; a test not in the
+  record, or under a second there, counts as one second): bench/gpu_check.sh points JAXLLM_TEST_ORDER at
+  tests/gpu_test_times.jsonl, the JAXLLM_TEST_TIMES record of a whole GPU run. Under xdist the longest tests
+  then start first, and the run does not wait at its end on a long test that started last (the longest-first
+  rule for parallel machines). The order is the same in every worker (xdist requires it); groups (an
+  xdist_group's tests) still start before the rest, since --dist loadgroup orders its units by their size."""
+  seconds: dict[str, float] = {}
+  with open(times_file) as f:
+    for line in f:
+      rec = json.loads(line)
+      name = rec["test"].split("@")[0]   # a loadgroup run's ids end in @group
+      seconds[name] = seconds.get(name, 0.0) + rec["s"]
+  items.sort(key=lambda item: -seconds.get(item.nodeid.split("@")[0], 1.0))
 
 
 def _jax_ok():
