@@ -10,14 +10,17 @@ the bytes it reads) and "w8a16" on the GPU (whose fused kernels take W8A16). `qu
 float for reference runs.
 
 Loading streams: each stacked matrix is converted one layer at a time into a preallocated int8 array and
-its scales (the embedding and head in blocks of rows), so the float working set is one layer's tensors,
-and each finished array goes to the device before the next is built. The file's pages are released as
-they are read. Peak host memory: the converted weights plus one layer's floats (plus, on the CPU, where
-the device is host memory, the device copy of what is already done).
+its scales (the embedding and head likewise), in blocks of rows that threads convert at once
+(conversion_threads), so the float working set is a few blocks' floats, and each finished array goes to the
+device before the next is built. The file's pages are released as they are read. Peak host memory: the
+converted weights plus those blocks (plus, on the CPU, where the device is host memory, the device copy of
+what is already done).
 """
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -32,7 +35,20 @@ from jaxllm.quant import (GROUP, LOWBIT_BITS, LOWBIT_GROUP, Q6K, Linear, LowBit,
 from jaxllm.rope import llama3_rope_freqs
 
 QUANT_CHOICES = ("auto", "w8a16", "gguf", "none")
-ROW_BLOCK = 8192   # rows of the embedding / head converted at a time
+BLOCK = 1 << 22    # the float elements one conversion task reads and converts (16 MB in float32)
+
+
+def conversion_threads() -> int:
+  """Threads convert() runs its row blocks on: numpy's dequantizing and quantizing release the GIL, so the
+  conversion scales with the cores (a 7B Q8_0 file took 109 s on one); at most 8, each holding a block's floats
+  and their temporaries (~100 MB)."""
+  return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def _row_blocks(rows: int, k: int) -> list[tuple[int, int]]:
+  """[r0, r1) row ranges of about BLOCK elements covering `rows` rows of k."""
+  step = max(1, BLOCK // k)
+  return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
 def _check_quant(quant: str) -> None:
@@ -171,53 +187,65 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
       done(f"{name}.layout", layout)
     return True
 
-  for name in parts:
-    if name in MATRICES and quant == "gguf" and lowbit_matrix(name):
-      continue
-    first = layer_rows(name, 0)
-    if name in MATRICES:
-      n, k = first.shape
-      if quant == "none":
-        w = np.empty((c.n_layers, n, k), float_dtype)
-      else:
-        w, s = np.empty((c.n_layers, n, k), np.int8), np.empty((c.n_layers, n, k // GROUP), np.float32)
-      for i in range(c.n_layers):
-        rows = first if i == 0 else layer_rows(name, i)
-        if quant == "none":
-          w[i] = rows.astype(float_dtype)
-        else:
-          w[i], s[i] = quantize_int8(rows)
-        if on_progress:
-          on_progress(1)
-      done(name + ".w", w)
-      if quant != "none":
-        done(name + ".scale", s)
+  def put(tensor: str, r0: int, r1: int, w: np.ndarray, s: np.ndarray | None) -> int:
+    """Rows [r0, r1) of a tensor into w (float) or w and its scales s (int8); returns the rows done."""
+    rows = gf.tensor_rows(tensor, r0, r1)
+    if s is None:
+      w[...] = rows.astype(w.dtype)
     else:
-      v = np.empty((c.n_layers, *first.shape), np.float32)
-      for i in range(c.n_layers):
-        v[i] = first if i == 0 else layer_rows(name, i)
-      done(name, v)
-      if on_progress:
-        on_progress(c.n_layers)
-  heads = ["token_embd.weight"] + ([] if c.tied_embeddings else ["output.weight"])
-  for tensor, name in zip(heads, ("embed", "head")):
-    rows, k = gf.tensor_shape(tensor)
+      w[...], s[...] = quantize_int8(rows)
+    return r1 - r0
+
+  def new_matrix(n: int, k: int, layers: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray | None]:
     if quant == "none":
-      w = np.empty((rows, k), float_dtype)
-    else:
-      w, s = np.empty((rows, k), np.int8), np.empty((rows, k // GROUP), np.float32)
-    for r0 in range(0, rows, ROW_BLOCK):
-      block = gf.tensor_rows(tensor, r0, min(rows, r0 + ROW_BLOCK))
-      if quant == "none":
-        w[r0:r0 + len(block)] = block.astype(float_dtype)
+      return np.empty((*layers, n, k), float_dtype), None
+    return np.empty((*layers, n, k), np.int8), np.empty((*layers, n, k // GROUP), np.float32)
+
+  with ThreadPoolExecutor(conversion_threads()) as pool:
+    def blocks(tensor: str, at: int, w: np.ndarray, s: np.ndarray | None) -> list:
+      """Tasks converting the tensor's rows, in blocks, into rows at.. of w and s."""
+      rows, k = gf.tensor_shape(tensor)
+      return [pool.submit(put, tensor, r0, r1, w[at + r0:at + r1], None if s is None else s[at + r0:at + r1])
+              for r0, r1 in _row_blocks(rows, k)]
+
+    for name in parts:
+      if name in MATRICES and quant == "gguf" and lowbit_matrix(name):
+        continue
+      if name in MATRICES:
+        heights = [gf.tensor_shape(f"blk.0.{t}")[0] for t in parts[name]]        # rows of q, k, v (gate, up)
+        offsets = np.cumsum([0] + heights[:-1]).tolist()                        # where each starts in the fusion
+        w, s = new_matrix(sum(heights), gf.tensor_shape(f"blk.0.{parts[name][0]}")[1], (c.n_layers,))
+        for i in range(c.n_layers):
+          tasks = [job for t, at in zip(parts[name], offsets)
+                   for job in blocks(f"blk.{i}.{t}", at, w[i], None if s is None else s[i])]
+          for task in tasks:
+            task.result()
+          for t in parts[name]:
+            gf.release(f"blk.{i}.{t}")
+          if on_progress:
+            on_progress(1)
+        done(name + ".w", w)
+        if s is not None:
+          done(name + ".scale", s)
       else:
-        w[r0:r0 + len(block)], s[r0:r0 + len(block)] = quantize_int8(block)
-      if on_progress:
-        on_progress(len(block))
-    gf.release(tensor)
-    done(name + ".w", w)
-    if quant != "none":
-      done(name + ".scale", s)
+        first = layer_rows(name, 0)
+        v = np.empty((c.n_layers, *first.shape), np.float32)
+        for i in range(c.n_layers):
+          v[i] = first if i == 0 else layer_rows(name, i)
+        done(name, v)
+        if on_progress:
+          on_progress(c.n_layers)
+    heads = ["token_embd.weight"] + ([] if c.tied_embeddings else ["output.weight"])
+    for tensor, name in zip(heads, ("embed", "head")):
+      w, s = new_matrix(*gf.tensor_shape(tensor))
+      for task in blocks(tensor, 0, w, s):
+        rows = task.result()
+        if on_progress:
+          on_progress(rows)
+      gf.release(tensor)
+      done(name + ".w", w)
+      if s is not None:
+        done(name + ".scale", s)
   done("out_norm", gf.tensor("output_norm.weight"))
   if "rope_freqs.weight" in gf:
     done("rope_freqs", gf.tensor("rope_freqs.weight"))

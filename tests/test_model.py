@@ -134,3 +134,30 @@ def test_cpu_default_scans_the_layers(tiny_models):
   assert scans(layers="unrolled") == (0, 0)
   with pytest.raises(ValueError, match="layers must be one of"):
     scans(layers="rolled")
+
+
+@pytest.mark.parametrize("quant", ["w8a16", "none"])
+def test_conversion_in_row_blocks_on_threads_equals_whole_tensors(tmp_path, monkeypatch, quant):
+  """convert() splits each tensor into row blocks that threads convert at once: with blocks of 3 rows (most
+  tensors end in a partial block) on 4 threads, every array equals its whole tensors converted in one go
+  (q, k, v and gate, up fused in row order; every layer; the embedding and untied head)."""
+  from jaxllm import quant as q
+  from jaxllm import weights as w
+  path = write_tiny_model(tmp_path / "m.gguf", "qwen2", tensor_type="Q8_0", n_layers=3)
+  gf = GGUFFile(path)
+  c = gf.config
+  monkeypatch.setattr(w, "BLOCK", 3 * c.d_model)
+  monkeypatch.setattr(w, "conversion_threads", lambda: 4)
+  got = w.convert(gf, quant, jnp.float32)
+  whole = (lambda a: (a,)) if quant == "none" else q.quantize_int8
+  parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
+           "w_down": ("ffn_down",)}
+  for name, tensors in parts.items():
+    for i in range(c.n_layers):
+      want = whole(np.concatenate([gf.tensor(f"blk.{i}.{t}.weight") for t in tensors]))
+      assert np.array_equal(got[name + ".w"][i], want[0]), (name, i)
+      if quant != "none":
+        assert np.array_equal(got[name + ".scale"][i], want[1]), (name, i)
+  for tensor, name in (("token_embd.weight", "embed"), ("output.weight", "head")):
+    if tensor in gf.tensor_names():
+      assert np.array_equal(got[name + ".w"], whole(gf.tensor(tensor))[0]), name
