@@ -52,11 +52,12 @@ def _quantized(rng, layers, n, k):
   return Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
 
 
-def _on_leading_rows(lin, xs, ms, dtype):
+def _on_leading_rows(lin, xs, ms, dtype, layer=1):
   """The kernel on the first m rows of xs for each m in ms, in one compiled program (one compile per shape, not
   per M), each output poisoned with NaN before the kernel writes it; as float32 numpy arrays."""
   n = lin.w.shape[-2]
-  call = jax.jit(lambda xs, lin, poisons: [ffi.w8a16_matmul(xs[:m], lin, 1, poison=p) for m, p in zip(ms, poisons)])
+  call = jax.jit(lambda xs, lin, poisons: [ffi.w8a16_matmul(xs[:m], lin, layer, poison=p)
+                                           for m, p in zip(ms, poisons)])
   return [np.asarray(y, np.float32) for y in call(xs, lin, [jnp.full((m, n), jnp.nan, dtype) for m in ms])]
 
 
@@ -105,24 +106,28 @@ def test_w8a16_matches_reference_at_preset_shapes(k, n):
   """The configurations the CUDA dispatch picks for the 1B-14B presets' shapes (a 14B LM head is 780M weights).
   Memory: sixteen test processes share a card, so the weights are drawn on the host (JAX's partitionable
   threefry draws 32 bits an element: 4.6 GB on the device for an 8B LM head's two layers, and an H100 run of
-  2026-12-05 ran out of memory there), layer 0 is zeros (a kernel reading the wrong layer gives zeros), and the
-  f32 reference covers the first and last 256 columns (the edge tiles) and every s-th between them (s odd,
-  ~N / 2048: a column in every block of s, at every offset mod a power of two), not a 3 GB float copy. Every
-  output is checked written."""
+  2026-12-05 ran out of memory there); a stacked weight's layer 0 is zeros (a kernel reading the wrong layer
+  gives zeros), and an LM head is one [N, K] matrix, as in a model (two layers of a 14B head ran out of an H100
+  test process's 4.5 GB). The f32 reference covers the first and last 256 columns (the edge tiles) and every s-th
+  between them (s odd, ~N / 2048: a column in every block of s, at every offset mod a power of two), not a 3 GB
+  float copy. Every output is checked written."""
+  from jaxllm.presets import PRESETS
   rng = np.random.default_rng(k * 7919 + n)
-  w = np.zeros((2, n, k), np.int8)
-  w[1] = rng.integers(-127, 128, (n, k), dtype=np.int8)
-  lin = Linear(w=jnp.asarray(w), scale=jnp.asarray(rng.uniform(1e-3, 1e-2, (2, n, k // 64)).astype(np.float32)))
+  head = (k, n) in {(c.d_model, c.vocab_size) for c in PRESETS.values()}
+  layer = None if head else 1
+  w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+  w = w if head else np.stack([np.zeros_like(w), w])
+  lin = Linear(w=jnp.asarray(w), scale=jnp.asarray(rng.uniform(1e-3, 1e-2, (*w.shape[:-1], k // 64)), jnp.float32))
   del w
   kx = jax.random.PRNGKey(k * 7919 + n)
   step = n // 2048 | 1
   edges = np.concatenate([np.arange(min(n, 256)), np.arange(max(0, n - 256), n)])
   cols = np.unique(np.concatenate([edges, np.arange(k % step, n, step)]))
-  sub = Linear(w=lin.w[:, cols], scale=lin.scale[:, cols])
+  sub = Linear(w=lin.w[..., cols, :], scale=lin.scale[..., cols, :])
   for dtype, ms in ((jnp.bfloat16, (1, 2, 4, 8, 16, 32, 64)), (jnp.float32, (1,))):
     xs = jax.random.normal(kx, (max(ms), k), jnp.float32).astype(dtype)
-    ref = np.asarray(linear_reference(xs.astype(jnp.float32), sub, 1))     # rows apart: every M's rows are ref's first
-    for m, got in zip(ms, _on_leading_rows(lin, xs, ms, dtype)):   # GEMV kernels to M 4, then tensor cores
+    ref = np.asarray(linear_reference(xs.astype(jnp.float32), sub, layer))   # rows apart: every M's rows are ref's
+    for m, got in zip(ms, _on_leading_rows(lin, xs, ms, dtype, layer)):   # GEMV kernels to M 4, then tensor cores
       assert not np.isnan(got).any(), f"unwritten outputs at M={m}"
       assert _rel(got[:, cols], ref[:m]) < TOL[dtype], (dtype, m, _rel(got[:, cols], ref[:m]))
 

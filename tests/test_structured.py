@@ -243,7 +243,7 @@ def test_constrained_and_free_requests_share_the_batch(served):
     _valid(text, schema)
     assert reason == "stop"
   compiles = "jaxllm_xla_compiles_while_serving_total"
-  assert metric(after, compiles) == metric(before, compiles) == 0
+  assert metric(after, compiles) == metric(before, compiles)   # the process's count: other tests compile in it too
   assert metric(after, "jaxllm_kv_slots_used") == 0
 
 
