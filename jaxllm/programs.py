@@ -6,6 +6,7 @@ a prefill chunk (extend_fn), the last chunk with the first token's sampling (pre
 step (step_fn, or steps_fn for K steps per call), each from abstract arguments. With command buffers on it
 runs a new executable once on zeros, and where either fails it warns, turns command buffers off for this
 engine and compiles again without them; with cache_executables it keeps executables on disk (jaxllm.executables).
+compile_programs builds many at once on threads (a server's warmup), their trial runs after, one at a time.
 
 greedy_mode names the decode step a request needs: sampling settings are data in the DecodeState, so one
 executable serves every request of a batch size and mode. The mode is part of every prefill and decode key
@@ -16,8 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import jax
@@ -64,6 +68,12 @@ def _compile(fn, donate: int | tuple[int, ...], options: dict, args, tp=None) ->
   args = args if tp is None else parallel.on_mesh(args, tp)
   compiled = jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile()
   return compiled if tp is None else parallel.placing(compiled)
+
+
+def compile_threads() -> int:
+  """Programs Programs.compile_programs compiles at once: one a core, at most 8 (XLA uses threads of its own
+  within a compile too)."""
+  return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def _trial_args(args):
@@ -172,7 +182,9 @@ class Programs:
     self.prefill_layers = default_layers()
     self.decode_layers = "unrolled"
     self._exe: dict[tuple, Callable] = {}
-    self.compile_seconds = 0.0
+    self._build_lock = threading.Lock()        # compile_programs' threads share _exe and the counts
+    self._deferred: list | None = None         # inside compile_programs: the trial runs waiting
+    self.compile_seconds = 0.0                 # seconds spent building, over all threads
     # Executables built so far: loaded from the disk cache, compiled, and of those compiled, saved to it.
     self.built = {"loaded": 0, "compiled": 0, "saved": 0}
     # Sharded executables are not kept on disk (their key would have to name the devices of the mesh).
@@ -181,8 +193,9 @@ class Programs:
   # ---- compilation ---------------------------------------------------------------------------
 
   def _build(self, key: tuple, fn, donate: int, args) -> Callable:
-    """Compiles fn once per key; with command buffers on, also runs it once on zeros. If either fails,
-    warns once with the reason, turns command buffers off for this engine, and compiles again without."""
+    """Compiles fn once per key; with command buffers on, also runs it once on zeros (inside compile_programs,
+    after all have compiled). If either fails, warns once with the reason, turns command buffers off for this
+    engine, and compiles again without."""
     if key in self._exe:
       return self._exe[key]
     t0 = time.perf_counter()
@@ -196,30 +209,76 @@ class Programs:
                                             [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
       compiled = executables.load_executable(disk_key)
       if compiled is not None:
-        self.compile_seconds += time.perf_counter() - t0
-        self.built["loaded"] += 1
-        self._exe[key] = compiled
+        self._done(key, compiled, "loaded", t0)
         return compiled
+    deferred = self._deferred is not None
     try:
       compiled = _compile(fn, donate, self.compiler_options, args, self.tp)
-      if self.graphs_active:
+      if self.graphs_active and not deferred:
         jax.block_until_ready(compiled(*_trial_args(args)))
     except Exception as e:  # XLA reports command-buffer failures as assorted runtime errors
       if not self.graphs_active:
         raise
-      self.graphs_fallback = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-      warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) failed, running without them: "
-                    f"{self.graphs_fallback}", RuntimeWarning, stacklevel=3)
-      self.compiler_options = graphs.compiler_options(False)
-      self._exe.clear()
+      self._drop_graphs(e)
       compiled = _compile(fn, donate, self.compiler_options, args, self.tp)
       disk_key = None                   # the options changed: this key no longer describes the executable
-    self.built["compiled"] += 1
-    if disk_key is not None:
-      self.built["saved"] += executables.save_executable(disk_key, compiled)
-    self.compile_seconds += time.perf_counter() - t0
-    self._exe[key] = compiled
+    if self.graphs_active and deferred:
+      self._deferred.append((disk_key, compiled, args))       # its trial run (and so its saving) waits
+    elif disk_key is not None:
+      self._save(disk_key, compiled)
+    self._done(key, compiled, "compiled", t0)
     return compiled
+
+  def _done(self, key: tuple, compiled, how: str, t0: float) -> None:
+    with self._build_lock:              # compile_programs builds on several threads
+      self.built[how] += 1
+      self.compile_seconds += time.perf_counter() - t0
+      self._exe[key] = compiled
+
+  def _save(self, disk_key: str, compiled) -> None:
+    saved = executables.save_executable(disk_key, compiled)
+    with self._build_lock:
+      self.built["saved"] += saved
+
+  def _drop_graphs(self, error: Exception) -> None:
+    """Command buffers off for this engine after `error`: warns, compiles without them from now on."""
+    with self._build_lock:
+      if self.graphs_fallback is not None:
+        return
+      self.graphs_fallback = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+      warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) failed, running without them: "
+                    f"{self.graphs_fallback}", RuntimeWarning, stacklevel=4)
+      self.compiler_options = graphs.compiler_options(False)
+      self._exe.clear()
+
+  def compile_programs(self, lookups: Sequence[Callable[[], object]], threads: int | None = None) -> None:
+    """Runs program lookups (calls that compile their program the first time: compile_program's, step_fn, ...)
+    on `threads` threads at once (default compile_threads()): XLA compiles outside the GIL, and a server's ~40
+    programs compiled one after another took 200 s on an H100 host. With command buffers on, the trial runs
+    wait until all have compiled and run one at a time (each takes a zero state of its own); if one fails,
+    command buffers go as in _build, and the lookups run again one at a time without them."""
+    had_graphs = self.graphs_active
+    self._deferred = []
+    try:
+      with ThreadPoolExecutor(threads or compile_threads()) as pool:
+        for done in [pool.submit(lookup) for lookup in lookups]:
+          done.result()
+      for disk_key, compiled, args in self._deferred:
+        if not self.graphs_active:
+          break
+        try:
+          jax.block_until_ready(compiled(*_trial_args(args)))
+        except Exception as e:  # as in _build
+          self._drop_graphs(e)
+          break
+        if disk_key is not None:
+          self._save(disk_key, compiled)
+    finally:
+      self._deferred = None
+    if had_graphs and not self.graphs_active:       # some may have compiled with command buffers meanwhile
+      self._exe.clear()
+      for lookup in lookups:
+        lookup()
 
   @property
   def graphs_active(self) -> bool:

@@ -171,6 +171,44 @@ def test_replay_needs_no_update_gpu(tmp_path):
   assert seg["engine-loop"]["updates"] <= 2, seg
 
 
+def test_programs_compile_on_threads_and_try_command_buffers_after(tiny_models, monkeypatch):
+  """Engine.compile_programs (a server's warmup) compiles on several threads, then runs each new executable's
+  trial (command buffers' first run) on the calling thread, one at a time. A trial that fails turns command
+  buffers off, and every program is compiled again without them: none keeps its command-buffer build."""
+  import threading
+  import jaxllm.programs as programs_mod
+  from jaxllm.serve.slots import SlotPrograms
+  real_compile, real_trial = programs_mod._compile, programs_mod._trial_args
+  compiled, trials = [], []
+
+  def recording(fn, donate, options, args, tp=None):
+    compiled.append((threading.get_ident(), dict(options)))
+    return real_compile(fn, donate, options, args, tp)
+
+  def trial(args):
+    trials.append(threading.get_ident())
+    if len(trials) == 3:
+      raise RuntimeError("INTERNAL: simulated command buffer failure")
+    return real_trial(args)
+  gf = GGUFFile(tiny_models["qwen2"])
+  monkeypatch.setattr(programs_mod, "_graphs_possible", lambda: True)    # as on a GPU: the mechanism under test
+  monkeypatch.setattr(programs_mod, "_compile", recording)
+  monkeypatch.setattr(programs_mod, "_trial_args", trial)
+  engine = Engine(gf.config, load_weights(gf, progress=False), Tokenizer(gf.metadata), max_context=64, graphs_on=True)
+  slots = SlotPrograms(engine, 4)
+  lookups = slots.programs()
+  with pytest.warns(RuntimeWarning, match="running without them: RuntimeError: INTERNAL: simulated"):
+    engine.compile_programs(lookups, threads=3)
+  first, again = compiled[:len(lookups)], compiled[len(lookups):]
+  assert len({t for t, _ in first}) > 1 and all("xla_gpu_enable_command_buffer" not in o for _, o in first)
+  assert trials == [threading.get_ident()] * 3                                   # after, here, until one failed
+  off = {"xla_gpu_enable_command_buffer": ""}
+  assert len(again) == len(lookups) and all(t == threading.get_ident() and o == off for t, o in again)
+  assert not engine.graphs_active and len(engine._exe) == len(lookups)
+  slots.warmup()                                                                 # finds every program built
+  assert len(compiled) == 2 * len(lookups)
+
+
 def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   """A failure compiling with command buffers warns once, turns them off, and gives the same tokens."""
   import jaxllm.programs as programs_mod

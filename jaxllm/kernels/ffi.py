@@ -13,6 +13,7 @@ batched, else it maps sequentially); attention maps sequentially.
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +56,15 @@ def _register() -> str | None:
 
 def unavailable_reason() -> str | None:
   """None when the FFI kernels are registered for the default backend, else why not."""
-  return _register()
+  with _REGISTERING:
+    return _register()
+
+
+_REGISTERING = threading.Lock()    # programs compile on several threads (Programs.compile_programs)
 
 
 def _ensure_registered() -> None:
-  reason = _register()
+  reason = unavailable_reason()
   if reason is not None:
     raise RuntimeError(f"jaxllm's FFI kernels are unavailable: {reason}")
 

@@ -343,18 +343,23 @@ class SlotPrograms:
     """The decode modes this server compiles."""
     return (GREEDY, FULL, WIDE) if self.wide_top_k else (GREEDY, FULL)
 
+  def programs(self) -> list[Callable[[], Callable]]:
+    """Lookups of every program serving can run, each compiling its program the first time: each chunk bucket,
+    each row count in each decode mode (and masked in the sampling ones), the swap, the masks' write."""
+    lookups = [self.extend_fn] if self.chunked else []
+    lookups += [functools.partial(self.admit_fn, b, wide) for b in self.buckets
+                for wide in ((False, True) if self.wide_top_k else (False,))]
+    lookups += [self.swap_fn, self.put_masks_fn] + [functools.partial(self.score_fn, n) for n in self.score_sizes]
+    lookups += [functools.partial(self.decode_fn, count, mode, masked) for count in self.counts
+                for mode in self.modes() for masked in ((False,) if mode == GREEDY else (False, True))]
+    return lookups
+
   def warmup(self) -> None:
-    """Compiles every program serving can run (each chunk bucket, each row count in each decode mode, and
-    masked in the sampling ones, the swap, the masks' write) and runs each decode program once on the empty
-    state (every row done: nothing changes), so that serving compiles nothing."""
-    if self.chunked:
-      self.extend_fn()
-    for b in self.buckets:
-      for wide in (False, True) if self.wide_top_k else (False,):
-        self.admit_fn(b, wide)
+    """Compiles every program serving can run, several at a time (Engine.compile_programs), and runs the swap,
+    the masks' write and each decode program once on the empty state (every row done: nothing changes), so
+    that serving compiles nothing."""
+    self.engine.compile_programs(self.programs())
     self.swap(0, 0)
-    for size in self.score_sizes:
-      self.score_fn(size)
     self.put_masks(full_mask(self.slots, self.config.vocab_size))
     for count in self.counts:
       for mode in self.modes():
