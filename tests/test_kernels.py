@@ -104,22 +104,23 @@ def _preset_matmul_shapes():
 @pytest.mark.parametrize("k, n", _preset_matmul_shapes())
 def test_w8a16_matches_reference_at_preset_shapes(k, n):
   """The configurations the CUDA dispatch picks for the 1B-14B presets' shapes (a 14B LM head is 780M weights).
-  Memory: sixteen test processes share a card, so the weights are drawn on the host (JAX's partitionable
-  threefry draws 32 bits an element: 4.6 GB on the device for an 8B LM head's two layers, and an H100 run of
-  2026-12-05 ran out of memory there); a stacked weight's layer 0 is zeros (a kernel reading the wrong layer
-  gives zeros), and an LM head is one [N, K] matrix, as in a model (two layers of a 14B head ran out of an H100
-  test process's 4.5 GB). The f32 reference covers the first and last 256 columns (the edge tiles) and every s-th
-  between them (s odd, ~N / 2048: a column in every block of s, at every offset mod a power of two), not a 3 GB
-  float copy. Every output is checked written."""
+  Memory: sixteen test processes share a card, so the weights are drawn in row blocks (weights._randint: JAX's
+  threefry draws 32 bits an element, 4.6 GB for an 8B LM head's two layers drawn whole, and an H100 run of
+  2026-12-05 ran out of memory there; drawn on the host instead, the 44 cases took 1,438 s of the suite's
+  processes); a stacked weight's layer 0 is zeros (a kernel reading the wrong layer gives zeros), and an LM head
+  is one [N, K] matrix, as in a model (two layers of a 14B head ran out of an H100 test process's 4.5 GB). The f32
+  reference covers the first and last 256 columns (the edge tiles) and every s-th between them (s odd, ~N / 2048:
+  a column in every block of s, at every offset mod a power of two), not a 3 GB float copy. Every output is
+  checked written."""
   from jaxllm.presets import PRESETS
-  rng = np.random.default_rng(k * 7919 + n)
+  from jaxllm.weights import _randint
   head = (k, n) in {(c.d_model, c.vocab_size) for c in PRESETS.values()}
   layer = None if head else 1
-  w = rng.integers(-127, 128, (n, k), dtype=np.int8)
-  w = w if head else np.stack([np.zeros_like(w), w])
-  lin = Linear(w=jnp.asarray(w), scale=jnp.asarray(rng.uniform(1e-3, 1e-2, (*w.shape[:-1], k // 64)), jnp.float32))
+  kw, ks, kx = jax.random.split(jax.random.PRNGKey(k * 7919 + n), 3)
+  w = _randint(kw, (n, k), -127, 128, jnp.int8)
+  w = w if head else jnp.stack([jnp.zeros_like(w), w])
+  lin = Linear(w=w, scale=jax.random.uniform(ks, (*w.shape[:-1], k // 64), jnp.float32, 1e-3, 1e-2))
   del w
-  kx = jax.random.PRNGKey(k * 7919 + n)
   step = n // 2048 | 1
   edges = np.concatenate([np.arange(min(n, 256)), np.arange(max(0, n - 256), n)])
   cols = np.unique(np.concatenate([edges, np.arange(k % step, n, step)]))
