@@ -3,7 +3,8 @@
 # comparison, jaxllm.serve beside llama-server on the same random-Q8_0 GGUF and the same load generator at 1,
 # 8, 32 and 64 streams (bench/serve_peers.py), the 0.5B shape then the 7B. Resumes: a carried
 # .carry/serve.jsonl (the last call's serve.jsonl) is read first, and the records it holds are not run again.
-#   PRESETS (default qwen2.5-0.5b,qwen2.5-7b), DEADLINE (seconds for the whole call, default 570)
+#   PRESETS (default qwen2.5-0.5b,qwen2.5-7b), DEADLINE (seconds for the whole call, default 570),
+#   START_TIMEOUT (seconds a server may take to be ready, default 420: a 7B jaxllm converts and compiles first)
 # Writes $OUT/serve.jsonl and $OUT/serve.md; logs in $OUT/g.tgz.
 set -u
 ROOT=$PWD
@@ -21,7 +22,7 @@ mkdir -p $D
 stamp "serve_peers, $(left) s left"
 python3 bench/serve_peers.py --dir $D --presets ${PRESETS:-qwen2.5-0.5b,qwen2.5-7b} \
   --llama-server /tmp/llamacpp-bin/llama-server --vocab $ROOT/.carry/vocab.gguf --gguf-dir /tmp/gguf \
-  --time-limit $(left) > $R/serve.log 2>&1
+  --time-limit $(left) --start-timeout ${START_TIMEOUT:-420} > $R/serve.log 2>&1
 stamp "serve_peers rc $?"
 cp $D/serve.jsonl $OUT/ 2>/dev/null; cp $R/serve.md $OUT/ 2>/dev/null
 tail -40 $R/serve.log
