@@ -89,8 +89,8 @@ def test_norm_linear(k, n, dtype, epilogue):
     x = _residual_stream(rng, m, k)
     out_n = n // 2 if epilogue == "swiglu" else n
     poison = jnp.full((m, out_n), jnp.nan, dtype)
-    got = jax.jit(lambda x, p: fused.norm_linear(x, norm_w, EPS, lin, 2, dtype=dtype, epilogue=epilogue,
-                                                 poison=p))(x, poison)
+    got = jax.jit(lambda x, p, lin: fused.norm_linear(x, norm_w, EPS, lin, 2, dtype=dtype, epilogue=epilogue,
+                                                      poison=p))(x, poison, lin)   # lin an argument, not a constant
     y = _round(_norm64(x, norm_w[2], dtype) @ w.T, dtype)
     if epilogue == "swiglu":
       g, u = y[:, :n // 2], y[:, n // 2:]
@@ -111,7 +111,7 @@ def test_linear_residual(k, n, dtype):
     a = jnp.asarray(rng.standard_normal((m, k)), dtype)
     res = _residual_stream(rng, m, n)
     poison = jnp.full((m, n), jnp.nan, jnp.float32)
-    got = jax.jit(lambda a, r, p: fused.linear_residual(a, lin, 1, r, poison=p))(a, res, poison)
+    got = jax.jit(lambda a, r, p, lin: fused.linear_residual(a, lin, 1, r, poison=p))(a, res, poison, lin)
     want = np.asarray(res, np.float64) + _round(np.asarray(a, np.float64) @ w.T, dtype)
     assert not np.isnan(np.asarray(got)).any()
     # the residual carries through exactly; the product's share to its tolerance
@@ -134,7 +134,7 @@ def test_norm_argmax_picks_the_first_largest(dtype):
   q, s = quantize_int8(w)
   lin = Linear(w=jnp.asarray(q[0]), scale=jnp.asarray(s[0]))
   logits = _round(h @ _dequant(Linear(w=jnp.asarray(q), scale=jnp.asarray(s)), 0).T, dtype)
-  tokens, finite = jax.jit(lambda x: fused.norm_argmax(x, jnp.ones(k), EPS, lin, dtype=dtype))(x)
+  tokens, finite = jax.jit(lambda x, lin: fused.norm_argmax(x, jnp.ones(k), EPS, lin, dtype=dtype))(x, lin)
   tokens, finite = np.asarray(tokens), np.asarray(finite)
   assert finite.all()
   assert tokens[0] == min(early, best), (tokens[0], early, best)
@@ -212,7 +212,7 @@ def test_norm_linear_at_vocabulary_size(k, n):
   norm_w = jnp.asarray(1 + 0.3 * rng.standard_normal(k), jnp.float32)
   lin = Linear(w=jnp.asarray(w), scale=jnp.asarray(s))
   poison = jnp.full((1, n), jnp.nan, jnp.bfloat16)
-  got = jax.jit(lambda x, p: fused.norm_linear(x, norm_w, EPS, lin, dtype=jnp.bfloat16, poison=p))(x, poison)
+  got = jax.jit(lambda x, p, lin: fused.norm_linear(x, norm_w, EPS, lin, dtype=jnp.bfloat16, poison=p))(x, poison, lin)
   got = np.asarray(got, np.float64)[0]
   h = _norm64(x, norm_w, jnp.bfloat16)[0]
   want = _round(_head64(w, s) @ h, jnp.bfloat16)

@@ -124,7 +124,7 @@ def test_cpu_kernel_matches_float64(bits, m, k, n, dtype):
   lin = _random_lowbit(rng, 3, n, k, bits)
   x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1)), dtype)
   poison = jnp.full((m, n), jnp.nan, dtype)
-  y = np.asarray(jax.jit(lambda x, p: ffi.lowbit_matmul(x, lin, 2, poison=p))(x, poison), np.float64)
+  y = np.asarray(jax.jit(lambda x, p, lin: ffi.lowbit_matmul(x, lin, 2, poison=p))(x, poison, lin), np.float64)
   w = _dequant64(lin, 2)
   xf = np.asarray(x.astype(jnp.float32), np.float64)
   want = xf @ w.T
@@ -133,7 +133,7 @@ def test_cpu_kernel_matches_float64(bits, m, k, n, dtype):
   assert np.all(np.isfinite(y))
   assert np.all(np.abs(y - want) <= tol * bound + 1e-6), np.max(np.abs(y - want) / bound)
   # The jnp reference (what the GPU and --kernels xla run) against the same expectation.
-  ref = np.asarray(jax.jit(lambda x: linear_reference(x, lin, 2))(x), np.float64)
+  ref = np.asarray(jax.jit(lambda x, lin: linear_reference(x, lin, 2))(x, lin), np.float64)
   assert np.all(np.abs(ref - want) <= tol * bound + 1e-6)
 
 
@@ -150,7 +150,7 @@ def test_cpu_kernel_without_stored_min(bits, m, dtype):
   lin = _random_lowbit(rng, 2, 130, 192, bits, store_min=False)
   x = jnp.asarray(rng.standard_normal((m, 192)) * 3, dtype)
   poison = jnp.full((m, 130), jnp.nan, dtype)
-  y = np.asarray(jax.jit(lambda x, p: ffi.lowbit_matmul(x, lin, 1, poison=p))(x, poison), np.float64)
+  y = np.asarray(jax.jit(lambda x, p, lin: ffi.lowbit_matmul(x, lin, 1, poison=p))(x, poison, lin), np.float64)
   w = _dequant64(lin, 1)
   xf = np.asarray(x.astype(jnp.float32), np.float64)
   bound = np.abs(xf) @ np.abs(w).T
@@ -202,14 +202,14 @@ def test_q6k_cpu_kernel_matches_float64(m, k, n, dtype):
   lin = Q6K(*(jnp.asarray(np.stack(a)) for a in zip(*map(q6k_from_blocks, raws))))
   x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1)), dtype)
   poison = jnp.full((m, n), jnp.nan, dtype)
-  y = np.asarray(jax.jit(lambda x, p: ffi.q6k_matmul(x, lin, 2, poison=p))(x, poison), np.float64)
+  y = np.asarray(jax.jit(lambda x, p, lin: ffi.q6k_matmul(x, lin, 2, poison=p))(x, poison, lin), np.float64)
   w = _q6k_dequant64(raws[2])
   xf = np.asarray(x.astype(jnp.float32), np.float64)
   bound = np.abs(xf) @ np.abs(w).T
   tol = 2e-4 if dtype == jnp.float32 else 8e-3
   assert np.all(np.isfinite(y))
   assert np.all(np.abs(y - xf @ w.T) <= tol * bound + 1e-6), np.max(np.abs(y - xf @ w.T) / bound)
-  ref = np.asarray(jax.jit(lambda x: linear_reference(x, lin, 2))(x), np.float64)
+  ref = np.asarray(jax.jit(lambda x, lin: linear_reference(x, lin, 2))(x, lin), np.float64)
   assert np.all(np.abs(ref - xf @ w.T) <= tol * bound + 1e-6)
 
 
