@@ -18,7 +18,8 @@ def _load(path, quant="none"):
 
 def _prefill_logits(config, weights, tokens, max_len=32):
   cache = create_cache(config, 1, max_len, jnp.float32)
-  out, _ = sequence_logits(config, weights, cache, jnp.asarray([tokens], jnp.int32), jnp.zeros((1,), jnp.int32))
+  run = jax.jit(lambda w, c, t, p: sequence_logits(config, w, c, t, p))   # compiled whole, not op by op
+  out, _ = run(weights, cache, jnp.asarray([tokens], jnp.int32), jnp.zeros((1,), jnp.int32))
   return np.asarray(out[0])
 
 

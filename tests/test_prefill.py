@@ -36,8 +36,11 @@ def model(request, tiny_models):
 
 
 def _one_shot_logits(config, weights, tokens, s=128):
+  """All tokens in one sequence_logits call, compiled (run op by op, each op of the forward compiled by itself
+  for each new length: 25 s a case on the GPU suite's H100)."""
   cache = create_cache(config, 1, s, jnp.float32)
-  out, _ = sequence_logits(config, weights, cache, jnp.asarray([tokens], jnp.int32), jnp.zeros((1,), jnp.int32))
+  run = jax.jit(lambda w, c, t, p: sequence_logits(config, w, c, t, p))
+  out, _ = run(weights, cache, jnp.asarray([tokens], jnp.int32), jnp.zeros((1,), jnp.int32))
   return np.asarray(out[0])
 
 
@@ -45,12 +48,12 @@ def _chunked_logits(config, weights, tokens, start_tokens=(), s=128):
   """Logits of `tokens` run in chunks of CHUNK after `start_tokens` (also run in chunks), each chunk one
   sequence_logits call from its start position: every chunk attends to the cache the earlier ones wrote."""
   cache = create_cache(config, 1, s, jnp.float32)
-  step = jax.jit(lambda c, t, p: sequence_logits(config, weights, c, t, p))
+  step = jax.jit(lambda w, c, t, p: sequence_logits(config, w, c, t, p))
   rows, pos = [], 0
   for seq, keep in ((list(start_tokens), False), (list(tokens), True)):
     for i in range(0, len(seq), CHUNK):
       piece = seq[i:i + CHUNK]
-      out, cache = step(cache, jnp.asarray([piece], jnp.int32), jnp.asarray([pos], jnp.int32))
+      out, cache = step(weights, cache, jnp.asarray([piece], jnp.int32), jnp.asarray([pos], jnp.int32))
       pos += len(piece)
       if keep:
         rows.append(np.asarray(out[0]))
