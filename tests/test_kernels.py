@@ -286,7 +286,8 @@ def test_flash_prefill_attention_matches_reference(b, t, h, g, s, d, starts):
   st = jnp.asarray(starts, jnp.int32)
   call = jax.jit(lambda q, k, v, st, p: ffi.prefill_attention(q, k, v, 1, st, poison=p))
   got = call(q, k, v, st, jnp.full((b, t, h, d), jnp.nan, jnp.bfloat16))
-  ref = prefill_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1, st)
+  ref = jax.jit(lambda q, k, v, st: prefill_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                                                 v.astype(jnp.float32), 1, st))(q, k, v, st)
   assert not np.isnan(np.asarray(got, np.float32)).any(), "unwritten outputs"
   # P is rounded to bf16 before it meets v (as in FlashAttention): allow 2^-7 relative beyond the output's own.
   err = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
