@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from typing import Callable, Iterator, Sequence
@@ -129,13 +130,11 @@ class Engine(Programs):
     """
     greedy = _all_greedy(params, batch)
     sizes = self._chunks(prompt_len)
-    for size in sizes[:-1]:
-      self.extend_fn(batch, size)
-    self.prefill_fn(batch, sizes[-1], greedy, masked)
-    if masked:
-      self.step_fn(batch, greedy, masked=True)
-    else:
-      self.advance_fn(batch, greedy)
+    lookups = [functools.partial(self.extend_fn, batch, size) for size in sorted(set(sizes[:-1]))]
+    lookups.append(functools.partial(self.prefill_fn, batch, sizes[-1], greedy, masked))
+    lookups.append(functools.partial(self.step_fn, batch, greedy, masked=True) if masked else
+                   functools.partial(self.advance_fn, batch, greedy))
+    self.compile_programs(lookups)                  # the prefill and decode programs compiled at once
     if trial:
       n = prompt_len if len(sizes) == 1 else prompt_len - (len(sizes) - 2) * self.prefill_chunk
       n = min(n, self.max_context - 2)
