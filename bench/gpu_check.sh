@@ -11,7 +11,7 @@
 # tests/test_structured.py llguidance and jsonschema; and their dependencies, for the machine's Python; the
 # command is in CONTRIBUTING.md) are installed into /tmp/site first. On a machine without the network, set
 # JAXLLM_TEST_OFFLINE=1: the tests that download a demo model then skip and say so.
-# Knobs: TESTS ("all", files, or empty), GEMV_SWEEP (non-empty: bench/gemv_sweep.cu), STAGES (bench/suite.py stages), WORKERS (test processes, default 12),
+# Knobs: TESTS ("all", files, or empty), GEMV_SWEEP (non-empty: bench/gemv_sweep.cu), STAGES (bench/suite.py stages), WORKERS (test processes, default the cores up to 16),
 # T_TESTS (seconds for the tests, default 420), PAIRS (suite pairs, default 5), MEM_FRACTION (each test process's
 # share of the GPU's memory, default 0.9 / WORKERS; empty: no limit), ORDER (recorded test times the tests start
 # in, longest first; default tests/gpu_test_times.jsonl; empty: file order).
@@ -68,12 +68,13 @@ if [ -n "$TESTS" ]; then
   # worker, its fixture set up once; groups start first, then the other tests longest first by the times of a
   # recorded GPU run (ORDER, default tests/gpu_test_times.jsonl: a run's test_times.jsonl; empty: file order).
   t0=$(date +%s)
-  frac=${MEM_FRACTION-$(python3 -c "print(round(0.9 / ${WORKERS:-12}, 3))")}
-  echo "tests: ${WORKERS:-12} processes${frac:+, each at most a fraction $frac of GPU memory}"
+  WORKERS=${WORKERS:-$(( $(nproc) < 16 ? $(nproc) : 16 ))}   # the suite is bound by the CPUs (its compiles)
+  frac=${MEM_FRACTION-$(python3 -c "print(round(0.9 / $WORKERS, 3))")}
+  echo "tests: $WORKERS processes${frac:+, each at most a fraction $frac of GPU memory}"
   env ${frac:+XLA_CLIENT_MEM_FRACTION=$frac} \
   JAXLLM_TEST_TIMES="$DIR/test_times.jsonl" JAXLLM_TEST_ORDER=${ORDER-tests/gpu_test_times.jsonl} \
     XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=1 \
-    OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout "${T_TESTS:-420}" python3 -m pytest -v -rfEs -n "${WORKERS:-12}" \
+    OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout "${T_TESTS:-420}" python3 -m pytest -v -rfEs -n "$WORKERS" \
     --dist loadgroup -p no:cacheprovider --durations=40 -o faulthandler_timeout=300 $TESTS > "$DIR/tests.log" 2>&1
   rc=$?
   echo "tests: exit $rc in $(( $(date +%s) - t0 )) s"
