@@ -61,19 +61,33 @@ CPU_TOKENS_PER_CALL = 8
 MAX_TOKENS_PER_CALL = 64
 
 
-def _compile(fn, donate: int | tuple[int, ...], options: dict, args, tp=None) -> Callable:
-  """jit + lower + compile with per-executable XLA options; on tp's mesh (jaxllm.parallel), a program that
-  takes the per-step values replicated and puts its arguments there first."""
+def _lower(fn, donate: int | tuple[int, ...], options: dict, args, tp=None):
+  """jit + lower with per-executable XLA options (in the calling thread: JAX's settings, such as a
+  default_matmul_precision context, are per thread); on tp's mesh (jaxllm.parallel), a program that takes the
+  per-step values replicated and puts its arguments there first."""
   donate = (donate,) if isinstance(donate, int) else donate
   args = args if tp is None else parallel.on_mesh(args, tp)
-  compiled = jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args).compile()
+  return jax.jit(fn, donate_argnums=donate, compiler_options=options or None).lower(*args)
+
+
+def _finish(lowered, tp=None) -> Callable:
+  """XLA's compile of a lowered program: outside the GIL, so compile_programs runs several on threads."""
+  compiled = lowered.compile()
   return compiled if tp is None else parallel.placing(compiled)
+
+
+def _compile(fn, donate: int | tuple[int, ...], options: dict, args, tp=None) -> Callable:
+  return _finish(_lower(fn, donate, options, args, tp), tp)
+
+
+def _cores() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def compile_threads() -> int:
   """Programs Programs.compile_programs compiles at once: one a core, at most 8 (XLA uses threads of its own
   within a compile too)."""
-  return max(1, min(8, len(os.sched_getaffinity(0))))
+  return max(1, min(8, _cores()))
 
 
 def _trial_args(args):
@@ -145,6 +159,20 @@ def _step_flags(greedy: bool | str) -> dict:
   return {"greedy_only": _greedy_only(greedy), "penalties": greedy in (False, "penalized", "wide-penalized")}
 
 
+@dataclasses.dataclass
+class _Batch:
+  """The programs compile_programs lowered on its thread and handed to its pool: (key, disk key, whether with
+  command buffers, abstract arguments, start time, the compile's future)."""
+  thread: int
+  pool: ThreadPoolExecutor
+  pending: list = dataclasses.field(default_factory=list)
+  keys: set = dataclasses.field(default_factory=set)
+
+  def add(self, key, *rest) -> None:
+    self.keys.add(key)
+    self.pending.append((key, *rest))
+
+
 class Programs:
   """A model's weights and its compiled programs (the base of Engine, which documents the arguments)."""
 
@@ -182,9 +210,8 @@ class Programs:
     self.prefill_layers = default_layers()
     self.decode_layers = "unrolled"
     self._exe: dict[tuple, Callable] = {}
-    self._build_lock = threading.Lock()        # compile_programs' threads share _exe and the counts
-    self._deferred: list | None = None         # inside compile_programs: the trial runs waiting
-    self.compile_seconds = 0.0                 # seconds spent building, over all threads
+    self._batch: _Batch | None = None          # inside compile_programs: the programs its threads compile
+    self.compile_seconds = 0.0                 # seconds spent building (compile_programs' overlap, summed)
     # Executables built so far: loaded from the disk cache, compiled, and of those compiled, saved to it.
     self.built = {"loaded": 0, "compiled": 0, "saved": 0}
     # Sharded executables are not kept on disk (their key would have to name the devices of the mesh).
@@ -192,18 +219,20 @@ class Programs:
 
   # ---- compilation ---------------------------------------------------------------------------
 
-  def _build(self, key: tuple, fn, donate: int, args) -> Callable:
-    """Compiles fn once per key; with command buffers on, also runs it once on zeros (inside compile_programs,
-    after all have compiled). If either fails, warns once with the reason, turns command buffers off for this
-    engine, and compiles again without."""
-    if key in self._exe:
-      return self._exe[key]
+  def _build(self, key: tuple, fn, donate: int, args) -> Callable | None:
+    """Compiles fn once per key; with command buffers on, also runs it once on zeros. If either fails, warns
+    once with the reason, turns command buffers off for this engine, and compiles again without. Inside
+    compile_programs (on its thread), lowers fn and leaves the rest to it (returns None)."""
+    compiled = self._exe.get(key)
+    if compiled is not None:
+      return compiled
     t0 = time.perf_counter()
+    options, graphs_on = self.compiler_options, self.graphs_active
     disk_key = None
     if self.cache_executables:
       disk_key = executables.executable_key(key, self.config, self.kernels, jnp.dtype(self.dtype).name,
                                             jnp.dtype(self.cache_dtype).name, self.max_context,
-                                            sorted(self.compiler_options.items()), fused.layers_call(),
+                                            sorted(options.items()), fused.layers_call(),
                                             fused.cpu_fused(), select.ffi_ops(), candidates_kernel(),
                                             jax.tree.structure(args),
                                             [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
@@ -211,74 +240,74 @@ class Programs:
       if compiled is not None:
         self._done(key, compiled, "loaded", t0)
         return compiled
-    deferred = self._deferred is not None
+    batch = self._batch if self._batch is not None and self._batch.thread == threading.get_ident() else None
+    if batch is not None and key in batch.keys:
+      return None
     try:
-      compiled = _compile(fn, donate, self.compiler_options, args, self.tp)
-      if self.graphs_active and not deferred:
+      lowered = _lower(fn, donate, options, args, self.tp)
+      if batch is not None:
+        batch.add(key, disk_key, graphs_on, args, t0, batch.pool.submit(_finish, lowered, self.tp))
+        return None
+      compiled = _finish(lowered, self.tp)
+      if graphs_on:
         jax.block_until_ready(compiled(*_trial_args(args)))
     except Exception as e:  # XLA reports command-buffer failures as assorted runtime errors
-      if not self.graphs_active:
+      if not graphs_on:
         raise
       self._drop_graphs(e)
       compiled = _compile(fn, donate, self.compiler_options, args, self.tp)
       disk_key = None                   # the options changed: this key no longer describes the executable
-    if self.graphs_active and deferred:
-      self._deferred.append((disk_key, compiled, args))       # its trial run (and so its saving) waits
-    elif disk_key is not None:
-      self._save(disk_key, compiled)
+    if disk_key is not None:
+      self.built["saved"] += executables.save_executable(disk_key, compiled)
     self._done(key, compiled, "compiled", t0)
     return compiled
 
   def _done(self, key: tuple, compiled, how: str, t0: float) -> None:
-    with self._build_lock:              # compile_programs builds on several threads
-      self.built[how] += 1
-      self.compile_seconds += time.perf_counter() - t0
-      self._exe[key] = compiled
-
-  def _save(self, disk_key: str, compiled) -> None:
-    saved = executables.save_executable(disk_key, compiled)
-    with self._build_lock:
-      self.built["saved"] += saved
+    self.built[how] += 1
+    self.compile_seconds += time.perf_counter() - t0
+    self._exe[key] = compiled
 
   def _drop_graphs(self, error: Exception) -> None:
-    """Command buffers off for this engine after `error`: warns, compiles without them from now on."""
-    with self._build_lock:
-      if self.graphs_fallback is not None:
-        return
-      self.graphs_fallback = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-      warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) failed, running without them: "
-                    f"{self.graphs_fallback}", RuntimeWarning, stacklevel=4)
-      self.compiler_options = graphs.compiler_options(False)
-      self._exe.clear()
+    """Command buffers off for this engine after `error` (once): compiles without them from now on, and warns."""
+    if self.graphs_fallback is not None:
+      return
+    self.graphs_fallback = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    self.compiler_options = graphs.compiler_options(False)
+    self._exe.clear()
+    warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) failed, running without them: "
+                  f"{self.graphs_fallback}", RuntimeWarning, stacklevel=4)
 
   def compile_programs(self, lookups: Sequence[Callable[[], object]], threads: int | None = None) -> None:
-    """Runs program lookups (calls that compile their program the first time: compile_program's, step_fn, ...)
-    on `threads` threads at once (default compile_threads()): XLA compiles outside the GIL, and a server's ~40
-    programs compiled one after another took 200 s on an H100 host. With command buffers on, the trial runs
-    wait until all have compiled and run one at a time (each takes a zero state of its own); if one fails,
-    command buffers go as in _build, and the lookups run again one at a time without them."""
+    """Runs program lookups (calls that build their program the first time: compile_program's, step_fn, ...)
+    with XLA's compiles `threads` at a time (default compile_threads()): each program is lowered here, in this
+    thread, and compiled on a thread of its own (outside the GIL; a server's ~40 programs compiled one after
+    another took 200 s on an H100 host). Then, here and one at a time, each new executable's trial run (with
+    command buffers on: each takes a zero state of its own) and its saving. If a compile or a trial fails with
+    command buffers on, they go as in _build, and every program is built again without them."""
     had_graphs = self.graphs_active
-    self._deferred = []
-    try:
-      with ThreadPoolExecutor(threads or compile_threads()) as pool:
-        for done in [pool.submit(lookup) for lookup in lookups]:
-          done.result()
-      for disk_key, compiled, args in self._deferred:
-        if not self.graphs_active:
-          break
+    with ThreadPoolExecutor(threads or compile_threads()) as pool:
+      self._batch = batch = _Batch(threading.get_ident(), pool)
+      try:
+        for lookup in lookups:
+          lookup()
+      finally:
+        self._batch = None
+      for key, disk_key, graphs_on, args, t0, future in batch.pending:
         try:
-          jax.block_until_ready(compiled(*_trial_args(args)))
+          compiled = future.result()
+          if graphs_on and self.graphs_active:
+            jax.block_until_ready(compiled(*_trial_args(args)))
         except Exception as e:  # as in _build
+          if not graphs_on:
+            raise
           self._drop_graphs(e)
-          break
+        if graphs_on != self.graphs_active:         # compiled with command buffers that are now off
+          continue
         if disk_key is not None:
-          self._save(disk_key, compiled)
-    finally:
-      self._deferred = None
-    if had_graphs and not self.graphs_active:       # some may have compiled with command buffers meanwhile
-      self._exe.clear()
-      for lookup in lookups:
-        lookup()
+          self.built["saved"] += executables.save_executable(disk_key, compiled)
+        self._done(key, compiled, "compiled", t0)
+    if had_graphs and not self.graphs_active:
+      self.compile_programs(lookups, threads)
 
   @property
   def graphs_active(self) -> bool:

@@ -42,7 +42,8 @@ def conversion_threads() -> int:
   """Threads convert() runs its row blocks on: numpy's dequantizing and quantizing release the GIL, so the
   conversion scales with the cores (a 7B Q8_0 file took 109 s on one); at most 8, each holding a block's floats
   and their temporaries (~100 MB)."""
-  return max(1, min(8, len(os.sched_getaffinity(0))))
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+  return max(1, min(8, cores))
 
 
 def _row_blocks(rows: int, k: int) -> list[tuple[int, int]]:

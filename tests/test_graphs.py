@@ -171,48 +171,94 @@ def test_replay_needs_no_update_gpu(tmp_path):
   assert seg["engine-loop"]["updates"] <= 2, seg
 
 
-def test_programs_compile_on_threads_and_try_command_buffers_after(tiny_models, monkeypatch):
-  """Engine.compile_programs (a server's warmup) compiles on several threads, then runs each new executable's
-  trial (command buffers' first run) on the calling thread, one at a time. A trial that fails turns command
-  buffers off, and every program is compiled again without them: none keeps its command-buffer build."""
+def _recording_builds(monkeypatch, fail_finish=()):
+  """Patches jaxllm.programs' lowering and compiling to record (thread, options, matmul precision) of each
+  lowering and the thread of each compile; the compiles numbered in fail_finish raise a command-buffer error."""
   import threading
   import jaxllm.programs as programs_mod
-  from jaxllm.serve.slots import SlotPrograms
-  real_compile, real_trial = programs_mod._compile, programs_mod._trial_args
-  compiled, trials = [], []
+  real_lower, real_finish = programs_mod._lower, programs_mod._finish
+  lowered, finished = [], []
 
-  def recording(fn, donate, options, args, tp=None):
-    compiled.append((threading.get_ident(), dict(options)))
-    return real_compile(fn, donate, options, args, tp)
+  def lower(fn, donate, options, args, tp=None):
+    lowered.append((threading.get_ident(), dict(options), jax.config.jax_default_matmul_precision))
+    return real_lower(fn, donate, options, args, tp)
+
+  def finish(low, tp=None):
+    finished.append(threading.get_ident())
+    if len(finished) in fail_finish:
+      raise RuntimeError("INTERNAL: simulated command buffer failure")
+    return real_finish(low, tp)
+  monkeypatch.setattr(programs_mod, "_graphs_possible", lambda: True)    # as on a GPU: the mechanism under test
+  monkeypatch.setattr(programs_mod, "_lower", lower)
+  monkeypatch.setattr(programs_mod, "_finish", finish)
+  return lowered, finished
+
+
+def _slots(path, **engine_args):
+  from jaxllm.serve.slots import SlotPrograms
+  gf = GGUFFile(path)
+  engine = Engine(gf.config, load_weights(gf, progress=False), Tokenizer(gf.metadata), max_context=64,
+                  graphs_on=True, **engine_args)
+  return engine, SlotPrograms(engine, 4)
+
+
+ON = "xla_gpu_enable_command_buffer"      # the option that turns command buffers off (graphs.compiler_options)
+
+
+def test_programs_compile_on_threads_and_try_command_buffers_after(tiny_models, monkeypatch):
+  """Engine.compile_programs (a server's warmup) lowers each program on the calling thread (under its JAX
+  settings: here a matmul precision), compiles them on several threads, then runs each new executable's trial
+  (command buffers' first run) on the calling thread, one at a time. A trial that fails turns command buffers
+  off, and every program is built again without them: none keeps its command-buffer build."""
+  import threading
+  import jaxllm.programs as programs_mod
+  lowered, finished = _recording_builds(monkeypatch)
+  real_trial, trials = programs_mod._trial_args, []
 
   def trial(args):
     trials.append(threading.get_ident())
     if len(trials) == 3:
       raise RuntimeError("INTERNAL: simulated command buffer failure")
     return real_trial(args)
-  gf = GGUFFile(tiny_models["qwen2"])
-  monkeypatch.setattr(programs_mod, "_graphs_possible", lambda: True)    # as on a GPU: the mechanism under test
-  monkeypatch.setattr(programs_mod, "_compile", recording)
   monkeypatch.setattr(programs_mod, "_trial_args", trial)
-  engine = Engine(gf.config, load_weights(gf, progress=False), Tokenizer(gf.metadata), max_context=64, graphs_on=True)
-  slots = SlotPrograms(engine, 4)
-  lookups = slots.programs()
-  with pytest.warns(RuntimeWarning, match="running without them: RuntimeError: INTERNAL: simulated"):
+  engine, slots = _slots(tiny_models["qwen2"])
+  lookups, me = slots.programs(), threading.get_ident()
+  with jax.default_matmul_precision("highest"), \
+      pytest.warns(RuntimeWarning, match="running without them: RuntimeError: INTERNAL: simulated"):
     engine.compile_programs(lookups, threads=3)
-  first, again = compiled[:len(lookups)], compiled[len(lookups):]
-  assert len({t for t, _ in first}) > 1 and all("xla_gpu_enable_command_buffer" not in o for _, o in first)
-  assert trials == [threading.get_ident()] * 3                                   # after, here, until one failed
-  off = {"xla_gpu_enable_command_buffer": ""}
-  assert len(again) == len(lookups) and all(t == threading.get_ident() and o == off for t, o in again)
-  assert not engine.graphs_active and len(engine._exe) == len(lookups)
-  slots.warmup()                                                                 # finds every program built
-  assert len(compiled) == 2 * len(lookups)
+  n = len(lookups)
+  assert all(t == me and ON not in o and p == "highest" for t, o, p in lowered[:n])   # here, command buffers on
+  assert len(set(finished[:n])) > 1 and me not in finished[:n]             # compiled on the pool's threads
+  assert trials == [me] * 3                                                # after, here, until one failed
+  assert len(lowered) == 2 * n and all(o == {ON: ""} for _, o, _ in lowered[n:])
+  assert not engine.graphs_active and len(engine._exe) == n
+  slots.warmup()                                                           # finds every program built
+  assert len(lowered) == 2 * n
+
+
+def test_compiles_failing_on_several_threads_fall_back_once(tiny_models, monkeypatch, own_compiles):
+  """Two compiles with command buffers failing on the pool's threads: one warning, command buffers off, every
+  program built again without them; of the first builds only those whose trial ran (before the failure came
+  up) reach the disk cache, none untried."""
+  import jaxllm.programs as programs_mod
+  lowered, finished = _recording_builds(monkeypatch, fail_finish=(2, 3))
+  real_trial, trials = programs_mod._trial_args, []
+  monkeypatch.setattr(programs_mod, "_trial_args", lambda args: trials.append(1) or real_trial(args))
+  engine, slots = _slots(tiny_models["llama"], cache_executables=True)
+  lookups = slots.programs()
+  with pytest.warns(RuntimeWarning, match="running without them") as caught:
+    engine.compile_programs(lookups, threads=3)
+  n = len(lookups)
+  assert len([w for w in caught if "CUDA graphs" in str(w.message)]) == 1
+  assert not engine.graphs_active and len(engine._exe) == n
+  assert len(lowered) == 2 * n and all(o == {ON: ""} for _, o, _ in lowered[n:])
+  assert engine.built["saved"] == n + len(trials) and engine.built["loaded"] == 0 and len(trials) < n - 1
 
 
 def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   """A failure compiling with command buffers warns once, turns them off, and gives the same tokens."""
   import jaxllm.programs as programs_mod
-  real = programs_mod._compile
+  real = programs_mod._lower
 
   def failing(fn, donate, options, args, tp=None):
     if "xla_gpu_enable_command_buffer" not in options:
@@ -224,7 +270,7 @@ def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   tok = Tokenizer(gf.metadata)
   reference = _tokens(Engine(gf.config, weights, tok, max_context=64, graphs_on=False), 24)
   monkeypatch.setattr(programs_mod, "_graphs_possible", lambda: True)    # as on a GPU: the mechanism under test
-  monkeypatch.setattr(programs_mod, "_compile", failing)
+  monkeypatch.setattr(programs_mod, "_lower", failing)
   engine = Engine(gf.config, weights, tok, max_context=64, graphs_on=True)
   with pytest.warns(RuntimeWarning, match="CUDA graphs .* failed, running without them: RuntimeError: INTERNAL"):
     got = _tokens(engine, 24)
