@@ -14,7 +14,7 @@
 # Knobs: TESTS ("all", files, or empty), GEMV_SWEEP (non-empty: bench/gemv_sweep.cu), STAGES (bench/suite.py stages), WORKERS (test processes, default the cores up to 16),
 # T_TESTS (seconds for the tests, default 420), PAIRS (suite pairs, default 5), MEM_FRACTION (each test process's
 # share of the GPU's memory, default 0.9 / WORKERS; empty: no limit), ORDER (recorded test times the tests start
-# in, longest first; default tests/gpu_test_times.jsonl; empty: file order).
+# in, the longest files first; default tests/gpu_test_times.jsonl; empty: file order).
 set -u
 if ! nvidia-smi -L >/dev/null 2>&1; then
   echo "bench/gpu_check.sh builds and runs the CUDA handlers: it needs an NVIDIA GPU, and nvidia-smi finds none here"
@@ -65,7 +65,7 @@ if [ -n "$TESTS" ]; then
   # card for the rest of the run, so tests after them failed wherever they allocated. With the limit, a test
   # that needs more fails by itself, by name. And the CPUs: one BLAS thread each for the numpy references.
   # loadgroup: a module marked xdist_group (its tests share a server or a subprocess's results) runs on one
-  # worker, its fixture set up once; groups start first, then the other tests longest first by the times of a
+  # worker, its fixture set up once; groups start first, then the other test files longest first by the times of a
   # recorded GPU run (ORDER, default tests/gpu_test_times.jsonl: a run's test_times.jsonl; empty: file order).
   t0=$(date +%s)
   WORKERS=${WORKERS:-$(( $(nproc) < 16 ? $(nproc) : 16 ))}   # the suite is bound by the CPUs (its compiles)

@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 
 import pytest
 
@@ -43,19 +44,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _longest_first(items, times_file: str):
-  """The tests in order of the seconds a recorded run spent in each (the longest first; a test not in the
-  record, or under a second there, counts as one second): bench/gpu_check.sh points JAXLLM_TEST_ORDER at
-  tests/gpu_test_times.jsonl, the JAXLLM_TEST_TIMES record of a whole GPU run. Under xdist the longest tests
-  then start first, and the run does not wait at its end on a long test that started last (the longest-first
-  rule for parallel machines). The order is the same in every worker (xdist requires it); groups (an
-  xdist_group's tests) still start before the rest, since --dist loadgroup orders its units by their size."""
+  """The test files in order of the seconds a recorded run spent in each (the longest first; a file not in the
+  record last), each file's tests in pytest's order (which keeps the tests of a module-scoped fixture's
+  parameter together): bench/gpu_check.sh points JAXLLM_TEST_ORDER at tests/gpu_test_times.jsonl, the
+  JAXLLM_TEST_TIMES record of a whole GPU run. Under xdist the longest files then start first and the run does
+  not wait at its end on work that started last. The order is the same in every worker (xdist requires it);
+  groups (an xdist_group's tests) still start before the rest, since --dist loadgroup orders its units by size."""
+  try:
+    with open(times_file) as f:
+      records = [json.loads(line) for line in f]
+  except (OSError, ValueError) as e:
+    warnings.warn(f"JAXLLM_TEST_ORDER: cannot read {times_file} ({e}); the tests run in file order")
+    return
   seconds: dict[str, float] = {}
-  with open(times_file) as f:
-    for line in f:
-      rec = json.loads(line)
-      name = rec["test"].split("@")[0]   # a loadgroup run's ids end in @group
-      seconds[name] = seconds.get(name, 0.0) + rec["s"]
-  items.sort(key=lambda item: -seconds.get(item.nodeid.split("@")[0], 1.0))
+  for rec in records:
+    path = rec["test"].split("::")[0]
+    seconds[path] = seconds.get(path, 0.0) + rec["s"]
+  first: dict[str, int] = {}
+  for i, item in enumerate(items):
+    first.setdefault(item.nodeid.split("::")[0], i)
+  items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), first[item.nodeid.split("::")[0]]))
 
 
 def _jax_ok():
