@@ -149,7 +149,9 @@ def test_conversion_in_row_blocks_on_threads_equals_whole_tensors(tmp_path, monk
   c = gf.config
   monkeypatch.setattr(w, "BLOCK", 3 * c.d_model)
   monkeypatch.setattr(w, "conversion_threads", lambda: 4)
-  got = w.convert(gf, quant, jnp.float32)
+  progress = []
+  got = w.convert(gf, quant, jnp.float32, on_progress=progress.append)
+  assert sum(progress) == w.progress_total(c)
   whole = (lambda a: (a,)) if quant == "none" else q.quantize_int8
   parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
            "w_down": ("ffn_down",)}
@@ -161,4 +163,7 @@ def test_conversion_in_row_blocks_on_threads_equals_whole_tensors(tmp_path, monk
         assert np.array_equal(got[name + ".scale"][i], want[1]), (name, i)
   for tensor, name in (("token_embd.weight", "embed"), ("output.weight", "head")):
     if tensor in gf.tensor_names():
-      assert np.array_equal(got[name + ".w"], whole(gf.tensor(tensor))[0]), name
+      want = whole(gf.tensor(tensor))
+      assert np.array_equal(got[name + ".w"], want[0]), name
+      if quant != "none":
+        assert np.array_equal(got[name + ".scale"], want[1]), name
