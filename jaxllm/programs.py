@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import jax
@@ -78,6 +78,22 @@ def _finish(lowered, tp=None) -> Callable:
 
 def _compile(fn, donate: int | tuple[int, ...], options: dict, args, tp=None) -> Callable:
   return _finish(_lower(fn, donate, options, args, tp), tp)
+
+
+# The JAX settings read when a lowered program is compiled, not when it is lowered (executables._JAX_SETTINGS has
+# both kinds: all of them decide the code).
+_COMPILE_TIME_SETTINGS = ("jax_optimization_level", "jax_memory_fitting_level", "jax_exec_time_optimization_effort",
+                          "jax_memory_fitting_effort", "jax_compiler_enable_remat_pass", "jax_enable_pgle",
+                          "jax_pgle_profiling_runs")
+
+
+def _compile_time_settings() -> list[str]:
+  return [str(getattr(jax.config, name, None)) for name in _COMPILE_TIME_SETTINGS]
+
+
+def _finish_timed(lowered, tp=None) -> tuple[Callable, float]:
+  t0 = time.perf_counter()
+  return _finish(lowered, tp), time.perf_counter() - t0
 
 
 def _cores() -> int:
@@ -161,16 +177,25 @@ def _step_flags(greedy: bool | str) -> dict:
 
 @dataclasses.dataclass
 class _Batch:
-  """The programs compile_programs lowered on its thread and handed to its pool: (key, disk key, whether with
-  command buffers, abstract arguments, start time, the compile's future)."""
+  """The programs compile_programs lowered on its thread and handed to its pool (None: compiled on that thread,
+  where its JAX settings differ from a fresh thread's): (key, disk key, whether with command buffers, abstract
+  arguments, seconds lowering, the compile's future of (executable, seconds))."""
   thread: int
-  pool: ThreadPoolExecutor
+  pool: ThreadPoolExecutor | None
   pending: list = dataclasses.field(default_factory=list)
   keys: set = dataclasses.field(default_factory=set)
 
-  def add(self, key, *rest) -> None:
+  def add(self, key, disk_key, graphs_on: bool, args, seconds: float, lowered, tp) -> None:
+    if self.pool is not None:
+      future = self.pool.submit(_finish_timed, lowered, tp)
+    else:
+      future = Future()
+      try:
+        future.set_result(_finish_timed(lowered, tp))
+      except Exception as e:  # as a pool's future holds it
+        future.set_exception(e)
     self.keys.add(key)
-    self.pending.append((key, *rest))
+    self.pending.append((key, disk_key, graphs_on, args, seconds, future))
 
 
 class Programs:
@@ -211,7 +236,7 @@ class Programs:
     self.decode_layers = "unrolled"
     self._exe: dict[tuple, Callable] = {}
     self._batch: _Batch | None = None          # inside compile_programs: the programs its threads compile
-    self.compile_seconds = 0.0                 # seconds spent building (compile_programs' overlap, summed)
+    self.compile_seconds = 0.0                 # seconds lowering, compiling and trying (compiles on threads summed)
     # Executables built so far: loaded from the disk cache, compiled, and of those compiled, saved to it.
     self.built = {"loaded": 0, "compiled": 0, "saved": 0}
     # Sharded executables are not kept on disk (their key would have to name the devices of the mesh).
@@ -238,16 +263,16 @@ class Programs:
                                             [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
       compiled = executables.load_executable(disk_key)
       if compiled is not None:
-        self._done(key, compiled, "loaded", t0)
+        self._done(key, compiled, "loaded", time.perf_counter() - t0)
         return compiled
     batch = self._batch if self._batch is not None and self._batch.thread == threading.get_ident() else None
     if batch is not None and key in batch.keys:
       return None
+    lowered = _lower(fn, donate, options, args, self.tp)     # a tracing error is the program's, raised as it is
+    if batch is not None:
+      batch.add(key, disk_key, graphs_on, args, time.perf_counter() - t0, lowered, self.tp)
+      return None
     try:
-      lowered = _lower(fn, donate, options, args, self.tp)
-      if batch is not None:
-        batch.add(key, disk_key, graphs_on, args, t0, batch.pool.submit(_finish, lowered, self.tp))
-        return None
       compiled = _finish(lowered, self.tp)
       if graphs_on:
         jax.block_until_ready(compiled(*_trial_args(args)))
@@ -259,12 +284,12 @@ class Programs:
       disk_key = None                   # the options changed: this key no longer describes the executable
     if disk_key is not None:
       self.built["saved"] += executables.save_executable(disk_key, compiled)
-    self._done(key, compiled, "compiled", t0)
+    self._done(key, compiled, "compiled", time.perf_counter() - t0)
     return compiled
 
-  def _done(self, key: tuple, compiled, how: str, t0: float) -> None:
+  def _done(self, key: tuple, compiled, how: str, seconds: float) -> None:
     self.built[how] += 1
-    self.compile_seconds += time.perf_counter() - t0
+    self.compile_seconds += seconds
     self._exe[key] = compiled
 
   def _drop_graphs(self, error: Exception) -> None:
@@ -286,15 +311,22 @@ class Programs:
     command buffers on, they go as in _build, and every program is built again without them."""
     had_graphs = self.graphs_active
     with ThreadPoolExecutor(threads or compile_threads()) as pool:
-      self._batch = batch = _Batch(threading.get_ident(), pool)
+      # JAX reads some settings as it compiles (optimization effort, ...): where this thread's differ from a
+      # fresh thread's (a context manager's), the compiles stay on this thread.
+      same = _compile_time_settings() == pool.submit(_compile_time_settings).result()
+      self._batch = batch = _Batch(threading.get_ident(), pool if same else None)
       try:
         for lookup in lookups:
           lookup()
+      except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)       # an error or Ctrl-C: no compile left waiting
+        raise
       finally:
         self._batch = None
-      for key, disk_key, graphs_on, args, t0, future in batch.pending:
+      for key, disk_key, graphs_on, args, seconds, future in batch.pending:
         try:
-          compiled = future.result()
+          compiled, compile_seconds = future.result()
+          t0 = time.perf_counter()
           if graphs_on and self.graphs_active:
             jax.block_until_ready(compiled(*_trial_args(args)))
         except Exception as e:  # as in _build
@@ -305,7 +337,7 @@ class Programs:
           continue
         if disk_key is not None:
           self.built["saved"] += executables.save_executable(disk_key, compiled)
-        self._done(key, compiled, "compiled", t0)
+        self._done(key, compiled, "compiled", seconds + compile_seconds + time.perf_counter() - t0)
     if had_graphs and not self.graphs_active:
       self.compile_programs(lookups, threads)
 

@@ -171,13 +171,15 @@ def test_replay_needs_no_update_gpu(tmp_path):
   assert seg["engine-loop"]["updates"] <= 2, seg
 
 
-def _recording_builds(monkeypatch, fail_finish=()):
+def _recording_builds(monkeypatch, fail_finish=(), meet=0):
   """Patches jaxllm.programs' lowering and compiling to record (thread, options, matmul precision) of each
-  lowering and the thread of each compile; the compiles numbered in fail_finish raise a command-buffer error."""
+  lowering and the thread of each compile; the compiles numbered in fail_finish raise a command-buffer error;
+  the first `meet` compiles wait for each other (they must run at once, on as many threads)."""
   import threading
   import jaxllm.programs as programs_mod
   real_lower, real_finish = programs_mod._lower, programs_mod._finish
   lowered, finished = [], []
+  together = threading.Barrier(meet, timeout=120) if meet else None
 
   def lower(fn, donate, options, args, tp=None):
     lowered.append((threading.get_ident(), dict(options), jax.config.jax_default_matmul_precision))
@@ -185,6 +187,8 @@ def _recording_builds(monkeypatch, fail_finish=()):
 
   def finish(low, tp=None):
     finished.append(threading.get_ident())
+    if len(finished) <= meet:
+      together.wait()
     if len(finished) in fail_finish:
       raise RuntimeError("INTERNAL: simulated command buffer failure")
     return real_finish(low, tp)
@@ -198,7 +202,7 @@ def _slots(path, **engine_args):
   from jaxllm.serve.slots import SlotPrograms
   gf = GGUFFile(path)
   engine = Engine(gf.config, load_weights(gf, progress=False), Tokenizer(gf.metadata), max_context=64,
-                  graphs_on=True, **engine_args)
+                  **{"graphs_on": True, **engine_args})
   return engine, SlotPrograms(engine, 4)
 
 
@@ -212,7 +216,7 @@ def test_programs_compile_on_threads_and_try_command_buffers_after(tiny_models, 
   off, and every program is built again without them: none keeps its command-buffer build."""
   import threading
   import jaxllm.programs as programs_mod
-  lowered, finished = _recording_builds(monkeypatch)
+  lowered, finished = _recording_builds(monkeypatch, meet=2)
   real_trial, trials = programs_mod._trial_args, []
 
   def trial(args):
@@ -228,12 +232,24 @@ def test_programs_compile_on_threads_and_try_command_buffers_after(tiny_models, 
     engine.compile_programs(lookups, threads=3)
   n = len(lookups)
   assert all(t == me and ON not in o and p == "highest" for t, o, p in lowered[:n])   # here, command buffers on
-  assert len(set(finished[:n])) > 1 and me not in finished[:n]             # compiled on the pool's threads
+  assert len(set(finished[:2])) == 2 and me not in finished[:n]            # compiled on the pool's threads
   assert trials == [me] * 3                                                # after, here, until one failed
   assert len(lowered) == 2 * n and all(o == {ON: ""} for _, o, _ in lowered[n:])
   assert not engine.graphs_active and len(engine._exe) == n
   slots.warmup()                                                           # finds every program built
   assert len(lowered) == 2 * n
+
+
+def test_compiles_stay_on_the_callers_thread_under_its_own_compile_settings(tiny_models, monkeypatch):
+  """A setting JAX reads as it compiles (here the optimization effort), set for the calling thread by a context
+  manager, is not a worker thread's: compile_programs then compiles on the calling thread."""
+  import threading
+  from jax._src import config as jax_config
+  lowered, finished = _recording_builds(monkeypatch)
+  engine, slots = _slots(tiny_models["qwen2"], graphs_on=False)
+  with jax_config.exec_time_optimization_effort(0.5):
+    engine.compile_programs(slots.programs(), threads=3)
+  assert finished and set(finished) == {threading.get_ident()}
 
 
 def test_compiles_failing_on_several_threads_fall_back_once(tiny_models, monkeypatch, own_compiles):
@@ -260,10 +276,13 @@ def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   import jaxllm.programs as programs_mod
   real = programs_mod._lower
 
-  def failing(fn, donate, options, args, tp=None):
-    if "xla_gpu_enable_command_buffer" not in options:
+  class Failing:          # a program lowered with command buffers on, whose compile fails (as XLA's may)
+    def compile(self):
       raise RuntimeError("INTERNAL: simulated command buffer failure")
-    return real(fn, donate, options, args, tp)
+
+  def failing(fn, donate, options, args, tp=None):
+    lowered = real(fn, donate, options, args, tp)
+    return Failing() if "xla_gpu_enable_command_buffer" not in options else lowered
 
   gf = GGUFFile(tiny_models["qwen2"])
   weights = load_weights(gf, progress=False)
@@ -277,3 +296,7 @@ def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
   assert got == reference
   assert not engine.graphs_active and "simulated" in engine.graphs_fallback
   assert engine.compiler_options == {"xla_gpu_enable_command_buffer": ""}
+  alone = Engine(gf.config, weights, tok, max_context=64, graphs_on=True)   # one program built by itself
+  with pytest.warns(RuntimeWarning, match="CUDA graphs .* failed, running without them: RuntimeError: INTERNAL"):
+    alone.extend_fn(1, 16)
+  assert not alone.graphs_active and alone.executables() == [("extend", 1, 16)]

@@ -98,7 +98,7 @@ def test_engine_executables_load_from_disk(tmp_path, monkeypatch, own_compiles):
   def no_compiling(*args):
     raise AssertionError("compiled although the executable was on disk")
   with monkeypatch.context() as m:
-    m.setattr(programs_mod, "_compile", no_compiling)
+    m.setattr(programs_mod, "_finish", no_compiling)
     b = second.generate(prompt, 8, ignore_eos=True)
   assert a.ids == b.ids and sorted(p.name for p in cachedir.executables_dir().glob("*.bin")) == saved
   other = jaxllm.Engine(config, weights, tok, max_context=96, cache_executables=True)   # other shapes: new keys
