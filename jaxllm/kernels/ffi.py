@@ -13,7 +13,6 @@ batched, else it maps sequentially); attention maps sequentially.
 from __future__ import annotations
 
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -56,15 +55,11 @@ def _register() -> str | None:
 
 def unavailable_reason() -> str | None:
   """None when the FFI kernels are registered for the default backend, else why not."""
-  with _REGISTERING:
-    return _register()
-
-
-_REGISTERING = threading.Lock()    # programs compile on several threads (Programs.compile_programs)
+  return _register()
 
 
 def _ensure_registered() -> None:
-  reason = unavailable_reason()
+  reason = _register()
   if reason is not None:
     raise RuntimeError(f"jaxllm's FFI kernels are unavailable: {reason}")
 
