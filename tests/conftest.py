@@ -56,14 +56,15 @@ def _longest_first(items, times_file: str):
   except (OSError, ValueError) as e:
     warnings.warn(f"JAXLLM_TEST_ORDER: cannot read {times_file} ({e}); the tests run in file order")
     return
+  def file_of(test_id: str) -> str:
+    return test_id.split("::")[0]
   seconds: dict[str, float] = {}
   for rec in records:
-    path = rec["test"].split("::")[0]
-    seconds[path] = seconds.get(path, 0.0) + rec["s"]
+    seconds[file_of(rec["test"])] = seconds.get(file_of(rec["test"]), 0.0) + rec["s"]
   first: dict[str, int] = {}
   for i, item in enumerate(items):
-    first.setdefault(item.nodeid.split("::")[0], i)
-  items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), first[item.nodeid.split("::")[0]]))
+    first.setdefault(file_of(item.nodeid), i)
+  items.sort(key=lambda item: (-seconds.get(file_of(item.nodeid), 0.0), first[file_of(item.nodeid)]))
 
 
 def _jax_ok():
