@@ -5,7 +5,9 @@
 // kernel first (relative L2 error, poisoned output). With -DWITH_CUBLAS, cuBLAS's bf16 GEMM of the same
 // shape is timed the same way beside it.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -I ffi bench/gemv_sweep.cu -o /tmp/gemv_sweep [-DWITH_CUBLAS -lcublas]
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I <jax.ffi.include_dir()> \
+//     bench/gemv_sweep.cu -o /tmp/gemv_sweep [-DWITH_CUBLAS -lcublas]
+//   (sm_90a for the wgmma candidate, bench/w8a16_wgmma.cuh; built for another target the sweep skips it)
 //   /tmp/gemv_sweep [out.jsonl [shape,shape,...]]     (GEMV_MS=1,2,4: the rows of x timed, up to 64 (the
 //   tensor-core kernels' configurations at 8, 16, 32, 64, and at 13, 27, 50 for part-filled tiles: GEMV_MS=
 //   13,16,27,32,50,64 with the shape odd_n checks their edges); default 1, 2, 4)
@@ -29,6 +31,7 @@
 #include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
 #include "w8a16_mma_staged.cuh"
+#include "w8a16_wgmma.cuh"
 
 using bf16 = __nv_bfloat16;
 namespace w = jaxllm::w8a16;
@@ -246,6 +249,18 @@ Config MakeStaged(int m) {
           }};
 }
 
+// The Hopper candidate (bench/w8a16_wgmma.cuh; built with -arch=sm_90a): wgmma with N rows of x a block, KS
+// groups of NW warpgroups, S ring slots.
+template <int N, int NW, int KS, int S, int U>
+Config MakeWg(int m) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "wgmma_n%d_nw%d_ks%d_s%d_u%d", N, NW, KS, S, U);
+  return {buf, m, [](int k) { return k % w::mma::kChunk == 0; },
+          [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k, int) {
+            return w::wgmma::Launch<N, NW, KS, S, U>(st, x, q, s, y, m, n, k);
+          }};
+}
+
 template <int ROWS, int U, bool HINT = false, int MINB = 1, w::Conv C = w::Conv::kMagic>
 Config MakeStream() {
   char buf[96];
@@ -358,6 +373,15 @@ int main(int argc, char** argv) {
                    MakeStaged<2, 2, 4, 1, 2>(13), MakeStaged<4, 2, 4, 1, 2>(27), MakeStaged<8, 1, 4, 1, 2>(50),
                    MakeStaged<8, 2, 2, 2, 1>(50), MakeMma<2, 1, 8, 4>(13), MakeMma<8, 2, 8, 1>(50)})
     configs.push_back(c);
+  for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
+                   MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),
+                   MakeWg<32, 1, 1, 4, 2>(32), MakeWg<32, 1, 2, 4, 2>(32), MakeWg<32, 1, 1, 3, 1>(32),
+                   MakeWg<64, 1, 1, 4, 2>(64), MakeWg<64, 1, 1, 3, 1>(64), MakeWg<64, 2, 1, 4, 2>(64),
+                   MakeWg<64, 1, 2, 3, 1>(64),
+                   MakeWg<16, 1, 2, 4, 2>(13), MakeWg<64, 1, 1, 3, 1>(50), MakeWg<64, 2, 1, 4, 2>(50)})
+    configs.push_back(c);
+  const bool wgmma_built = w::wgmma::Available();
+  if (!wgmma_built) std::printf("(not built for sm_90a: the wgmma candidate's configurations are skipped)\n");
   std::vector<int> ms = {1, 2, 4};
   if (const char* e = std::getenv("GEMV_MS")) {
     ms.clear();
@@ -406,7 +430,8 @@ int main(int argc, char** argv) {
                   sh.k, m, wbytes / 1e6, copies, calls, floor_us);
       for (const Config& c : configs) {
         if (c.mt != m || !c.fits(sh.k)) continue;
-        if (std::string(sh.name) == "odd_n" && c.name.rfind("mma", 0) != 0) continue;   // the tensor-core kernels' edges only
+        if (std::string(sh.name) == "odd_n" && c.name.find("mma") == std::string::npos) continue;   // tensor cores' edges
+        if (c.name.rfind("wgmma", 0) == 0 && !wgmma_built) continue;
         double err = NAN;   // relative L2 error against the reference; NaN (unwritten outputs) propagates
         if (c.matmul) {
           FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison

@@ -13,6 +13,10 @@
 // permutation (a thread's x operands are two 16-byte words of a row, read here from shared memory with rows
 // padded by 16 bytes: conflict-free), the same exact int8 conversion, each 64-input scale group summed apart
 // and scaled per row, then the groups' partial tiles summed in shared memory.
+//
+// Measured (H100 80GB, 2026-12-05, docs/results/2026-12-05-h100-tensor-cores.md): right on every shape; at the
+// 7B matmuls slower than ffi/w8a16_mma.cuh except the LM head (151936 x 3584) at 16 and 32 rows (228 us against
+// 268, 288 against 342). Not dispatched yet.
 #pragma once
 
 #include "w8a16_mma.cuh"

@@ -2,8 +2,8 @@
 # On the H200 (a device call from the repository root; carry as bench/device/prep.sh says): issue 36's open
 # measurements, most telling first, each started only while it fits before DEADLINE (default 570 s):
 #   1. where the 7B step's time goes outside the matmuls: bench/step_profile.py at batch 1 and 16;
-#   2. the W8A16 configuration sweep (bench/gemv_sweep.cu, with the staged tensor-core candidate
-#      bench/w8a16_mma_staged.cuh) on the 7B shapes and the tensor-core edges;
+#   2. the W8A16 configuration sweep (bench/gemv_sweep.cu, with the tensor-core candidates
+#      bench/w8a16_mma_staged.cuh and bench/w8a16_wgmma.cuh) on the 7B shapes and the tensor-core edges;
 #   3. the 1B and 1.5B shapes at batch 1 (issue 36's 0.42 ms target; the 1B-3B down rule), the 7B at 16 and 64;
 #   4. 7B prefill (TTFT at 2k and 8k) beside llama-bench -p 2048,8192 (bench/scaling.py --prefill).
 # Writes under $OUT: profile.json, gemv_sweep_mma.jsonl, gemv_sweep_m1.jsonl, bench.jsonl, prefill/ (scaling.py's); logs in $OUT/g.tgz.
@@ -22,7 +22,7 @@ if room 120 "step profile"; then
 fi
 if room 240 "gemv sweep"; then
   cb=$(python3 -c "import nvidia.cublas as c, os; print(os.path.dirname(c.__file__))" 2>/dev/null || true)
-  src="-O3 -std=c++17 -arch=sm_90 -I ffi -I $(python3 -c "import jax; print(jax.ffi.include_dir())") bench/gemv_sweep.cu -o /tmp/gemv_sweep"
+  src="-O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I $(python3 -c "import jax; print(jax.ffi.include_dir())") bench/gemv_sweep.cu -o /tmp/gemv_sweep"
   nvcc $src -DWITH_CUBLAS -I"$cb/include" -L"$cb/lib" -l:libcublas.so.13 -Xlinker -rpath="$cb/lib" > $R/gemv_build.log 2>&1 \
     || nvcc $src >> $R/gemv_build.log 2>&1
   stamp "gemv_sweep built rc $?"
