@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 import time
 import warnings
@@ -31,6 +30,7 @@ import numpy as np
 from jaxllm import executables, graphs, parallel
 from jaxllm.cache import KVCache, create_cache
 from jaxllm.config import Config
+from jaxllm.cores import pool_threads
 from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
 from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights, default_layers, use_fused
@@ -96,14 +96,10 @@ def _finish_timed(lowered, tp=None) -> tuple[Callable, float]:
   return _finish(lowered, tp), time.perf_counter() - t0
 
 
-def _cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def compile_threads() -> int:
-  """Programs Programs.compile_programs compiles at once: one a core, at most 8 (XLA uses threads of its own
+  """Programs Programs.compile_programs compiles at once: cores.pool_threads() (XLA uses threads of its own
   within a compile too)."""
-  return max(1, min(8, _cores()))
+  return pool_threads()
 
 
 def _trial_args(args):

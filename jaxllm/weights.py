@@ -19,7 +19,6 @@ what is already done).
 from __future__ import annotations
 
 import functools
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import Config
+from jaxllm.cores import pool_threads
 from jaxllm.gguf import GGUFFile
 from jaxllm.model import Weights
 from jaxllm.quant import (GROUP, LOWBIT_BITS, LOWBIT_GROUP, Q6K, Linear, LowBit, Mixed, implicit_min_stack,
@@ -40,10 +40,9 @@ BLOCK = 1 << 22    # the float elements one conversion task reads and converts (
 
 def conversion_threads() -> int:
   """Threads convert() runs its row blocks on: numpy's dequantizing and quantizing release the GIL, so the
-  conversion scales with the cores (a 7B Q8_0 file took 109 s on one); at most 8, each holding a block's floats
-  and their temporaries (~100 MB)."""
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-  return max(1, min(8, cores))
+  conversion scales with the cores (a 7B Q8_0 file took 109 s on one); cores.pool_threads(), each holding a
+  block's floats and their temporaries (~100 MB)."""
+  return pool_threads()
 
 
 def _row_blocks(rows: int, k: int) -> list[tuple[int, int]]:
