@@ -261,6 +261,17 @@ Config MakeWg(int m) {
           }};
 }
 
+// Its warp-specialized version (KernelWs): a producer warp and NW consumer warpgroups a group, S ring slots.
+template <int N, int NW, int KS, int S, bool OVERLAP = false>
+Config MakeWs(int m) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "wgmmaws_n%d_nw%d_ks%d_s%d%s", N, NW, KS, S, OVERLAP ? "_overlap" : "");
+  return {buf, m, [](int k) { return k % w::mma::kChunk == 0; },
+          [](cudaStream_t st, const bf16* x, const int8_t* q, const float* s, bf16* y, int m, int n, int k, int) {
+            return w::wgmma::LaunchWs<N, NW, KS, S, OVERLAP>(st, x, q, s, y, m, n, k);
+          }};
+}
+
 template <int ROWS, int U, bool HINT = false, int MINB = 1, w::Conv C = w::Conv::kMagic>
 Config MakeStream() {
   char buf[96];
@@ -379,6 +390,11 @@ int main(int argc, char** argv) {
                    MakeWg<64, 1, 1, 4, 2>(64), MakeWg<64, 1, 1, 3, 1>(64), MakeWg<64, 2, 1, 4, 2>(64),
                    MakeWg<64, 1, 2, 3, 1>(64),
                    MakeWg<16, 1, 2, 4, 2>(13), MakeWg<64, 1, 1, 3, 1>(50), MakeWg<64, 2, 1, 4, 2>(50)})
+    configs.push_back(c);
+  for (Config c : {MakeWs<16, 1, 1, 4>(16), MakeWs<16, 1, 1, 8>(16), MakeWs<16, 1, 2, 6>(16), MakeWs<16, 1, 4, 4>(16),
+                   MakeWs<16, 2, 1, 6>(16), MakeWs<16, 1, 2, 6, true>(16), MakeWs<64, 1, 1, 6>(64),
+                   MakeWs<64, 1, 2, 4>(64), MakeWs<64, 2, 1, 4>(64), MakeWs<64, 1, 1, 8>(64), MakeWs<64, 1, 2, 4, true>(64),
+                   MakeWs<16, 1, 2, 6>(13), MakeWs<64, 1, 1, 6>(50), MakeWs<64, 2, 1, 4>(50)})
     configs.push_back(c);
   const bool wgmma_built = w::wgmma::Available();
   if (!wgmma_built) std::printf("(not built for sm_90a: the wgmma candidate's configurations are skipped)\n");

@@ -34,9 +34,9 @@
 // ffi/w8a16_mma.cuh on the 7B matmuls except the LM head at 64 rows (366 us against 430). Each step waits on
 // one chain (copies landed, the group's barrier, the weights converted, the MMAs waited for, the barrier
 // again). Staging the weights through the ring took 10-20% off a first version that loaded them into registers;
-// several chunks a step and the largest shared-memory carve-out moved it by less than 7% either way. Next: a
-// producer warp and mbarriers per ring slot instead of the group's barrier, so the consumers never wait on each
-// other. Not dispatched.
+// several chunks a step and the largest shared-memory carve-out moved it by less than 7% either way. KernelWs
+// below (a producer warp, mbarriers per ring slot) is the next version: compiled here for sm_90a (no spills),
+// not yet run on a GPU. Neither is dispatched.
 #pragma once
 
 #include "w8a16_mma.cuh"
@@ -124,7 +124,29 @@ template <> struct Mma<64> {
   }
 };
 #undef JAXLLM_WG_D8
+// Waits until at most PENDING committed groups of this warpgroup's MMAs are still running.
+template <int PENDING> __device__ __forceinline__ void WaitGroup() {
+  JAXLLM_WGMMA("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
 #undef JAXLLM_WGMMA
+
+// mbarriers (shared::cta, 64-bit): init with an arrival count; arrive; wait for the phase of the given parity
+// to complete; an arrival made when this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void BarInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void BarArrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void BarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void BarArriveOnCopies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 
 __device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, bool ok) {   // zeros when !ok
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -311,6 +333,195 @@ cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w,
   kernel<<<grid, NW * KS * 128, smem, stream>>>(x, w, scale, y, m, n, k);
   return cudaGetLastError();
 }
+
+// ---- v4: warp-specialized (a producer warp a group, mbarriers per ring slot) ----------------------------------
+//
+// The same arithmetic as Kernel, without its per-step chain through the group's barrier: each K group has one
+// producer warp that fills a ring of S slots (x, weights and scales of one chunk, by cp.async; the slot's
+// `full` mbarrier completes when the copies land) and NW consumer warpgroups that wait on `full`, run the
+// chunk's MMAs, and arrive on the slot's `empty` mbarrier once the MMAs that read it are done; the producer
+// waits on `empty` before it fills the slot again. x is stored as it comes (K-major core matrices in natural
+// order: core matrix (n8, kg) holds rows 8 n8.. of inputs 8 kg..8 kg + 7, a 16-byte copy a row), and the
+// weights' fragments are taken in natural order too: for k16 step j, thread c of a quad needs bytes
+// 16j + {2c, 2c + 1, 2c + 8, 2c + 9} of its row, one byte permute of two words of the row's 16 bytes. A
+// consumer sums each chunk once its MMAs are done; OVERLAP: it issues chunk i's MMAs before it sums chunk
+// i - 1's (two accumulators), but ptxas then serializes the MMAs (its warning C7514).
+__host__ __device__ constexpr int WsSlotBytes(int n, int nw) { return n * kChunk * 2 + nw * 64 * 64 + nw * 64 * 4; }
+// A group's ring: S slots, then its 2 S mbarriers in 128 bytes (S <= 8), so each group's ring stays 128-aligned.
+__host__ __device__ constexpr int WsGroupBytes(int n, int nw, int s) { return s * WsSlotBytes(n, nw) + 128; }
+constexpr size_t WsSmemBytes(int n, int nw, int ks, int s) {
+  const size_t ring = size_t(ks) * WsGroupBytes(n, nw, s);
+  const size_t partial = size_t(ks) * n * 64 * nw * 4;
+  return ring > partial ? ring : partial;
+}
+
+template <int N, int NW, int KS, int S, bool OVERLAP>
+__global__ void __launch_bounds__(KS * (NW * 128 + 32)) KernelWs(const __nv_bfloat16* __restrict__ x,
+                                                                const int8_t* __restrict__ w,
+                                                                const float* __restrict__ scale,
+                                                                __nv_bfloat16* __restrict__ y, int m, int n, int k) {
+  static_assert(N == 16 || N == 32 || N == 64, "wgmma n16, n32 or n64");
+  static_assert(S >= 2 && S <= 8, "a ring of 2-8 slots (its mbarriers in 128 bytes)");
+  constexpr int kConsumers = KS * NW * 128, kRowsW = 64 * NW, kSlot = WsSlotBytes(N, NW);
+  constexpr int kXBytes = N * kChunk * 2, kWOff = kXBytes, kSOff = kWOff + NW * 64 * 64;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const bool producer = threadIdx.x >= kConsumers;
+  const int group = producer ? (threadIdx.x - kConsumers) / 32 : threadIdx.x / (NW * 128);
+  const int chunks = k / kChunk, xrow0 = blockIdx.y * N, wrow0 = blockIdx.x * kRowsW;
+  const int begin = group * chunks / KS, end = (group + 1) * chunks / KS, steps = end - begin;
+  unsigned char* ring = smem + size_t(group) * WsGroupBytes(N, NW, S);
+  const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t full0 = ring_addr + S * kSlot, empty0 = full0 + 8 * S;   // mbarriers: [S] full, [S] empty
+  if (producer && threadIdx.x % 32 == 0)
+    for (int i = 0; i < S; ++i) {
+      BarInit(full0 + 8 * i, 32);          // the producer's lanes, each when its copies have landed
+      BarInit(empty0 + 8 * i, 4 * NW);     // the consumer warps, each when its MMAs on the slot are done
+    }
+  __syncthreads();
+
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  int rowl = 0;
+  if (producer) {
+    const int lane = threadIdx.x % 32;
+    for (int i = 0; i < steps; ++i) {
+      const int slot = i % S, ci = begin + i;
+      if (i >= S) BarWait(empty0 + 8 * slot, ((i / S) + 1) & 1);
+      const uint32_t base = ring_addr + slot * kSlot;
+      for (int p = lane; p < N * 8; p += 32) {   // x: piece (row r, input group kg); lanes along r % 8
+        const int r8 = p % 8, kg = (p / 8) % 8, rg = p / 64, r = 8 * rg + r8, xm = xrow0 + r;
+        const bool ok = xm < m;
+        CopyAsync16(base + (rg * 8 + kg) * 128 + r8 * 16, x + (ok ? size_t(xm) * k + size_t(ci) * kChunk + 8 * kg : 0), ok);
+      }
+      for (int p = lane; p < kRowsW * 4; p += 32) {   // w: 4 pieces of 16 bytes a row
+        const int r = p / 4, q = p % 4, row = wrow0 + r;
+        const bool ok = row < n;
+        CopyAsync16(base + kWOff + r * 64 + 16 * q, w + (ok ? size_t(row) * k + size_t(ci) * kChunk + 16 * q : 0), ok);
+      }
+      for (int r = lane; r < kRowsW; r += 32) {
+        const bool ok = wrow0 + r < n;
+        CopyAsync4(base + kSOff + 4 * r, scale + (ok ? size_t(wrow0 + r) * chunks + ci : 0), ok);
+      }
+      BarArriveOnCopies(full0 + 8 * slot);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int wg = (warp / 4) % NW, wig = warp % 4;
+    rowl = 64 * wg + 16 * wig + g;                 // this thread's local rows of w: rowl and rowl + 8
+    const uint32_t sel = (c & 1) ? 0x7632u : 0x5410u;
+    float pa[N / 2], pb[N / 2], sa[2] = {0.f, 0.f}, sb[2] = {0.f, 0.f};
+    uint32_t aa[4][4], ab[4][4];
+    // Chunk i into (a, p, sc): wait for its slot, take the weights' fragments, run its MMAs; then sum chunk
+    // i - 1 (p_prev, sc_prev) once its MMAs are done, and free its slot.
+    auto step = [&](int i, uint32_t (&a)[4][4], float (&p)[N / 2], float (&sc)[2], float (&p_prev)[N / 2],
+                    const float (&sc_prev)[2]) {
+      const int slot = i % S;
+      BarWait(full0 + 8 * slot, (i / S) & 1);
+      FenceProxy();
+      const unsigned char* base = ring + slot * kSlot;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4* row = reinterpret_cast<const uint4*>(base + kWOff + (rowl + 8 * h) * 64);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint4 v = row[j];                                  // inputs 16j .. 16j + 15 of the row
+          const uint32_t lo = (c & 2) ? v.y : v.x, hi = (c & 2) ? v.w : v.z;
+          Int8x4ToBf16(__byte_perm(lo, hi, sel), a[j][h], a[j][2 + h]);   // (2c, 2c+1) | (2c+8, 2c+9)
+        }
+        sc[h] = reinterpret_cast<const float*>(base + kSOff)[rowl + 8 * h];
+      }
+      Fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        Mma<N>::Run(p, a[j], Descriptor(ring_addr + slot * kSlot + 2 * j * 128, 128, 1024), j);
+      Commit();
+      if constexpr (!OVERLAP) {   // this chunk summed at once (ptxas then keeps the MMAs asynchronous)
+        WaitGroup<0>();
+#pragma unroll
+        for (int t = 0; t < N / 8; ++t) {
+          acc[4 * t + 0] += p[4 * t + 0] * sc[0];
+          acc[4 * t + 1] += p[4 * t + 1] * sc[0];
+          acc[4 * t + 2] += p[4 * t + 2] * sc[1];
+          acc[4 * t + 3] += p[4 * t + 3] * sc[1];
+        }
+        if (lane == 0) BarArrive(empty0 + 8 * slot);
+      } else if (i > 0) {
+        WaitGroup<1>();
+#pragma unroll
+        for (int t = 0; t < N / 8; ++t) {
+          acc[4 * t + 0] += p_prev[4 * t + 0] * sc_prev[0];
+          acc[4 * t + 1] += p_prev[4 * t + 1] * sc_prev[0];
+          acc[4 * t + 2] += p_prev[4 * t + 2] * sc_prev[1];
+          acc[4 * t + 3] += p_prev[4 * t + 3] * sc_prev[1];
+        }
+        if (lane == 0) BarArrive(empty0 + 8 * ((i - 1) % S));
+      }
+    };
+    int i = 0;
+    for (; i + 1 < steps; i += 2) {
+      step(i, aa, pa, sa, pb, sb);
+      step(i + 1, ab, pb, sb, pa, sa);
+    }
+    if (i < steps) step(i, aa, pa, sa, pb, sb);
+    WaitGroup<0>();
+    auto sum_last = [&](const float (&p)[N / 2], const float (&sc)[2]) {
+#pragma unroll
+      for (int t = 0; t < N / 8; ++t) {
+        acc[4 * t + 0] += p[4 * t + 0] * sc[0];
+        acc[4 * t + 1] += p[4 * t + 1] * sc[0];
+        acc[4 * t + 2] += p[4 * t + 2] * sc[1];
+        acc[4 * t + 3] += p[4 * t + 3] * sc[1];
+      }
+    };
+    if constexpr (OVERLAP) {
+      if (steps % 2)         // the last chunk's (each branch names its arrays: no run-time indexing)
+        sum_last(pa, sa);
+      else if (steps > 0)
+        sum_last(pb, sb);
+    }
+  }
+
+  // The groups' partial tiles: [KS][N][64 NW] f32 over the (now unused) rings.
+  __syncthreads();
+  float* partial = reinterpret_cast<float*>(smem);
+  if (!producer) {
+    const int lane = threadIdx.x % 32, c = lane % 4;
+    float* mine = partial + size_t(group) * N * kRowsW;
+#pragma unroll
+    for (int t = 0; t < N / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[(8 * t + 2 * c + e % 2) * kRowsW + rowl + 8 * (e / 2)] = acc[4 * t + e];
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < N * kRowsW; o += KS * (NW * 128 + 32)) {
+    const int xr = o / kRowsW, wr = o % kRowsW, row = wrow0 + wr, xm = xrow0 + xr;
+    if (row >= n || xm >= m) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * N * kRowsW + o];
+    y[size_t(xm) * n + row] = __float2bfloat16(sum);
+  }
+}
+
+template <int N, int NW, int KS, int S, bool OVERLAP>
+cudaError_t LaunchWs(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
+                     __nv_bfloat16* y, int m, int n, int k) {
+  auto kernel = KernelWs<N, NW, KS, S, OVERLAP>;
+  constexpr size_t smem = WsSmemBytes(N, NW, KS, S);
+  static_assert(smem <= (227 << 10), "more shared memory than an SM has");
+  static const cudaError_t opted = [&] {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    return e != cudaSuccess ? e : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                       int(cudaSharedmemCarveoutMaxShared));
+  }();
+  if (opted != cudaSuccess) return opted;
+  const dim3 grid((n + 64 * NW - 1) / (64 * NW), (m + N - 1) / N);
+  kernel<<<grid, KS * (NW * 128 + 32), smem, stream>>>(x, w, scale, y, m, n, k);
+  return cudaGetLastError();
+}
+
 
 }  // namespace wgmma
 }  // namespace w8a16
