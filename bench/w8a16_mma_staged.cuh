@@ -15,8 +15,8 @@
 // and scaled per row, then the groups' partial tiles summed in shared memory.
 //
 // Measured (H100 80GB, 2026-12-05, docs/results/2026-12-05-h100-tensor-cores.md): right on every shape; at the
-// 7B matmuls slower than ffi/w8a16_mma.cuh except the LM head (151936 x 3584) at 16 and 32 rows (228 us against
-// 268, 288 against 342). Not dispatched yet.
+// 7B matmuls slower than ffi/w8a16_mma.cuh except the LM head (151936 x 3584), where it is faster at 16, 32 and
+// 64 rows (228.0, 288.2, 410.9 us against 268.1, 341.6, 429.8 in one call). Not dispatched yet.
 #pragma once
 
 #include "w8a16_mma.cuh"

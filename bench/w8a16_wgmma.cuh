@@ -31,10 +31,10 @@
 //
 // Measured (H100 80GB, 2026-12-05, docs/results/2026-12-05-h100-tensor-cores.md): right (the sweep's relative
 // error 1.66e-3, ffi/w8a16_mma.cuh's; the descriptor with LBO and SBO exchanged gives 1.0), but slower than
-// ffi/w8a16_mma.cuh on the 7B matmuls except the LM head at 64 rows (366 us against 430). Each step waits on
-// one chain (copies landed, the group's barrier, the weights converted, the MMAs waited for, the barrier
-// again). Staging the weights through the ring took 10-20% off a first version that loaded them into registers;
-// several chunks a step and the largest shared-memory carve-out moved it by less than 7% either way. KernelWs
+// ffi/w8a16_mma.cuh on the 7B layer matmuls; faster on the LM head at 16, 32 and 64 rows (237.5, 319.3, 366.2 us
+// against 268.1, 341.6, 429.8). Each step waits on one chain (copies landed, the group's barrier, the weights
+// converted, the MMAs waited for, the barrier again). The versions timed (a first one loading the weights into
+// registers, the ring, several chunks a step, the carve-out) are compared in that write-up. KernelWs
 // below (a producer warp, mbarriers per ring slot) is the next version: compiled here for sm_90a (no spills),
 // not yet run on a GPU. Neither is dispatched.
 #pragma once
@@ -81,8 +81,15 @@ inline bool Available() {
 __device__ __forceinline__ void Fence() { JAXLLM_WGMMA("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void Commit() { JAXLLM_WGMMA("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void WaitAll() { JAXLLM_WGMMA("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// Shared-memory writes by ordinary stores made visible to the MMA's (async proxy) reads.
-__device__ __forceinline__ void FenceProxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Shared-memory writes by ordinary stores made visible to the MMA's (async proxy) reads (sm_90 and up; below,
+// where no kernel of this file may run, a trap).
+__device__ __forceinline__ void FenceProxy() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#else
+  __trap();
+#endif
+}
 __device__ __forceinline__ void GroupSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -138,11 +145,15 @@ __device__ __forceinline__ void BarInit(uint32_t bar, int count) {
 __device__ __forceinline__ void BarArrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void BarWait(uint32_t bar, uint32_t parity) {
+__device__ __forceinline__ void BarWait(uint32_t bar, uint32_t parity) {   // try_wait: sm_90 and up
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   asm volatile(
       "{\n.reg .pred done;\nWAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+#else
+  __trap();
+#endif
 }
 __device__ __forceinline__ void BarArriveOnCopies(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");

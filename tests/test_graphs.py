@@ -241,13 +241,15 @@ def test_programs_compile_on_threads_and_try_command_buffers_after(tiny_models, 
 
 
 def test_compiles_stay_on_the_callers_thread_under_its_own_compile_settings(tiny_models, monkeypatch):
-  """A setting JAX reads as it compiles (here the optimization effort), set for the calling thread by a context
-  manager, is not a worker thread's: compile_programs then compiles on the calling thread."""
+  """A setting JAX reads as it compiles (the optimization effort on jax 0.10, the PGLE profiling runs on 0.11), set
+  for the calling thread by a context manager, is not a worker thread's: compile_programs then compiles on the
+  calling thread."""
   import threading
   from jax._src import config as jax_config
   import jaxllm.programs as programs_mod
-  # The first of the settings this JAX has as a thread-local context manager (their names move between versions:
-  # 0.10's exec_time_optimization_effort is not in 0.11.2).
+  # The first of the settings with a number for a value that this JAX has as a thread-local context manager (the
+  # names move between versions: 0.10's exec_time_optimization_effort is not in 0.11.2); a value other than its
+  # own, inside an effort's range [-1, 1].
   states = [getattr(jax_config, name.removeprefix("jax_"), None) for name in programs_mod._COMPILE_TIME_SETTINGS]
   states = [s for s in states if isinstance(s, jax_config.State) and isinstance(s.value, (int, float))
             and not isinstance(s.value, bool)]
@@ -255,7 +257,9 @@ def test_compiles_stay_on_the_callers_thread_under_its_own_compile_settings(tiny
     pytest.skip(f"this JAX ({jax.__version__}) has none of {programs_mod._COMPILE_TIME_SETTINGS} as a setting")
   lowered, finished = _recording_builds(monkeypatch)
   engine, slots = _slots(tiny_models["qwen2"], graphs_on=False)
-  with states[0](states[0].value + 1):
+  value = states[0].value
+  other = (0.5 if value != 0.5 else -0.5) if isinstance(value, float) else value + 1
+  with states[0](other):
     engine.compile_programs(slots.programs(), threads=3)
   assert finished and set(finished) == {threading.get_ident()}
 
