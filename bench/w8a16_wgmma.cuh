@@ -184,6 +184,54 @@ constexpr size_t SmemBytes(int n, int nw, int ks, int s, int u) {
   return staged > partial ? staged : partial;
 }
 
+// The end of a block: each consumer thread's accumulators (the D fragment of its warp's 16 rows: acc[4t + e]
+// at row rowl + 8 (e / 2), x row 8t + 2c + e % 2) into the groups' partial tiles [KS][N][64 NW] f32 over the
+// block's shared memory, then their sums to y by all `threads` of the block. Called by every thread; `acc` is
+// read only where `holds` (producer warps hold none).
+template <int N, int NW, int KS>
+__device__ __forceinline__ void StorePartialSums(unsigned char* smem, const float (&acc)[N / 2], bool holds,
+                                                 int group, int rowl, int threads, __nv_bfloat16* __restrict__ y,
+                                                 int m, int n, int wrow0, int xrow0) {
+  constexpr int kRowsW = 64 * NW;
+  __syncthreads();
+  float* partial = reinterpret_cast<float*>(smem);
+  if (holds) {
+    const int c = threadIdx.x % 4;
+    float* mine = partial + size_t(group) * N * kRowsW;
+#pragma unroll
+    for (int t = 0; t < N / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[(8 * t + 2 * c + e % 2) * kRowsW + rowl + 8 * (e / 2)] = acc[4 * t + e];
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < N * kRowsW; o += threads) {
+    const int xr = o / kRowsW, wr = o % kRowsW, row = wrow0 + wr, xm = xrow0 + xr;
+    if (row >= n || xm >= m) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * N * kRowsW + o];
+    y[size_t(xm) * n + row] = __float2bfloat16(sum);
+  }
+}
+
+// Launches a kernel of this file on the grid of 64 NW rows of w by N rows of x, with `smem` bytes of dynamic
+// shared memory (the opt-in above 48 KB and the largest carve-out, which may otherwise keep more L1 and so fewer
+// blocks an SM, set once a kernel).
+template <int N, int NW, size_t SMEM, auto KERNEL>   // KERNEL a template argument: one `opted` a kernel
+cudaError_t LaunchOn(int threads, cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
+                     __nv_bfloat16* y, int m, int n, int k) {
+  static_assert(SMEM <= (227 << 10), "more shared memory than an SM has");
+  static const cudaError_t opted = [] {
+    cudaError_t e = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM));
+    return e != cudaSuccess ? e : cudaFuncSetAttribute(KERNEL, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                       int(cudaSharedmemCarveoutMaxShared));
+  }();
+  if (opted != cudaSuccess) return opted;
+  const dim3 grid((n + 64 * NW - 1) / (64 * NW), (m + N - 1) / N);
+  KERNEL<<<grid, threads, SMEM, stream>>>(x, w, scale, y, m, n, k);
+  return cudaGetLastError();
+}
+
 // One block: rows [64 NW blockIdx.x, +64 NW) of w, rows [N blockIdx.y, +N) of x.
 // x [M, K] bf16, w [N, K] int8, scale [N, K / 64] f32, y [M, N] bf16. K % 64 == 0.
 //
@@ -307,42 +355,14 @@ __global__ void __launch_bounds__(NW * KS * 128) Kernel(const __nv_bfloat16* __r
   }
   CopyWait<0>();
 
-  // The groups' partial tiles: [KS][N][64 NW] f32 over the (now unused) ring.
-  __syncthreads();
-  float* partial = reinterpret_cast<float*>(smem);
-  float* mine = partial + size_t(group) * N * kRowsW;
-#pragma unroll
-  for (int t = 0; t < N / 8; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) mine[(8 * t + 2 * c + e % 2) * kRowsW + rowl + 8 * (e / 2)] = acc[4 * t + e];
-  __syncthreads();
-  for (int o = threadIdx.x; o < N * kRowsW; o += NW * KS * 128) {
-    const int xr = o / kRowsW, wr = o % kRowsW, row = wrow0 + wr, xm = xrow0 + xr;
-    if (row >= n || xm >= m) continue;
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * N * kRowsW + o];
-    y[size_t(xm) * n + row] = __float2bfloat16(sum);
-  }
+  StorePartialSums<N, NW, KS>(smem, acc, true, group, rowl, NW * KS * 128, y, m, n, wrow0, xrow0);
 }
 
 template <int N, int NW, int KS, int S, int U>
 cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                    __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = Kernel<N, NW, KS, S, U>;
-  constexpr size_t smem = SmemBytes(N, NW, KS, S, U);
-  static_assert(smem <= (227 << 10), "more shared memory than an SM has");
-  // The opt-in to more dynamic shared memory, and the largest shared-memory carve-out (the default may keep
-  // more L1 and so fewer blocks an SM), once.
-  static const cudaError_t opted = [&] {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    return e != cudaSuccess ? e : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                       int(cudaSharedmemCarveoutMaxShared));
-  }();
-  if (opted != cudaSuccess) return opted;
-  const dim3 grid((n + 64 * NW - 1) / (64 * NW), (m + N - 1) / N);
-  kernel<<<grid, NW * KS * 128, smem, stream>>>(x, w, scale, y, m, n, k);
-  return cudaGetLastError();
+  return LaunchOn<N, NW, SmemBytes(N, NW, KS, S, U), Kernel<N, NW, KS, S, U>>(NW * KS * 128, stream, x, w, scale, y,
+                                                                              m, n, k);
 }
 
 // ---- v4: warp-specialized (a producer warp a group, mbarriers per ring slot) ----------------------------------
@@ -403,7 +423,8 @@ __global__ void __launch_bounds__(KS * (NW * 128 + 32)) KernelWs(const __nv_bflo
       for (int p = lane; p < N * 8; p += 32) {   // x: piece (row r, input group kg); lanes along r % 8
         const int r8 = p % 8, kg = (p / 8) % 8, rg = p / 64, r = 8 * rg + r8, xm = xrow0 + r;
         const bool ok = xm < m;
-        CopyAsync16(base + (rg * 8 + kg) * 128 + r8 * 16, x + (ok ? size_t(xm) * k + size_t(ci) * kChunk + 8 * kg : 0), ok);
+        CopyAsync16(base + (rg * 8 + kg) * 128 + r8 * 16,
+                    x + (ok ? size_t(xm) * k + size_t(ci) * kChunk + 8 * kg : 0), ok);
       }
       for (int p = lane; p < kRowsW * 4; p += 32) {   // w: 4 pieces of 16 bytes a row
         const int r = p / 4, q = p % 4, row = wrow0 + r;
@@ -494,45 +515,15 @@ __global__ void __launch_bounds__(KS * (NW * 128 + 32)) KernelWs(const __nv_bflo
     }
   }
 
-  // The groups' partial tiles: [KS][N][64 NW] f32 over the (now unused) rings.
-  __syncthreads();
-  float* partial = reinterpret_cast<float*>(smem);
-  if (!producer) {
-    const int lane = threadIdx.x % 32, c = lane % 4;
-    float* mine = partial + size_t(group) * N * kRowsW;
-#pragma unroll
-    for (int t = 0; t < N / 8; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) mine[(8 * t + 2 * c + e % 2) * kRowsW + rowl + 8 * (e / 2)] = acc[4 * t + e];
-  }
-  __syncthreads();
-  for (int o = threadIdx.x; o < N * kRowsW; o += KS * (NW * 128 + 32)) {
-    const int xr = o / kRowsW, wr = o % kRowsW, row = wrow0 + wr, xm = xrow0 + xr;
-    if (row >= n || xm >= m) continue;
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * N * kRowsW + o];
-    y[size_t(xm) * n + row] = __float2bfloat16(sum);
-  }
+  StorePartialSums<N, NW, KS>(smem, acc, !producer, group, rowl, KS * (NW * 128 + 32), y, m, n, wrow0, xrow0);
 }
 
 template <int N, int NW, int KS, int S, bool OVERLAP>
 cudaError_t LaunchWs(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                      __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = KernelWs<N, NW, KS, S, OVERLAP>;
-  constexpr size_t smem = WsSmemBytes(N, NW, KS, S);
-  static_assert(smem <= (227 << 10), "more shared memory than an SM has");
-  static const cudaError_t opted = [&] {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    return e != cudaSuccess ? e : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                       int(cudaSharedmemCarveoutMaxShared));
-  }();
-  if (opted != cudaSuccess) return opted;
-  const dim3 grid((n + 64 * NW - 1) / (64 * NW), (m + N - 1) / N);
-  kernel<<<grid, KS * (NW * 128 + 32), smem, stream>>>(x, w, scale, y, m, n, k);
-  return cudaGetLastError();
+  return LaunchOn<N, NW, WsSmemBytes(N, NW, KS, S), KernelWs<N, NW, KS, S, OVERLAP>>(KS * (NW * 128 + 32), stream,
+                                                                                   x, w, scale, y, m, n, k);
 }
-
 
 }  // namespace wgmma
 }  // namespace w8a16
