@@ -20,14 +20,14 @@ if room 120 "step profile"; then
   timeout 150 python3 bench/step_profile.py --model synthetic:qwen2.5-7b --batch 1,16 --out $OUT/profile.json \
     > $R/profile.log 2>&1; stamp "step_profile rc $?"
 fi
-if room 240 "gemv sweep"; then
+if room 290 "gemv sweep"; then
   cb=$(python3 -c "import nvidia.cublas as c, os; print(os.path.dirname(c.__file__))" 2>/dev/null || true)
   src="-O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I $(python3 -c "import jax; print(jax.ffi.include_dir())") bench/gemv_sweep.cu -o /tmp/gemv_sweep"
   nvcc $src -DWITH_CUBLAS -I"$cb/include" -L"$cb/lib" -l:libcublas.so.13 -Xlinker -rpath="$cb/lib" > $R/gemv_build.log 2>&1 \
     || nvcc $src >> $R/gemv_build.log 2>&1
   stamp "gemv_sweep built rc $?"
   # Tensor cores at 7B (full and part-filled row tiles), then batch 1 on the 1B-3B down projections.
-  GEMV_MS=16,32,64,13,50 timeout 150 /tmp/gemv_sweep $OUT/gemv_sweep_mma.jsonl qkv_7b,o_7b,gate_up_7b,down_7b,odd_n \
+  GEMV_MS=16,32,64,13,50 timeout 180 /tmp/gemv_sweep $OUT/gemv_sweep_mma.jsonl odd_n,qkv_7b,o_7b,gate_up_7b,down_7b,lm_head_7b \
     > $R/gemv_sweep_mma.log 2>&1; stamp "gemv_sweep (tensor cores) rc $?"
   GEMV_MS=1 timeout 60 /tmp/gemv_sweep $OUT/gemv_sweep_m1.jsonl down_1b,down_1.5b,down_3b \
     > $R/gemv_sweep_m1.log 2>&1; stamp "gemv_sweep (batch 1) rc $?"
