@@ -36,7 +36,8 @@ _JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dt
                  "jax_threefry_partitionable", "jax_threefry_gpu_kernel_lowering", "jax_high_dynamic_range_gumbel",
                  "jax_use_shardy_partitioner", "jax_optimization_level", "jax_memory_fitting_level",
                  "jax_exec_time_optimization_effort", "jax_memory_fitting_effort",
-                 "jax_compiler_enable_remat_pass", "jax_enable_pgle", "jax_pgle_profiling_runs")
+                 "jax_compiler_enable_remat_pass", "jax_enable_pgle", "jax_pgle_profiling_runs",
+                 "jax_xla_profile_version")
 _NOT_CODE = ("JAXLLM_CACHE", "JAXLLM_COMPILE_CACHE", "JAXLLM_GIT_COMMIT", "JAXLLM_API_KEY")   # JAXLLM_* that never change code
 
 def _extension_file() -> str | None:

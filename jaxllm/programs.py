@@ -81,10 +81,12 @@ def _compile(fn, donate: int | tuple[int, ...], options: dict, args, tp=None) ->
 
 
 # The JAX settings read when a lowered program is compiled, not when it is lowered (executables._JAX_SETTINGS has
-# both kinds: all of them decide the code).
+# both kinds: all of them decide the code). By option name (jax_compiler_enable_remat_pass is jax._src.config's
+# enable_remat_opt_pass); the two efforts exist up to jax 0.10, the profile version from 0.10 on (jax/_src/compiler.py
+# get_compile_options reads it with the levels and the remat pass).
 _COMPILE_TIME_SETTINGS = ("jax_optimization_level", "jax_memory_fitting_level", "jax_exec_time_optimization_effort",
                           "jax_memory_fitting_effort", "jax_compiler_enable_remat_pass", "jax_enable_pgle",
-                          "jax_pgle_profiling_runs")
+                          "jax_pgle_profiling_runs", "jax_xla_profile_version")
 
 
 def _compile_time_settings() -> list[str]:

@@ -201,6 +201,9 @@ def test_executable_keys_name_xla_flags_jax_settings_and_the_extension(cache, tm
     assert executables.executable_key("step") != base
   with jax.enable_x64(True):
     assert executables.executable_key("step") != base
+  from jax._src import config as jax_config
+  with jax_config.jax_xla_profile_version(7):                         # read by XLA's compile options (AutoFDO)
+    assert executables.executable_key("step") != base
   assert executables.executable_key("step") == base
   ext = tmp_path / "_ffi.cpython-test.so"                             # as found through an editable install's redirect
   ext.write_bytes(b"\x7fELF one build")
