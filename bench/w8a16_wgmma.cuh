@@ -393,6 +393,8 @@ __global__ void __launch_bounds__(KS * (NW * 128 + 32)) KernelWs(const __nv_bflo
                                                                 __nv_bfloat16* __restrict__ y, int m, int n, int k) {
   static_assert(N == 16 || N == 32 || N == 64, "wgmma n16, n32 or n64");
   static_assert(S >= 2 && S <= 8, "a ring of 2-8 slots (its mbarriers in 128 bytes)");
+  static_assert(size_t(KS) * N * 64 * NW * 4 <= size_t(S) * WsSlotBytes(N, NW),
+                "the partial tiles (written over the rings at the end) stay clear of group 0's mbarriers");
   constexpr int kConsumers = KS * NW * 128, kRowsW = 64 * NW, kSlot = WsSlotBytes(N, NW);
   constexpr int kXBytes = N * kChunk * 2, kWOff = kXBytes, kSOff = kWOff + NW * 64 * 64;
   extern __shared__ __align__(128) unsigned char smem[];
