@@ -98,12 +98,6 @@ def _finish_timed(lowered, tp=None) -> tuple[Callable, float]:
   return _finish(lowered, tp), time.perf_counter() - t0
 
 
-def compile_threads() -> int:
-  """Programs Programs.compile_programs compiles at once: cores.pool_threads() (XLA uses threads of its own
-  within a compile too)."""
-  return pool_threads()
-
-
 def _trial_args(args):
   """Zero-filled device arrays standing in for abstract arguments (for a first, throw-away run)."""
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, args)
@@ -302,13 +296,13 @@ class Programs:
 
   def compile_programs(self, lookups: Sequence[Callable[[], object]], threads: int | None = None) -> None:
     """Runs program lookups (calls that build their program the first time: compile_program's, step_fn, ...)
-    with XLA's compiles `threads` at a time (default compile_threads()): each program is lowered here, in this
+    with XLA's compiles `threads` at a time (default cores.pool_threads()): each program is lowered here, in this
     thread, and compiled on a thread of its own (outside the GIL; a server's ~40 programs compiled one after
     another took 200 s on an H100 host). Then, here and one at a time, each new executable's trial run (with
     command buffers on: each takes a zero state of its own) and its saving. If a compile or a trial fails with
     command buffers on, they go as in _build, and every program is built again without them."""
     had_graphs = self.graphs_active
-    with ThreadPoolExecutor(threads or compile_threads()) as pool:
+    with ThreadPoolExecutor(threads or pool_threads()) as pool:
       # JAX reads some settings as it compiles (optimization effort, ...): where this thread's differ from a
       # fresh thread's (a context manager's), the compiles stay on this thread.
       same = _compile_time_settings() == pool.submit(_compile_time_settings).result()

@@ -11,7 +11,7 @@ float for reference runs.
 
 Loading streams: each stacked matrix is converted one layer at a time into a preallocated int8 array and
 its scales (the embedding and head likewise), in blocks of rows that threads convert at once
-(conversion_threads), so the float working set is a few blocks' floats, and each finished array goes to the
+(cores.pool_threads), so the float working set is a few blocks' floats, and each finished array goes to the
 device before the next is built. The file's pages are released as they are read. Peak host memory: the
 converted weights plus those blocks (plus, on the CPU, where the device is host memory, the device copy of
 what is already done).
@@ -36,13 +36,6 @@ from jaxllm.rope import llama3_rope_freqs
 
 QUANT_CHOICES = ("auto", "w8a16", "gguf", "none")
 BLOCK = 1 << 22    # the float elements one conversion task reads and converts (16 MB in float32)
-
-
-def conversion_threads() -> int:
-  """Threads convert() runs its row blocks on: numpy's dequantizing and quantizing release the GIL, so the
-  conversion scales with the cores (a 7B Q8_0 file took 109 s on one); cores.pool_threads(), each holding a
-  block's floats and their temporaries (~100 MB)."""
-  return pool_threads()
 
 
 def _row_blocks(rows: int, k: int) -> list[tuple[int, int]]:
@@ -201,7 +194,14 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
       return np.empty((*layers, n, k), float_dtype), None
     return np.empty((*layers, n, k), np.int8), np.empty((*layers, n, k // GROUP), np.float32)
 
-  with ThreadPoolExecutor(conversion_threads()) as pool:
+  def done_matrix(name: str, w: np.ndarray, s: np.ndarray | None) -> None:
+    done(name + ".w", w)
+    if s is not None:
+      done(name + ".scale", s)
+
+  # numpy's dequantizing and quantizing release the GIL, so the conversion scales with the cores (a 7B Q8_0 file
+  # took 109 s on one); each thread holds a block's floats and their temporaries (~100 MB).
+  with ThreadPoolExecutor(pool_threads()) as pool:
     def blocks(tensor: str, at: int, w: np.ndarray, s: np.ndarray | None) -> list:
       """Tasks converting the tensor's rows, in blocks, into rows at.. of w and s."""
       rows, k = gf.tensor_shape(tensor)
@@ -224,9 +224,7 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
             gf.release(f"blk.{i}.{t}")
           if on_progress:
             on_progress(1)
-        done(name + ".w", w)
-        if s is not None:
-          done(name + ".scale", s)
+        done_matrix(name, w, s)
       else:
         first = layer_rows(name, 0)
         v = np.empty((c.n_layers, *first.shape), np.float32)
@@ -243,9 +241,7 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
         if on_progress:
           on_progress(rows)
       gf.release(tensor)
-      done(name + ".w", w)
-      if s is not None:
-        done(name + ".scale", s)
+      done_matrix(name, w, s)
   done("out_norm", gf.tensor("output_norm.weight"))
   if "rope_freqs.weight" in gf:
     done("rope_freqs", gf.tensor("rope_freqs.weight"))

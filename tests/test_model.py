@@ -148,7 +148,7 @@ def test_conversion_in_row_blocks_on_threads_equals_whole_tensors(tmp_path, monk
   gf = GGUFFile(path)
   c = gf.config
   monkeypatch.setattr(w, "BLOCK", 3 * c.d_model)
-  monkeypatch.setattr(w, "conversion_threads", lambda: 4)
+  monkeypatch.setattr(w, "pool_threads", lambda: 4)
   progress = []
   got = w.convert(gf, quant, jnp.float32, on_progress=progress.append)
   assert sum(progress) == w.progress_total(c)
