@@ -5,9 +5,8 @@
 // kernel first (relative L2 error, poisoned output). With -DWITH_CUBLAS, cuBLAS's bf16 GEMM of the same
 // shape is timed the same way beside it.
 //
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I <jax.ffi.include_dir()> \
-//     bench/gemv_sweep.cu -o /tmp/gemv_sweep [-DWITH_CUBLAS -lcublas]
-//   (sm_90a for the wgmma candidate, bench/w8a16_wgmma.cuh; built for another target the sweep skips it)
+//   bash bench/build_gemv_sweep.sh 90 /tmp/gemv_sweep      (the GPU's compute capability; on Hopper sm_90a, for
+//   the wgmma candidate, bench/w8a16_wgmma.cuh, which a build for another target skips; cuBLAS when found)
 //   /tmp/gemv_sweep [out.jsonl [shape,shape,...]]     (GEMV_MS=1,2,4: the rows of x timed, up to 64 (the
 //   tensor-core kernels' configurations at 8, 16, 32, 64, and at 13, 27, 50 for part-filled tiles: GEMV_MS=
 //   13,16,27,32,50,64 with the shape odd_n checks their edges); default 1, 2, 4)

@@ -47,12 +47,8 @@ if [ -n "${GEMV_SWEEP-}" ]; then
   # The W8A16 kernel's configurations on the model shapes (bench/gemv_sweep.cu), cuBLAS beside them when
   # its headers are found (the nvidia-cublas wheel). GEMV_SHAPES picks shapes (e.g. gate_up,lm_head).
   mkdir -p "$DIR/suite"
-  cb=$(python3 -c "import nvidia.cublas as c, os; print(os.path.dirname(c.__file__))" 2>/dev/null || true)
-  # Hopper: sm_90a, for the wgmma candidate (bench/w8a16_wgmma.cuh); elsewhere the sweep skips it.
-  target="-arch=sm_${arch}"; [ "$arch" = 90 ] && target="-gencode arch=compute_90a,code=sm_90a"
-  src="-O3 -std=c++17 $target -I ffi -I $(python3 -c "import jax; print(jax.ffi.include_dir())") bench/gemv_sweep.cu -o /tmp/gemv_sweep"
-  nvcc $src -DWITH_CUBLAS -I"$cb/include" -L"$cb/lib" -l:libcublas.so.13 -Xlinker -rpath="$cb/lib" \
-    > "$DIR/gemv_build.log" 2>&1 || nvcc $src >> "$DIR/gemv_build.log" 2>&1 || { tail -20 "$DIR/gemv_build.log"; exit 1; }
+  bash bench/build_gemv_sweep.sh "$arch" /tmp/gemv_sweep > "$DIR/gemv_build.log" 2>&1 \
+    || { tail -20 "$DIR/gemv_build.log"; exit 1; }
   /tmp/gemv_sweep "$DIR/suite/gemv_sweep.jsonl" ${GEMV_SHAPES-} > "$DIR/gemv_sweep.log" 2>&1; echo "gemv sweep: exit $?"
 fi
 if [ -n "${STAGES-}" ]; then

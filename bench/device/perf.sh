@@ -21,10 +21,7 @@ if room 120 "step profile"; then
     > $R/profile.log 2>&1; stamp "step_profile rc $?"
 fi
 if room 290 "gemv sweep"; then
-  cb=$(python3 -c "import nvidia.cublas as c, os; print(os.path.dirname(c.__file__))" 2>/dev/null || true)
-  src="-O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I $(python3 -c "import jax; print(jax.ffi.include_dir())") bench/gemv_sweep.cu -o /tmp/gemv_sweep"
-  nvcc $src -DWITH_CUBLAS -I"$cb/include" -L"$cb/lib" -l:libcublas.so.13 -Xlinker -rpath="$cb/lib" > $R/gemv_build.log 2>&1 \
-    || nvcc $src >> $R/gemv_build.log 2>&1
+  bash bench/build_gemv_sweep.sh 90 /tmp/gemv_sweep > $R/gemv_build.log 2>&1
   stamp "gemv_sweep built rc $?"
   # Tensor cores at 7B (full and part-filled row tiles), then batch 1 on the 1B-3B down projections.
   GEMV_MS=16,32,64,13,50 timeout 180 /tmp/gemv_sweep $OUT/gemv_sweep_mma.jsonl odd_n,qkv_7b,o_7b,gate_up_7b,down_7b,lm_head_7b \
