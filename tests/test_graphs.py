@@ -294,7 +294,7 @@ def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
 
   def failing(fn, donate, options, args, tp=None):
     lowered = real(fn, donate, options, args, tp)
-    return Failing() if "xla_gpu_enable_command_buffer" not in options else lowered
+    return Failing() if ON not in options else lowered
 
   gf = GGUFFile(tiny_models["qwen2"])
   weights = load_weights(gf, progress=False)
@@ -307,7 +307,7 @@ def test_fallback_when_graphs_fail(tiny_models, monkeypatch):
     got = _tokens(engine, 24)
   assert got == reference
   assert not engine.graphs_active and "simulated" in engine.graphs_fallback
-  assert engine.compiler_options == {"xla_gpu_enable_command_buffer": ""}
+  assert engine.compiler_options == {ON: ""}
   alone = Engine(gf.config, weights, tok, max_context=64, graphs_on=True)   # one program built by itself
   with pytest.warns(RuntimeWarning, match="CUDA graphs .* failed, running without them: RuntimeError: INTERNAL"):
     alone.extend_fn(1, 16)
