@@ -95,6 +95,33 @@ def engine_tokens() -> list[dict]:
   return out
 
 
+def admitted() -> list[dict]:
+  """The server's admission on N = 1, 2 (FFI path, f32): two prompts' first tokens admitted in one call
+  (serve.rows.admit_rows: rows gathered and scattered on the mesh) and each admitted alone."""
+  from jaxllm import Engine, SamplingParams
+  from jaxllm.serve.slots import SlotPrograms
+  config = FAMILIES["qwen2"]
+  weights = random_weights(config, seed=2, dtype=jnp.float32)
+  prompts = [[1, 5, 9, 3, 4, 8, 2, 7, 11, 13], [7, 2, 30, 41]]
+  out = []
+  for n in (1, 2):
+    engine = Engine(config, weights, None, max_context=64, prefill_chunk=32,
+                    mesh=None if n == 1 else parallel.make_mesh(n))
+    rec = {"n": n}
+    for name, group, sets in (("together", 2, [(0, 1)]), ("alone", 1, [(0,), (1,)])):
+      slots = SlotPrograms(engine, 4, admit_group=group)
+      tokens, calls = [], []
+      for rows in sets:
+        jobs = [slots.plan(3 - i, prompts[i], 0, SamplingParams(), 0, 63, ()) for i in rows]
+        groups = slots.groups(jobs)
+        calls += [len(g) for g in groups]
+        tokens += slots.admit(groups)
+      rec[name], rec[name + "_calls"] = tokens, calls
+      rec["on"] = len(slots.state.cache.k.sharding.device_set)
+    out.append(rec)
+  return out
+
+
 def errors() -> list[str]:
   """The messages for models that do not split."""
   msgs = []
@@ -122,6 +149,8 @@ def main() -> int:
       print(json.dumps(rec), flush=True)
   for rec in engine_tokens():
     print(json.dumps({"engine": rec}), flush=True)
+  for rec in admitted():
+    print(json.dumps({"admit": rec}), flush=True)
   print(json.dumps({"errors": errors()}), flush=True)
   return 0
 

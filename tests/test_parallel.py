@@ -47,6 +47,16 @@ def test_sharded_forward_equals_one_device(results):
       assert r["hidden"] == r["logits"] == 0.0, r                 # one shard: the same program
 
 
+def test_the_servers_grouped_admission_on_2_devices(results):
+  """Two requests admitted in one call into rows of a cache split over 2 devices give the first tokens each gives
+  admitted alone, and those of one device."""
+  runs = {r["admit"]["n"]: r["admit"] for r in results if "admit" in r}
+  assert sorted(runs) == [1, 2] and [runs[n]["on"] for n in (1, 2)] == [1, 2]
+  for r in runs.values():
+    assert r["together_calls"] == [2] and r["alone_calls"] == [1, 1] and r["together"] == r["alone"], r
+  assert runs[2]["together"] == runs[1]["together"]
+
+
 def test_engine_tokens_are_the_same_on_1_2_and_4_devices(results):
   """Greedy and penalized greedy, a batch of two (one prompt over two prefill chunks) and a prompt alone: the
   same tokens on N = 1, 2, 4, on the XLA and the FFI path (f32)."""

@@ -69,10 +69,11 @@ def serve(path: str, **kwargs) -> Served:
 
 
 def serve_model(config, weights, tok, slots: int = 4, max_context: int = 256, prefill_chunk: int = 32,
-                max_waiting: int = 64, name: str = "tiny", wide_top_k: bool = False, **engine_args) -> Served:
+                max_waiting: int = 64, name: str = "tiny", wide_top_k: bool = False, admit_group: int | None = None,
+                **engine_args) -> Served:
   engine = Engine(config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
   alone = Engine(config, weights, tok, max_context=max_context, prefill_chunk=prefill_chunk, **engine_args)
-  scheduler = Scheduler(engine, slots=slots, max_waiting=max_waiting, wide_top_k=wide_top_k)
+  scheduler = Scheduler(engine, slots=slots, max_waiting=max_waiting, wide_top_k=wide_top_k, admit_group=admit_group)
   scheduler.start()
   scheduler.metrics.ready()
   port = free_port()
@@ -116,7 +117,9 @@ def post(url: str, path: str, body, raw: bool = False, method: str = "POST"):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  s = serve(write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", "qwen2", context=256), wide_top_k=True)
+  # admit_group 2: two prompts whose last chunks fit 16 tokens are admitted in one call (tests/test_admit.py)
+  s = serve(write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", "qwen2", context=256), wide_top_k=True,
+            admit_group=2)
   yield s
   s.stop()
 

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "(CORS); repeatable; default none")
   p.add_argument("--max-batch", "--parallel", "-np", dest="max_batch", type=int, default=4, metavar="N",
                  help="slots: requests decoded together in one batched KV cache (default 4)")
+  p.add_argument("--admit-group", type=int, default=None, metavar="R",
+                 help="prompts whose last prefill chunks one call runs at most (rounded down to a power of two; "
+                      "default 8 on the GPU, 4 on the CPU; each size is a program compiled at start-up)")
   p.add_argument("--max-context", "--ctx-size", "-c", dest="max_context", type=int, default=None, metavar="S",
                  help=f"tokens per slot, prompt and answer (default {DEFAULT_CONTEXT}, at most the model's)")
   p.add_argument("--max-waiting", type=int, default=64, metavar="N",
@@ -73,6 +76,8 @@ def _check(args) -> None:
   for name, low in (("max_batch", 1), ("max_waiting", 0), ("port", 0)):
     if getattr(args, name) < low:
       raise SystemExit(f"error: --{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+  if args.admit_group is not None and args.admit_group < 1:
+    raise SystemExit(f"error: --admit-group must be >= 1, got {args.admit_group}")
   if args.max_context is not None and args.max_context < 2:
     raise SystemExit(f"error: --max-context must be >= 2, got {args.max_context}")
 
@@ -104,7 +109,8 @@ def make_loader(args, model: str):
                     tokens_per_call=args.tokens_per_call, mesh=make_mesh(args.tp) if args.tp != 1 else None)
     with stages.stage(f"compile {args.max_batch} slots"):
       scheduler = Scheduler(engine, slots=args.max_batch, max_waiting=args.max_waiting,
-                            prefix_reuse=not args.no_prefix_reuse, wide_top_k=args.wide_top_k)
+                            prefix_reuse=not args.no_prefix_reuse, wide_top_k=args.wide_top_k,
+                            admit_group=args.admit_group)
       scheduler.start()
     scheduler.metrics.ready()
     if not args.quiet:

@@ -76,6 +76,7 @@ class Metrics:
     self.reused_tokens = 0           # of those, already in a slot's cache (prefix reuse)
     self.generation_tokens = 0       # tokens sampled
     self.decode_calls: dict[int, int] = {}   # decode executable calls (tokens_per_call steps each) by rows run
+    self.admit_calls: dict[int, int] = {}    # admission calls (last prefill chunks, first tokens) by requests
     self.requests: dict[str, int] = {}   # finished requests by finish reason
     self.rejected = 0                # refused: the queue was full
     self.ttft = Histogram(TTFT_BUCKETS)
@@ -115,6 +116,9 @@ class Metrics:
            [f"jaxllm_generation_tokens_total {self.generation_tokens}"])
     metric("jaxllm_decode_calls_total", "counter", "Batched decode calls, by the rows they ran.",
            [f'jaxllm_decode_calls_total{{rows="{k}"}} {v}' for k, v in sorted(self.decode_calls.items())])
+    metric("jaxllm_admit_calls_total", "counter",
+           "Admission calls (prompts' last prefill chunks and first tokens), by the requests each ran.",
+           [f'jaxllm_admit_calls_total{{requests="{k}"}} {v}' for k, v in sorted(self.admit_calls.items())])
     metric("jaxllm_requests_total", "counter", "Finished requests by finish reason.",
            [f'jaxllm_requests_total{{finish_reason="{k}"}} {v}' for k, v in sorted(self.requests.items())])
     metric("jaxllm_requests_rejected_total", "counter", "Requests refused with 503 (queue full).",

@@ -9,9 +9,10 @@ device programs. Each turn of its loop:
      rest is prefilled (prefix reuse). Busy slots are kept packed as the first rows of the batch (a slot taken
      or freed out of place is swapped with the boundary row, its cache and history with it), so that a decode
      call runs only as many rows as are busy (rounded up to a compiled row count);
-  3. runs prefill chunks (slots.SlotPrograms.prefill_step), about one chunk's tokens a turn, so a long prompt
-     joins over several turns while the other slots keep decoding; a request whose last chunk ran has its
-     first token and decodes from the next call on;
+  3. runs prefill chunks (slots.SlotPrograms), about one chunk's tokens a turn, so a long prompt
+     joins over several turns while the other slots keep decoding; the last chunks reached in a turn run
+     together, several requests a call (SlotPrograms.admit), and each such request has its first token and
+     decodes from the next call on;
   4. dispatches one decode call (K steps) for the busy slots, then hands each request its tokens from the
      call before (pipelined: the device runs call i+1 while the host reads call i's tokens, detokenizes them
      and answers; each call remembers which request held each row when it was dispatched, so rows freed or
@@ -131,14 +132,16 @@ class Scheduler:
     prefix_reuse: continue from a free slot's cache when it holds the start of the prompt.
     wide_top_k: take requests whose top_k is above sampling.MAX_TOP_K (compiles the wide step's programs
       too: start-up takes longer; a batch with such a request decodes in them, sorting the vocabulary).
+    admit_group: requests whose last prefill chunks one call runs at most (SlotPrograms; None: the backend's
+      default, slots.ADMIT_GROUP).
   """
 
   def __init__(self, engine, slots: int = 4, max_waiting: int = 64, prefix_reuse: bool = True,
-               metrics: Metrics | None = None, wide_top_k: bool = False):
+               metrics: Metrics | None = None, wide_top_k: bool = False, admit_group: int | None = None):
     if not isinstance(max_waiting, int) or max_waiting < 0:
       raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
     self.engine, self.max_waiting, self.prefix_reuse = engine, max_waiting, prefix_reuse
-    self.programs = SlotPrograms(engine, slots, wide_top_k)
+    self.programs = SlotPrograms(engine, slots, wide_top_k, admit_group)
     self.slots = slots
     self.metrics = metrics or Metrics()
     CompileCounter.count()                 # installs the counter: start-up's compiles are counted too
@@ -303,18 +306,29 @@ class Scheduler:
       self.metrics.reused_tokens += start
 
   def _prefill(self) -> None:
-    """Runs prefill chunks, first come first served, until about one chunk's tokens have run this turn."""
+    """Runs prefill chunks, first come first served, until about one chunk's tokens have run this turn: full
+    chunks one a call, then the last chunks reached this turn together (SlotPrograms.admit: several requests a
+    call), each of those requests then has its first token."""
     budget = self.engine.prefill_chunk
     jobs = sorted((r for r in self._running if r is not None and r.job is not None), key=lambda r: r.request.id)
+    ready = []
     for run in jobs:
-      while run.job is not None and budget > 0:
+      while run.job.remaining > 1 and budget > 0:
         budget -= run.job.chunks[0][1]
-        token = self.programs.prefill_step(run.job)
-        if token is not None:
-          run.job = None
-          self._admitted(run, token)
-      if budget <= 0:
+        self.programs.extend_step(run.job)
+      if run.job.remaining > 1 or budget <= 0:
         break
+      budget -= run.job.chunks[0][1]
+      ready.append(run)
+    if not ready:
+      return
+    groups = self.programs.groups([run.job for run in ready])
+    for group in groups:
+      self.metrics.admit_calls[len(group)] = self.metrics.admit_calls.get(len(group), 0) + 1
+    tokens = self.programs.admit(groups)
+    for run, token in zip(ready, tokens):
+      run.job = None
+      self._admitted(run, token)
 
   def _constrained(self) -> bool:
     """Whether some decoding request has a grammar."""

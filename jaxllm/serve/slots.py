@@ -1,44 +1,28 @@
-"""The device side of continuous batching: one DecodeState of N slots and the programs that change it.
+"""The device side of continuous batching: one DecodeState of N slots and the compiled programs that change it.
 
-The server keeps a single batched DecodeState (cache [L, N, G, S, Dh], one row per slot) for its whole life.
-Busy slots are always its first rows (the scheduler keeps them packed with swap_rows), and each decode call
-runs the engine's decode program on the first `count` rows only, count the smallest of COUNTS(N) = 1, 2, 4,
-..., N that covers the busy ones: a step costs what its rows cost (on this 2-core CPU a 4-row step of
-smollm2 took 4x a 1-row one), so one request alone decodes at the speed it has alone. A free row inside the
-count is a done row, which the step runs but which writes nothing. A request joins by writing its own row:
+The server keeps a single batched DecodeState (cache [L, N, G, S, Dh], one row per slot) for its whole life;
+the programs are jaxllm.serve.rows' functions of it. Busy slots are always its first rows (the scheduler keeps
+them packed with swap_rows), and each decode call runs the engine's decode program on the first `count` rows
+only, count the smallest of COUNTS(N) = 1, 2, 4, ..., N that covers the busy ones: a step costs what its rows
+cost (on this 2-core CPU a 4-row step of smollm2 took 4x a 1-row one), so one request alone decodes at the
+speed it has alone. A free row inside the count is a done row, which the step runs but which writes nothing.
 
-  extend_slot(weights, state, slot, tokens [1, C], lengths [1], start [1], last [1, D]) -> (state, last)
-      runs a full prefill chunk of one request into row `slot` (its cache row cut out, extended at batch 1,
-      put back) and marks the row done, so decode steps between two chunks leave it alone;
-  admit_slot(weights, state, slot, tokens [1, T], lengths, start, last, pos, sampler, limit, eog) -> state
-      runs the last chunk (T a power-of-two bucket), samples the first token and writes the row's whole
-      state (token, position, limit, end-of-generation ids, sampling settings and key): the row decodes from
-      the next step on;
-  swap_rows(state, a, b) -> state
-      exchanges two rows (cache and per-row values): how the scheduler keeps busy rows first without losing
-      what a free row's cache holds (prefix reuse);
-  decode_rows(weights, state, block [K, count]) -> (state, block)
-      the engine's decode program (Engine.decode_program: K steps a call) on rows [0, count), the rest
-      untouched; the masked variant (one step a call) draws each row under its token mask;
-  put_masks(state, masks [N, ceil(V / 32)]) -> state
-      the token masks of the next masked call: a grammar's for a row under one (jaxllm.structured), every
-      token for the others;
-  score_slot(weights, state, slot, tokens [1, T], start [1], targets [1, T]) -> (logprobs [T], top ids and
-      logprobs [T, TOP_LOGPROBS])
-      the model's log-probabilities of `targets` after each of `tokens` run from `start` in row `slot` (a
-      copy of its cache: the state is read, never changed), for OpenAI's logprobs: the prompt's (echo) after
-      admission, a request's new tokens after each decode call.
+A request joins by writing its own row: its prompt's full chunks one call each (extend_slot, batch 1), then
+its last chunk with its first token (admit_rows). Requests whose last chunks are ready in the same turn are
+admitted together, R = 1, 2, 4, ... up to `admit_group` in one call, where R x the chunk's bucket is at most
+the engine's prefill chunk (the tokens one call runs), so a burst of short prompts costs a few calls, not one
+each (ADMIT_GROUP). Each row's values are its own (the rows of a batch never mix), but a batch of R runs its
+matmuls over R x T rows of x, which may take another kernel than one row's T; admit_group=1 keeps every
+prompt's prefill at batch 1.
 
-Slot indices are data (int32 scalars), so each program is compiled once per chunk size or row count: with
-the decode step's two modes (every active row greedy without penalties: the argmax step; else the full
+Slot indices are data (int32), so each program is compiled once per chunk size, admission size or row count:
+with the decode step's two modes (every active row greedy without penalties: the argmax step; else the full
 sampler), and where the server takes a top_k above MAX_TOP_K a third (WIDE: the full sampler with the wide
-step, sampling.Sampler.wide_top_k, whose first tokens have their own admit programs too), the server compiles
-everything at start-up (SlotPrograms.warmup) and nothing while it serves. A
-prompt is prefilled at batch 1 whatever N is, and its first token and decode steps are the same computation
-as Engine.generate's for that request alone.
+step, sampling.Sampler.wide_top_k, whose first tokens have their own admit programs too, one request a call),
+the server compiles everything at start-up (SlotPrograms.warmup) and nothing while it serves.
 
 Token masks: the state's Sampler always holds a mask per row (uint32 [N, ceil(V / 32)], every bit set for a
-row without a grammar), so admitting a request under a grammar changes data, never a program: admit_slot
+row without a grammar), so admitting a request under a grammar changes data, never a program: admit_rows
 samples its first token under its mask. The decode calls while no busy row has a grammar are the engine's own
 programs (K steps a call, pipelined): decode_rows hands them the rows without the mask, which they never see
 (nor pay for). While some row has one, the call is the masked program of one step, the full sampler over the
@@ -57,11 +41,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.cache import KVCache, check_fits
+from jaxllm.cache import check_fits
 from jaxllm.engine import snapshot
-from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table, extend, finish_prefill, sequence_logits
+from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, eog_table
 from jaxllm.programs import prompt_bucket
 from jaxllm.sampling import MAX_TOP_K, Sampler, SamplingParams, full_mask
+from jaxllm.serve.rows import admit_rows, decode_rows, extend_slot, put_masks, score_slot, swap_rows
 
 
 def counts(slots: int) -> list[int]:
@@ -72,8 +57,13 @@ def counts(slots: int) -> list[int]:
   return out + [slots] if out[-1] != slots else out
 
 
-TOP_LOGPROBS = 20        # alternatives a score call returns per position (OpenAI's top_logprobs at most)
 SCORE_CHUNK = 128        # tokens per score call at most: its logits are [T, V] f32
+# Requests admitted in one call at most, per backend (SlotPrograms' admit_group). Each admission size is a
+# program compiled at start-up. CPU (smollm2-135m, 16 slots, bursts of 16 streams; docs/results/
+# 2026-12-05-cpu-admit-group.md): 4 a call gave 5-12% more tokens a second and a lower mean TTFT than 1, 8 about
+# what 4 gave, for 10-15 s more start-up without the compile cache. GPU: a call for a short prompt reads every
+# weight for a few tokens, so a group costs about one prompt's call (not yet measured on the GPU).
+ADMIT_GROUP = {"gpu": 8, "cpu": 4}
 
 
 # The decode modes the server compiles (Engine.step_fn's `greedy`): the argmax-only step while every active
@@ -82,117 +72,6 @@ SCORE_CHUNK = 128        # tokens per score call at most: its logits are [T, V] 
 GREEDY, FULL, WIDE = True, False, "wide"
 _ENGINE_MODE = {GREEDY: True, FULL: False, WIDE: "wide-penalized"}     # as Engine.decode_program takes them
 
-
-def _with_wide(state: DecodeState, wide: bool) -> DecodeState:
-  """The state with its Sampler's static wide_top_k set (the arrays as they are)."""
-  return dataclasses.replace(state, sampler=dataclasses.replace(state.sampler, wide_top_k=wide))
-
-
-def _row_cache(cache: KVCache, slot: jax.Array) -> KVCache:
-  """Row `slot` of a cache [L, N, G, S, Dh], as a batch-1 cache."""
-  take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=1)
-  return dataclasses.replace(cache, k=take(cache.k), v=take(cache.v))
-
-
-def _put(big: jax.Array, row: jax.Array, slot: jax.Array, axis: int = 0) -> jax.Array:
-  return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
-
-
-def _put_cache(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
-  return dataclasses.replace(cache, k=_put(cache.k, row.k, slot, 1), v=_put(cache.v, row.v, slot, 1))
-
-
-def _rows(state: DecodeState, count: int) -> DecodeState:
-  """Rows [0, count) of a state (count static)."""
-  if count == state.tokens.shape[0]:
-    return state
-  cut = functools.partial(jax.lax.slice_in_dim, start_index=0, limit_index=count)
-  return DecodeState(cache=dataclasses.replace(state.cache, k=cut(state.cache.k, axis=1), v=cut(state.cache.v, axis=1)),
-                     tokens=cut(state.tokens), pos=cut(state.pos), done=cut(state.done), limit=cut(state.limit),
-                     eog=cut(state.eog), sampler=jax.tree.map(cut, state.sampler))
-
-
-def _put_rows(state: DecodeState, rows: DecodeState, slot) -> DecodeState:
-  """state with rows (a state of fewer rows) written from row `slot` on (its arrays; the Sampler's static
-  wide_top_k stays the state's)."""
-  put = functools.partial(_put, slot=slot)
-  rows = _with_wide(rows, state.sampler.wide_top_k)
-  return DecodeState(cache=_put_cache(state.cache, rows.cache, slot), tokens=put(state.tokens, rows.tokens),
-                     pos=put(state.pos, rows.pos), done=put(state.done, rows.done), limit=put(state.limit, rows.limit),
-                     eog=put(state.eog, rows.eog), sampler=jax.tree.map(put, state.sampler, rows.sampler))
-
-
-def _row(state: DecodeState, slot) -> DecodeState:
-  """Row `slot` of a state, as a state of one row."""
-  take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1)
-  return DecodeState(cache=_row_cache(state.cache, slot), tokens=take(state.tokens), pos=take(state.pos),
-                     done=take(state.done), limit=take(state.limit), eog=take(state.eog),
-                     sampler=jax.tree.map(take, state.sampler))
-
-
-def swap_rows(state: DecodeState, a, b) -> DecodeState:
-  """Rows a and b of a state exchanged (a == b leaves it as it is)."""
-  row_a, row_b = _row(state, a), _row(state, b)
-  return _put_rows(_put_rows(state, row_b, a), row_a, b)
-
-
-def _with_mask(state: DecodeState, mask, bias_ids=None, bias_values=None) -> DecodeState:
-  return dataclasses.replace(state, sampler=dataclasses.replace(state.sampler, mask=mask, bias_ids=bias_ids,
-                                                                bias_values=bias_values))
-
-
-def decode_rows(step, count: int, k: int, masked: bool, wide: bool, weights, state: DecodeState, block):
-  """`step` (Engine.decode_program's function: one step for k = 1, else k steps with a [k, count] token block)
-  on rows [0, count) of state; returns (state, block [k, count] of the call's tokens). masked (static): the
-  step draws under the rows' token masks and logit biases; else it gets the rows without them (the engine's
-  program as it is), and they pass through unchanged. wide (static): the step's Sampler runs the wide step."""
-  s = state.sampler
-  kept = (s.mask, s.bias_ids, s.bias_values)
-  if not masked:
-    state = _with_mask(state, None)
-  rows = _with_wide(_rows(state, count), wide)
-  if k == 1:
-    rows = step(weights, rows)
-    block = rows.tokens[None]
-  else:
-    rows, block = step(weights, rows, block)
-  out = _with_wide(rows, state.sampler.wide_top_k) if count == state.tokens.shape[0] else _put_rows(state, rows, 0)
-  return (out if masked else _with_mask(out, *kept)), block
-
-
-def put_masks(state: DecodeState, masks) -> DecodeState:
-  """The state with the token masks [N, ceil(V / 32)] uint32 of the next masked decode call (the rows' logit
-  biases kept: each row's were written with its first token, admit_slot)."""
-  return _with_mask(state, masks, state.sampler.bias_ids, state.sampler.bias_values)
-
-
-def score_slot(config, weights, state: DecodeState, slot, tokens, start, targets, *, kernels, layers):
-  """Log-probabilities [T] of targets [1, T] after tokens [1, T] run from start in row `slot`, and the
-  TOP_LOGPROBS best ids and log-probabilities [T, TOP_LOGPROBS] at each position (the raw model's, before any
-  sampling setting). Positions past the real tokens give values that the caller drops."""
-  lg, _ = sequence_logits(config, weights, _row_cache(state.cache, slot), tokens, start, kernels=kernels,
-                          layers=layers)
-  lp = jax.nn.log_softmax(lg[0].astype(jnp.float32), axis=-1)                  # [T, V]
-  chosen = jnp.take_along_axis(lp, targets[0][:, None], axis=-1)[:, 0]
-  top_lp, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
-  return chosen, top_ids.astype(jnp.int32), top_lp
-
-
-def extend_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, last, *, kernels, layers):
-  """A full prefill chunk of one request into row `slot`; the row is marked done until admit_slot."""
-  row, last = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
-                     kernels=kernels, layers=layers)
-  done = state.done.at[slot].set(True)
-  return dataclasses.replace(state, cache=_put_cache(state.cache, row, slot), done=done), last
-
-
-def admit_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, last, pos, sampler, limit, eog,
-               *, kernels, layers) -> DecodeState:
-  """The last prefill chunk of one request into row `slot`, its first token sampled: the row joins the batch."""
-  row, hidden = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
-                       kernels=kernels, layers=layers)
-  new = finish_prefill(config, weights, row, hidden, pos, sampler, limit, eog, kernels=kernels)
-  return _put_rows(state, new, slot)
 
 
 def _spec(tree):
@@ -207,7 +86,7 @@ def _spec(tree):
 
 @dataclasses.dataclass
 class Prefill:
-  """One request's prompt on its way into a slot, a chunk at a time (SlotPrograms.prefill_chunks)."""
+  """One request's prompt on its way into a slot, a chunk at a time (SlotPrograms.extend_step, then admit)."""
   slot: int
   chunks: list[tuple[np.ndarray, int, int]]   # (tokens [1, size], real length, start position) per chunk
   pos: int                                    # tokens in the row's cache once it is all run
@@ -228,11 +107,17 @@ class SlotPrograms:
     engine: a jaxllm Engine (its weights, kernel path, chunk size, compile cache and decode step).
     slots: N, the rows of the batched cache (requests decoding at once).
     wide_top_k: whether requests may sample with a top_k above MAX_TOP_K (the WIDE programs are compiled too).
+    admit_group: requests whose last prefill chunks one call runs at most (rounded down to a power of two, at
+      most `slots`); None: the backend's ADMIT_GROUP; 1: each prompt at batch 1.
   """
 
-  def __init__(self, engine, slots: int, wide_top_k: bool = False):
+  def __init__(self, engine, slots: int, wide_top_k: bool = False, admit_group: int | None = None):
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
       raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+    if admit_group is None:
+      admit_group = ADMIT_GROUP.get(jax.default_backend(), 1)
+    if not isinstance(admit_group, int) or isinstance(admit_group, bool) or admit_group < 1:
+      raise ValueError(f"admit_group must be an integer >= 1, got {admit_group!r}")
     self.engine, self.slots, self.wide_top_k = engine, slots, bool(wide_top_k)
     self.config = engine.config
     check_fits(self.config, slots, engine.max_context, engine.cache_dtype)
@@ -241,6 +126,9 @@ class SlotPrograms:
     self.buckets = sorted({prompt_bucket(n, chunk) for n in range(1, min(longest, chunk) + 1)})
     self.chunked = longest > engine.prefill_chunk     # whether a prompt can take more than one chunk
     self.score_sizes = [b for b in self.buckets if b <= SCORE_CHUNK] or [self.buckets[0]]
+    groups = [r for r in counts(min(slots, admit_group)) if r & (r - 1) == 0]     # 1, 2, 4, ... (powers of two)
+    # (requests, bucket) of each admit program: R last chunks of a bucket in one call, at most a chunk's tokens.
+    self.admit_sizes = [(r, b) for b in self.buckets for r in groups if r == 1 or r * b <= chunk]
     self.counts = counts(slots)
     self.state = self._empty_state()
     self._blocks: dict[int, jax.Array] = {}          # per row count: the token block its calls donate
@@ -264,30 +152,34 @@ class SlotPrograms:
 
   # ---- programs ------------------------------------------------------------------------------
 
-  def _args(self, size: int, final: bool, wide: bool = False) -> tuple:
-    vec = jax.ShapeDtypeStruct((1,), jnp.int32)
-    common = (self.engine.weights, _spec(self.state), jax.ShapeDtypeStruct((), jnp.int32),
-              jax.ShapeDtypeStruct((1, size), jnp.int32), vec, vec,
-              jax.ShapeDtypeStruct((1, self.config.d_model), jnp.float32))
-    if not final:
+  def _args(self, size: int, rows: int = 0, wide: bool = False) -> tuple:
+    """The abstract arguments of a program running a chunk of `size` tokens: extend_slot's (rows 0: one row,
+    the slot a scalar), else admit_rows' for `rows` requests."""
+    n = max(rows, 1)
+    vec = jax.ShapeDtypeStruct((n,), jnp.int32)
+    slot = jax.ShapeDtypeStruct((n,) if rows else (), jnp.int32)
+    common = (self.engine.weights, _spec(self.state), slot, jax.ShapeDtypeStruct((n, size), jnp.int32), vec, vec,
+              jax.ShapeDtypeStruct((n, self.config.d_model), jnp.float32))
+    if not rows:
       return common
     v = self.config.vocab_size
-    sampler = _spec(Sampler.create(SamplingParams(), 1, vocab_size=v, masks=full_mask(1, v), biases=[None]))
+    sampler = _spec(Sampler.create(SamplingParams(), n, vocab_size=v, masks=full_mask(n, v), biases=[None] * n))
     sampler = dataclasses.replace(sampler, wide_top_k=wide)
-    return common + (vec, sampler, vec, jax.ShapeDtypeStruct((1, MAX_EOG), jnp.int32))
+    return common + (vec, sampler, vec, jax.ShapeDtypeStruct((n, MAX_EOG), jnp.int32))
 
   def extend_fn(self) -> Callable:
     e = self.engine
     fn = functools.partial(extend_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
     key = ("slot-extend", self.slots, e.prefill_chunk)
-    return e.compile_program(key, lambda: (fn, 1, self._args(e.prefill_chunk, False)))
+    return e.compile_program(key, lambda: (fn, 1, self._args(e.prefill_chunk)))
 
-  def admit_fn(self, bucket: int, wide: bool = False) -> Callable:
-    """admit_slot for a last chunk of `bucket` tokens; wide: for a request whose top_k is above MAX_TOP_K."""
+  def admit_fn(self, rows: int, bucket: int, wide: bool = False) -> Callable:
+    """admit_rows for the last chunks (of `bucket` tokens) of `rows` requests; wide: for one request whose top_k
+    is above MAX_TOP_K."""
     e = self.engine
-    fn = functools.partial(admit_slot, self.config, kernels=e.kernels, layers=e.prefill_layers)
-    key = ("slot-admit", self.slots, bucket) + (("wide",) if wide else ())
-    return e.compile_program(key, lambda: (fn, 1, self._args(bucket, True, wide)))
+    fn = functools.partial(admit_rows, self.config, kernels=e.kernels, layers=e.prefill_layers)
+    key = ("slot-admit", self.slots, rows, bucket) + (("wide",) if wide else ())
+    return e.compile_program(key, lambda: (fn, 1, self._args(bucket, rows, wide)))
 
   def score_fn(self, size: int) -> Callable:
     e = self.engine
@@ -347,8 +239,8 @@ class SlotPrograms:
     """Lookups of every program serving can run, each compiling its program the first time: each chunk bucket,
     each row count in each decode mode (and masked in the sampling ones), the swap, the masks' write."""
     lookups = [self.extend_fn] if self.chunked else []
-    lookups += [functools.partial(self.admit_fn, b, wide) for b in self.buckets
-                for wide in ((False, True) if self.wide_top_k else (False,))]
+    lookups += [functools.partial(self.admit_fn, r, b) for r, b in self.admit_sizes]
+    lookups += [functools.partial(self.admit_fn, 1, b, True) for b in self.buckets] if self.wide_top_k else []
     lookups += [self.swap_fn, self.put_masks_fn] + [functools.partial(self.score_fn, n) for n in self.score_sizes]
     lookups += [functools.partial(self.decode_fn, count, mode, masked) for count in self.counts
                 for mode in self.modes() for masked in ((False,) if mode == GREEDY else (False, True))]
@@ -396,19 +288,57 @@ class SlotPrograms:
     return Prefill(slot=slot, chunks=chunks, pos=len(prompt), sampler=sampler, limit=limit,
                    eog=eog_table(eog_ids, 1))
 
-  def prefill_step(self, job: Prefill) -> int | None:
-    """Runs the next chunk of `job`; after its last, returns the row's first sampled token (else None)."""
+  def extend_step(self, job: Prefill) -> None:
+    """Runs the next chunk of `job`, one of its full chunks (a chunk is left after it)."""
+    assert job.remaining > 1, "the last chunk runs in admit()"
     tokens, n, start = job.chunks.pop(0)
-    slot = np.int32(job.slot)
     last = job.last if job.last is not None else np.zeros((1, self.config.d_model), np.float32)
-    lengths, starts = np.asarray([n], np.int32), np.asarray([start], np.int32)
-    if job.chunks:
-      self.state, job.last = self.extend_fn()(self.engine.weights, self.state, slot, tokens, lengths, starts, last)
-      return None
-    fn = self.admit_fn(tokens.shape[1], job.sampler.wide_top_k)
-    self.state = fn(self.engine.weights, self.state, slot, tokens, lengths, starts, last,
-                    np.asarray([job.pos], np.int32), job.sampler, np.asarray([job.limit], np.int32), job.eog)
-    return int(np.asarray(self.state.tokens)[job.slot])
+    self.state, job.last = self.extend_fn()(self.engine.weights, self.state, np.int32(job.slot), tokens,
+                                            np.asarray([n], np.int32), np.asarray([start], np.int32), last)
+
+  def groups(self, jobs: Sequence[Prefill]) -> list[list[Prefill]]:
+    """`jobs` (each at its last chunk) cut into admit calls, in order: each call the most jobs that one admit
+    program takes (admit_sizes: R a power of two, R x the largest of their buckets at most a chunk; a job whose
+    top_k needs the wide step alone)."""
+    out, rest = [], list(jobs)
+    while rest:
+      take = 1
+      for r in sorted({r for r, _ in self.admit_sizes}, reverse=True):
+        head = rest[:r]
+        if len(head) == r and (r == 1 or not any(j.sampler.wide_top_k for j in head)) and \
+            (r, max(j.chunks[0][0].shape[1] for j in head)) in self.admit_sizes:
+          take = r
+          break
+      out.append(rest[:take])
+      rest = rest[take:]
+    return out
+
+  def admit(self, groups: Sequence[Sequence[Prefill]]) -> list[int]:
+    """Runs the last chunks of the jobs of `groups` (as groups() cuts them), a call per group, and returns each
+    job's first sampled token, in order."""
+    for group in groups:
+      self._admit(list(group))
+    tokens = np.asarray(self.state.tokens)
+    return [int(tokens[job.slot]) for group in groups for job in group]
+
+  def _admit(self, jobs: list[Prefill]) -> None:
+    """One admit_rows call: the last chunks of `jobs`, padded to the largest of their buckets."""
+    rows, size = len(jobs), max(job.chunks[0][0].shape[1] for job in jobs)
+    tokens = np.zeros((rows, size), np.int32)
+    lengths, starts = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+    for i, job in enumerate(jobs):
+      chunk, lengths[i], starts[i] = job.chunks.pop(0)
+      tokens[i, :chunk.shape[1]] = chunk[0]
+    if rows == 1:              # the carried hidden state stays on the device
+      last = jobs[0].last if jobs[0].last is not None else np.zeros((1, self.config.d_model), np.float32)
+    else:
+      last = np.concatenate([np.zeros((1, self.config.d_model), np.float32) if job.last is None
+                             else np.asarray(job.last, np.float32) for job in jobs])
+    sampler = jax.tree.map(lambda *rows_: np.concatenate(rows_), *(job.sampler for job in jobs))
+    fn = self.admit_fn(rows, size, jobs[0].sampler.wide_top_k)
+    self.state = fn(self.engine.weights, self.state, np.asarray([job.slot for job in jobs], np.int32), tokens,
+                    lengths, starts, last, np.asarray([job.pos for job in jobs], np.int32), sampler,
+                    np.asarray([job.limit for job in jobs], np.int32), np.concatenate([job.eog for job in jobs]))
 
   def swap(self, a: int, b: int) -> None:
     """Exchanges rows a and b (cache and per-row values)."""

@@ -1,0 +1,180 @@
+"""The device programs of continuous batching: functions of the server's N-row DecodeState.
+
+The server keeps one batched DecodeState (cache [L, N, G, S, Dh], one row per slot) for its whole life
+(jaxllm.serve.slots compiles these functions of it and runs them for the scheduler):
+
+  extend_slot(weights, state, slot, tokens [1, C], lengths [1], start [1], last [1, D]) -> (state, last)
+      runs a full prefill chunk of one request into row `slot` (its cache row cut out, extended at batch 1,
+      put back) and marks the row done, so decode steps between two chunks leave it alone;
+  admit_rows(weights, state, slots [R], tokens [R, T], lengths [R], start [R], last [R, D], pos [R], sampler
+             (R rows), limit [R], eog [R, MAX_EOG]) -> state
+      runs the last chunks of R requests (T a power-of-two bucket) in one call, each into its own row (the R
+      cache rows gathered, extended as a batch of R, scattered back), samples their first tokens and writes
+      each row's whole state (token, position, limit, end-of-generation ids, sampling settings and key): the
+      rows decode from the next step on;
+  swap_rows(state, a, b) -> state
+      exchanges two rows (cache and per-row values): how the scheduler keeps busy rows first without losing
+      what a free row's cache holds (prefix reuse);
+  decode_rows(weights, state, block [K, count]) -> (state, block)
+      the engine's decode program (Engine.decode_program: K steps a call) on rows [0, count), the rest
+      untouched; the masked variant (one step a call) draws each row under its token mask;
+  put_masks(state, masks [N, ceil(V / 32)]) -> state
+      the token masks of the next masked call: a grammar's for a row under one (jaxllm.structured), every
+      token for the others;
+  score_slot(weights, state, slot, tokens [1, T], start [1], targets [1, T]) -> (logprobs [T], top ids and
+      logprobs [T, TOP_LOGPROBS])
+      the model's log-probabilities of `targets` after each of `tokens` run from `start` in row `slot` (a
+      copy of its cache: the state is read, never changed), for OpenAI's logprobs: the prompt's (echo) after
+      admission, a request's new tokens after each decode call.
+
+Slot indices are data (int32), so each function compiles once per chunk size, row count or admission size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.cache import KVCache
+from jaxllm.decode import DecodeState, extend, finish_prefill, sequence_logits
+
+TOP_LOGPROBS = 20        # alternatives a score call returns per position (OpenAI's top_logprobs at most)
+
+
+def _with_wide(state: DecodeState, wide: bool) -> DecodeState:
+  """The state with its Sampler's static wide_top_k set (the arrays as they are)."""
+  return dataclasses.replace(state, sampler=dataclasses.replace(state.sampler, wide_top_k=wide))
+
+
+def _row_cache(cache: KVCache, slot: jax.Array) -> KVCache:
+  """Row `slot` of a cache [L, N, G, S, Dh], as a batch-1 cache."""
+  take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=1)
+  return dataclasses.replace(cache, k=take(cache.k), v=take(cache.v))
+
+
+def _put(big: jax.Array, row: jax.Array, slot: jax.Array, axis: int = 0) -> jax.Array:
+  return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
+
+
+def _put_cache(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
+  return dataclasses.replace(cache, k=_put(cache.k, row.k, slot, 1), v=_put(cache.v, row.v, slot, 1))
+
+
+def _rows(state: DecodeState, count: int) -> DecodeState:
+  """Rows [0, count) of a state (count static)."""
+  if count == state.tokens.shape[0]:
+    return state
+  cut = functools.partial(jax.lax.slice_in_dim, start_index=0, limit_index=count)
+  return DecodeState(cache=dataclasses.replace(state.cache, k=cut(state.cache.k, axis=1), v=cut(state.cache.v, axis=1)),
+                     tokens=cut(state.tokens), pos=cut(state.pos), done=cut(state.done), limit=cut(state.limit),
+                     eog=cut(state.eog), sampler=jax.tree.map(cut, state.sampler))
+
+
+def _put_rows(state: DecodeState, rows: DecodeState, slot) -> DecodeState:
+  """state with rows (a state of fewer rows) written from row `slot` on (its arrays; the Sampler's static
+  wide_top_k stays the state's)."""
+  put = functools.partial(_put, slot=slot)
+  rows = _with_wide(rows, state.sampler.wide_top_k)
+  return DecodeState(cache=_put_cache(state.cache, rows.cache, slot), tokens=put(state.tokens, rows.tokens),
+                     pos=put(state.pos, rows.pos), done=put(state.done, rows.done), limit=put(state.limit, rows.limit),
+                     eog=put(state.eog, rows.eog), sampler=jax.tree.map(put, state.sampler, rows.sampler))
+
+
+def _row(state: DecodeState, slot) -> DecodeState:
+  """Row `slot` of a state, as a state of one row."""
+  take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1)
+  return DecodeState(cache=_row_cache(state.cache, slot), tokens=take(state.tokens), pos=take(state.pos),
+                     done=take(state.done), limit=take(state.limit), eog=take(state.eog),
+                     sampler=jax.tree.map(take, state.sampler))
+
+
+def swap_rows(state: DecodeState, a, b) -> DecodeState:
+  """Rows a and b of a state exchanged (a == b leaves it as it is)."""
+  row_a, row_b = _row(state, a), _row(state, b)
+  return _put_rows(_put_rows(state, row_b, a), row_a, b)
+
+
+def _with_mask(state: DecodeState, mask, bias_ids=None, bias_values=None) -> DecodeState:
+  return dataclasses.replace(state, sampler=dataclasses.replace(state.sampler, mask=mask, bias_ids=bias_ids,
+                                                                bias_values=bias_values))
+
+
+def decode_rows(step, count: int, k: int, masked: bool, wide: bool, weights, state: DecodeState, block):
+  """`step` (Engine.decode_program's function: one step for k = 1, else k steps with a [k, count] token block)
+  on rows [0, count) of state; returns (state, block [k, count] of the call's tokens). masked (static): the
+  step draws under the rows' token masks and logit biases; else it gets the rows without them (the engine's
+  program as it is), and they pass through unchanged. wide (static): the step's Sampler runs the wide step."""
+  s = state.sampler
+  kept = (s.mask, s.bias_ids, s.bias_values)
+  if not masked:
+    state = _with_mask(state, None)
+  rows = _with_wide(_rows(state, count), wide)
+  if k == 1:
+    rows = step(weights, rows)
+    block = rows.tokens[None]
+  else:
+    rows, block = step(weights, rows, block)
+  out = _with_wide(rows, state.sampler.wide_top_k) if count == state.tokens.shape[0] else _put_rows(state, rows, 0)
+  return (out if masked else _with_mask(out, *kept)), block
+
+
+def put_masks(state: DecodeState, masks) -> DecodeState:
+  """The state with the token masks [N, ceil(V / 32)] uint32 of the next masked decode call (the rows' logit
+  biases kept: each row's were written with its first token, admit_slot)."""
+  return _with_mask(state, masks, state.sampler.bias_ids, state.sampler.bias_values)
+
+
+def score_slot(config, weights, state: DecodeState, slot, tokens, start, targets, *, kernels, layers):
+  """Log-probabilities [T] of targets [1, T] after tokens [1, T] run from start in row `slot`, and the
+  TOP_LOGPROBS best ids and log-probabilities [T, TOP_LOGPROBS] at each position (the raw model's, before any
+  sampling setting). Positions past the real tokens give values that the caller drops."""
+  lg, _ = sequence_logits(config, weights, _row_cache(state.cache, slot), tokens, start, kernels=kernels,
+                          layers=layers)
+  lp = jax.nn.log_softmax(lg[0].astype(jnp.float32), axis=-1)                  # [T, V]
+  chosen = jnp.take_along_axis(lp, targets[0][:, None], axis=-1)[:, 0]
+  top_lp, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+  return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def extend_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, last, *, kernels, layers):
+  """A full prefill chunk of one request into row `slot`; the row is marked done until admit_slot."""
+  row, last = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
+                     kernels=kernels, layers=layers)
+  done = state.done.at[slot].set(True)
+  return dataclasses.replace(state, cache=_put_cache(state.cache, row, slot), done=done), last
+
+
+def _cache_rows(cache: KVCache, slots: jax.Array) -> KVCache:
+  """Rows `slots` [R] of a cache [L, N, G, S, Dh], as a batch-R cache (one row: a dynamic slice)."""
+  if slots.shape[0] == 1:
+    return _row_cache(cache, slots[0])
+  take = functools.partial(jnp.take, indices=slots, axis=1, mode="clip")
+  return dataclasses.replace(cache, k=take(cache.k), v=take(cache.v))
+
+
+def _scatter_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
+  """state with rows (a state of R rows) written into its rows `slots` [R], distinct (one row: a dynamic
+  update); the Sampler's static wide_top_k stays the state's."""
+  if slots.shape[0] == 1:
+    return _put_rows(state, rows, slots[0])
+  rows = _with_wide(rows, state.sampler.wide_top_k)
+
+  def put(big, new, axis=0):
+    return big.at[(slice(None),) * axis + (slots,)].set(new.astype(big.dtype), unique_indices=True)
+  cache = dataclasses.replace(state.cache, k=put(state.cache.k, rows.cache.k, 1), v=put(state.cache.v, rows.cache.v, 1))
+  return DecodeState(cache=cache, tokens=put(state.tokens, rows.tokens), pos=put(state.pos, rows.pos),
+                     done=put(state.done, rows.done), limit=put(state.limit, rows.limit), eog=put(state.eog, rows.eog),
+                     sampler=jax.tree.map(put, state.sampler, rows.sampler))
+
+
+def admit_rows(config, weights, state: DecodeState, slots, tokens, lengths, start, last, pos, sampler, limit, eog,
+               *, kernels, layers) -> DecodeState:
+  """The last prefill chunks of R requests into rows `slots` [R] (distinct), their first tokens sampled: the
+  rows join the batch. tokens [R, T] right-padded; lengths, start, pos, limit [R]; last [R, D] f32 (carried
+  from an earlier chunk); sampler of R rows; eog [R, MAX_EOG]."""
+  rows, hidden = extend(config, weights, _cache_rows(state.cache, slots), tokens, lengths, start, last,
+                        kernels=kernels, layers=layers)
+  new = finish_prefill(config, weights, rows, hidden, pos, sampler, limit, eog, kernels=kernels)
+  return _scatter_rows(state, new, slots)

@@ -1,0 +1,163 @@
+"""The server's grouped admission: the last prefill chunks of several requests in one call (SlotPrograms.admit,
+serve.rows.admit_rows), each row the same as its request admitted alone, the other rows untouched.
+
+The tiny model in float32, 8 slots, prefill chunks of 64 tokens (buckets 16, 32, 64): the admit programs take 1, 2
+or 4 requests of 16 tokens, 1 or 2 of 32, one of 64 (R x bucket at most a chunk).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tiny import write_tiny_model
+
+from jaxllm import Engine, GGUFFile, SamplingParams
+from jaxllm.serve.scheduler import Delta, Done, Request, Scheduler
+from jaxllm.serve.slots import SlotPrograms
+from jaxllm.weights import load_weights
+
+SLOTS, CHUNK, CONTEXT = 8, 64, 192
+F32 = dict(dtype=jnp.float32, cache_dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+  gf = GGUFFile(write_tiny_model(tmp_path_factory.mktemp("admit") / "tiny.gguf", "qwen2", context=256))
+  return gf.config, load_weights(gf, progress=False), gf
+
+
+def _engine(model, tokenizer=None) -> Engine:
+  config, weights, _ = model
+  return Engine(config, weights, tokenizer, max_context=CONTEXT, prefill_chunk=CHUNK, **F32)
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+  return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def test_admit_sizes_and_how_ready_requests_are_grouped(model):
+  engine = _engine(model)
+  programs = SlotPrograms(engine, SLOTS, wide_top_k=True, admit_group=4)
+  assert programs.buckets == [16, 32, 64]
+  assert programs.admit_sizes == [(1, 16), (2, 16), (4, 16), (1, 32), (2, 32), (1, 64)]
+  assert SlotPrograms(engine, SLOTS, admit_group=7).admit_sizes == programs.admit_sizes      # rounded down to 4
+  assert SlotPrograms(engine, SLOTS, admit_group=1).admit_sizes == [(1, 16), (1, 32), (1, 64)]
+  assert SlotPrograms(engine, 2, admit_group=8).admit_sizes == [(1, 16), (2, 16), (1, 32), (2, 32), (1, 64)]
+  for bad in (0, -1, 2.0, True):
+    with pytest.raises(ValueError, match="admit_group"):
+      SlotPrograms(engine, SLOTS, admit_group=bad)
+
+  v = engine.config.vocab_size
+  wide = SamplingParams(temperature=1.0, top_k=200)
+
+  def job(slot, n, params=SamplingParams()):
+    return programs.plan(slot, _prompt(slot, n, v), 0, params, 0, CONTEXT, ())
+  # Last-chunk buckets 16 16 16 16 16 | 32 16 | 64 | wide 16 | 16: four of 16, then two (their largest bucket 32),
+  # one of 64 alone, the wide one alone, then the last.
+  jobs = [job(0, 3), job(1, 16), job(2, 1), job(3, 9), job(4, 5), job(5, 20), job(6, 2), job(7, 40)]
+  jobs += [job(0, 4, wide), job(1, 8)]
+  groups = programs.groups(jobs)
+  assert [[j.slot for j in g] for g in groups] == [[0, 1, 2, 3], [4, 5], [6], [7], [0], [1]]
+  assert [len(g) for g in programs.groups(jobs[:3])] == [2, 1]          # no padding rows: 3 = 2 + 1
+
+
+def _random_state(programs: SlotPrograms, seed: int):
+  """The programs' state with every cache row random and distinct (what an admission must not touch)."""
+  rng = np.random.default_rng(seed)
+  cache = programs.state.cache
+  k, v = (jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (cache.k, cache.v))
+  tokens = jnp.asarray(rng.integers(0, 100, programs.state.tokens.shape), jnp.int32)
+  return dataclasses.replace(programs.state, cache=dataclasses.replace(cache, k=k, v=v), tokens=tokens)
+
+
+def test_rows_admitted_together_equal_each_admitted_alone(model):
+  """Four requests' last chunks in one call (slots 5, 0, 3, 6; one continuing after a full chunk, with a carried
+  hidden state): each admitted row (cache, first token, position, limit, sampler) equals its request admitted
+  alone into the same state, and the four other rows stay exactly as they were."""
+  engine = _engine(model)
+  v = engine.config.vocab_size
+  together, alone = SlotPrograms(engine, SLOTS, admit_group=4), SlotPrograms(engine, SLOTS, admit_group=1)
+  start = jax.device_get(_random_state(together, 0))       # host arrays: each use puts a copy (calls donate it)
+  specs = [(5, 12, SamplingParams()), (0, CHUNK + 9, SamplingParams(temperature=0.9, top_p=0.9, seed=11)),
+           (3, 1, SamplingParams(repeat_penalty=1.3)), (6, 16, SamplingParams(temperature=1.2, seed=3))]
+
+  def jobs(programs):
+    out = [programs.plan(slot, _prompt(10 + slot, n, v), 0, params, 7, CONTEXT - 1 - slot, ())
+           for slot, n, params in specs]
+    for job in out:
+      while job.remaining > 1:
+        programs.extend_step(job)
+    return out
+  together.state = jax.device_put(start)
+  both = jobs(together)
+  groups = together.groups(both)
+  assert [len(g) for g in groups] == [4]
+  first = together.admit(groups)
+  got = jax.device_get(together.state)
+  rows = [slot for slot, _, _ in specs]
+  for i, (slot, _, _) in enumerate(specs):
+    alone.state = jax.device_put(start)
+    one = jobs(alone)[i]
+    assert alone.admit([[one]]) == [first[i]]
+    want = jax.device_get(alone.state)
+    np.testing.assert_allclose(got.cache.k[:, slot], want.cache.k[:, slot], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.cache.v[:, slot], want.cache.v[:, slot], rtol=1e-5, atol=1e-5)
+    for name in ("tokens", "pos", "done", "limit", "eog"):
+      np.testing.assert_array_equal(getattr(got, name)[slot], getattr(want, name)[slot], err_msg=name)
+    for a, b in zip(jax.tree.leaves(got.sampler), jax.tree.leaves(want.sampler)):
+      np.testing.assert_array_equal(a[slot], b[slot])
+  assert got.pos[rows].tolist() == [12, CHUNK + 9, 1, 16] and not got.done[rows].any()
+  before = start
+  untouched = [s for s in range(SLOTS) if s not in rows]
+  for name in ("k", "v"):
+    np.testing.assert_array_equal(getattr(got.cache, name)[:, untouched], getattr(before.cache, name)[:, untouched])
+  np.testing.assert_array_equal(got.tokens[untouched], before.tokens[untouched])
+
+
+def test_a_burst_is_admitted_several_a_call_and_each_request_equals_alone(model):
+  """Twelve requests submitted at once to 8 slots admitting up to 4 a call (prompts of 1-150 tokens: up to 3
+  chunks; greedy, seeded sampling, penalties): admission calls of several requests happen, every request gives
+  the tokens it gives alone (Engine.generate), and nothing compiles while serving."""
+  config, weights, gf = model
+  from jaxllm import Tokenizer
+  tok = Tokenizer(gf.metadata)
+  scheduler = Scheduler(_engine(model, tok), slots=SLOTS, admit_group=4)
+  ref = _engine(model, tok)
+  rng = np.random.default_rng(1)
+  cases = []
+  for i in range(12):
+    n = int(rng.integers(1, 150)) if i % 3 == 0 else int(rng.integers(1, 30))
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95),
+              SamplingParams(temperature=0.7, repeat_penalty=1.2, presence_penalty=0.5)][i % 3]
+    cases.append((_prompt(100 + i, n, config.vocab_size), int(rng.integers(1, 12)), params, 1000 + i))
+  events = [[] for _ in cases]
+  finished = threading.Semaphore(0)
+
+  def emit(i):
+    def on(event):
+      events[i].append(event)
+      if isinstance(event, Done):
+        finished.release()
+    return on
+  from jaxllm.serve.metrics import CompileCounter
+  for i, (prompt, max_tokens, params, seed) in enumerate(cases):
+    scheduler.submit(Request(prompt, max_tokens, emit(i), params, seed, ignore_eos=True))
+  scheduler.start()                      # compiles every program, then takes the twelve at once
+  ready = CompileCounter.count()
+  try:
+    for _ in cases:
+      assert finished.acquire(timeout=120), "a request did not finish"
+  finally:
+    scheduler.stop()
+  assert CompileCounter.count() == ready
+  assert max(scheduler.metrics.admit_calls) > 1, scheduler.metrics.admit_calls
+  assert sum(r * n for r, n in scheduler.metrics.admit_calls.items()) == len(cases)
+  for (prompt, max_tokens, params, seed), got in zip(cases, events):
+    ids = [t for e in got if isinstance(e, Delta) for t in e.ids]
+    assert got[-1].finish_reason == "length" and ids == ref.generate(prompt, max_tokens, params, seed=seed,
+                                                                      ignore_eos=True).ids
