@@ -107,7 +107,7 @@ def admitted() -> list[dict]:
   for n in (1, 2):
     engine = Engine(config, weights, None, max_context=64, prefill_chunk=32,
                     mesh=None if n == 1 else parallel.make_mesh(n))
-    rec = {"n": n}
+    rec, states = {"n": n}, {}
     for name, group, sets in (("together", 2, [(0, 1)]), ("alone", 1, [(0,), (1,)])):
       slots = SlotPrograms(engine, 4, admit_group=group)
       tokens, calls = [], []
@@ -118,6 +118,12 @@ def admitted() -> list[dict]:
         tokens += slots.admit(groups)
       rec[name], rec[name + "_calls"] = tokens, calls
       rec["on"] = len(slots.state.cache.k.sharding.device_set)
+      states[name] = jax.device_get(slots.state)
+    # The whole states, every row: the admitted rows' caches written in their own rows, the others untouched.
+    a, b = states["together"], states["alone"]
+    rec["cache_diff"] = float(max(np.abs(a.cache.k - b.cache.k).max(), np.abs(a.cache.v - b.cache.v).max()))
+    rec["cache_scale"] = float(np.abs(b.cache.k).max())
+    rec["pos"] = [a.pos.tolist(), b.pos.tolist()]
     out.append(rec)
   return out
 

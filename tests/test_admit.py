@@ -31,9 +31,9 @@ def model(tmp_path_factory):
   return gf.config, load_weights(gf, progress=False), gf
 
 
-def _engine(model, tokenizer=None) -> Engine:
+def _engine(model, tokenizer=None, chunk: int = CHUNK, context: int = CONTEXT) -> Engine:
   config, weights, _ = model
-  return Engine(config, weights, tokenizer, max_context=CONTEXT, prefill_chunk=CHUNK, **F32)
+  return Engine(config, weights, tokenizer, max_context=context, prefill_chunk=chunk, **F32)
 
 
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
@@ -57,13 +57,20 @@ def test_admit_sizes_and_how_ready_requests_are_grouped(model):
 
   def job(slot, n, params=SamplingParams()):
     return programs.plan(slot, _prompt(slot, n, v), 0, params, 0, CONTEXT, ())
-  # Last-chunk buckets 16 16 16 16 16 | 32 16 | 64 | wide 16 | 16: four of 16, then two (their largest bucket 32),
-  # one of 64 alone, the wide one alone, then the last.
+  # Last-chunk buckets 16 16 16 16 | 16 32 | 16 | 64 | 16, a wide one of 16 among them: the wide one alone, then
+  # four of 16, two (their largest bucket 32), the next two alone (a group with the 64 would be 128 tokens), the
+  # last alone.
   jobs = [job(0, 3), job(1, 16), job(2, 1), job(3, 9), job(4, 5), job(5, 20), job(6, 2), job(7, 40)]
-  jobs += [job(0, 4, wide), job(1, 8)]
+  jobs.insert(2, job(0, 4, wide))
+  jobs.append(job(1, 8))
   groups = programs.groups(jobs)
-  assert [[j.slot for j in g] for g in groups] == [[0, 1, 2, 3], [4, 5], [6], [7], [0], [1]]
-  assert [len(g) for g in programs.groups(jobs[:3])] == [2, 1]          # no padding rows: 3 = 2 + 1
+  assert [[j.slot for j in g] for g in groups] == [[0], [0, 1, 2, 3], [4, 5], [6], [7], [1]]
+  assert groups[0][0] is jobs[2] and groups[1][2] is jobs[3]
+  assert [len(g) for g in programs.groups(jobs[3:6])] == [2, 1]          # no padding rows: 3 = 2 + 1
+  # ADMIT_TOKENS caps a group's tokens below a large chunk: 1024 at most.
+  big = SlotPrograms(_engine(model, chunk=4096, context=2048), SLOTS, admit_group=8)
+  assert [(r, b) for r, b in big.admit_sizes if r > 1] == [(r, b) for b in (16, 32, 64, 128) for r in (2, 4, 8)] + \
+      [(2, 256), (4, 256), (2, 512)]
 
 
 def _random_state(programs: SlotPrograms, seed: int):
@@ -76,9 +83,9 @@ def _random_state(programs: SlotPrograms, seed: int):
 
 
 def test_rows_admitted_together_equal_each_admitted_alone(model):
-  """Four requests' last chunks in one call (slots 5, 0, 3, 6; one continuing after a full chunk, with a carried
-  hidden state): each admitted row (cache, first token, position, limit, sampler) equals its request admitted
-  alone into the same state, and the four other rows stay exactly as they were."""
+  """Four requests' last chunks in one call (slots 5, 0, 3, 6; one continuing after a full chunk, from position
+  64): each admitted row (cache, first token, position, limit, sampler) equals its request admitted alone into
+  the same state, and the four other rows stay exactly as they were."""
   engine = _engine(model)
   v = engine.config.vocab_size
   together, alone = SlotPrograms(engine, SLOTS, admit_group=4), SlotPrograms(engine, SLOTS, admit_group=1)
@@ -161,3 +168,130 @@ def test_a_burst_is_admitted_several_a_call_and_each_request_equals_alone(model)
     ids = [t for e in got if isinstance(e, Delta) for t in e.ids]
     assert got[-1].finish_reason == "length" and ids == ref.generate(prompt, max_tokens, params, seed=seed,
                                                                       ignore_eos=True).ids
+
+
+def test_a_turn_runs_about_one_chunk_of_prompt_tokens(model):
+  """Scheduler._prefill, the device calls recorded: full chunks and last chunks count against one chunk's tokens a
+  turn (64), first come first served, and the last chunks a turn reaches are admitted together."""
+  from jaxllm.serve.scheduler import _Running
+  scheduler = Scheduler(_engine(model), slots=SLOTS, admit_group=4)
+  real, calls, admitted = scheduler.programs, [], []
+
+  class Recording:                      # the programs' planning, the device calls recorded instead of run
+    groups = real.groups
+
+    def extend_step(self, job):
+      calls.append(("extend", job.slot, job.chunks.pop(0)[1]))
+
+    def admit(self, groups):
+      calls.append(("admit", [[job.slot for job in group] for group in groups]))
+      for job in (job for group in groups for job in group):
+        job.chunks.pop(0)
+      return [0] * sum(len(group) for group in groups)
+  scheduler.programs = Recording()
+  scheduler._admitted = lambda run, token: admitted.append(scheduler._running.index(run))
+  v = scheduler.engine.config.vocab_size
+  for slot, n in enumerate([150, 30, 30, 30, 10]):   # chunks: 64 64 22 | 30 | 30 | 30 | 10
+    job = real.plan(slot, _prompt(slot, n, v), 0, SamplingParams(), 0, CONTEXT - 1, ())
+    scheduler._running[slot] = _Running(Request(job.chunks[0][0][0].tolist(), 4, lambda e: None), None, job, 0)
+  turns = []
+  for _ in range(4):
+    calls.clear()
+    scheduler._prefill()
+    turns.append(list(calls))
+  assert turns == [[("extend", 0, 64)], [("extend", 0, 64)], [("admit", [[0, 1], [2]])], [("admit", [[3, 4]])]]
+  assert admitted == [0, 1, 2, 3, 4]
+  assert scheduler.metrics.admit_calls == {2: 2, 1: 1}
+
+
+class _Allowed:
+  """A stand-in for a grammar's Constraint: the same token mask every step (ids 40-49), never complete."""
+
+  def __init__(self, vocab: int):
+    from jaxllm.sampling import mask_words
+    bits = np.zeros((1, mask_words(vocab) * 32), bool)
+    bits[0, 40:50] = True
+    self.mask = np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)[0]
+    self.complete, self.error = False, None
+
+  def advance(self, token: int) -> None:
+    assert 40 <= token < 50
+
+
+def _assert_same_events(got: list, want: list, name: str) -> None:
+  """The same events: texts, ids, finish reasons and counts exactly; log-probabilities (a row's cache computed in a
+  batch of 4 or alone: f32 rounding apart) to 1e-5, with the same alternatives."""
+  assert [type(e) for e in got] == [type(e) for e in want], name
+  for g, w in zip(got, want):
+    if isinstance(g, Done):
+      assert g == w, name
+      continue
+    assert (g.text, g.ids) == (w.text, w.ids), name
+    for field in ("logprobs", "prompt_logprobs"):
+      a, b = getattr(g, field), getattr(w, field)
+      assert (a is None) == (b is None), (name, field)
+      for (lp_a, top_a), (lp_b, top_b) in zip(a or [], b or []):
+        assert [i for i, _ in top_a] == [i for i, _ in top_b], (name, field)
+        np.testing.assert_allclose([lp_a] + [x for _, x in top_a], [lp_b] + [x for _, x in top_b], atol=1e-5)
+      assert len(a or []) == len(b or []), (name, field)
+
+
+def test_a_mixed_turn_admitted_in_groups_gives_what_one_a_call_gives(model):
+  """One turn's requests of every kind (max_tokens 0 with the prompt's logprobs, logprobs, one token, a grammar's
+  mask, a logit bias, two continuing from a slot's cache, a wide top_k): each request's events with 4 a call are
+  its events with 1 a call, nothing compiles while serving, and the reused prefixes are the same."""
+  from jaxllm import Tokenizer
+  from jaxllm.serve.metrics import CompileCounter
+  config, _, gf = model
+  engine = _engine(model, Tokenizer(gf.metadata))       # one engine: the second scheduler's programs are compiled
+  v = config.vocab_size
+  base = _prompt(1, 40, v)
+
+  def run(group: int):
+    scheduler = Scheduler(engine, slots=SLOTS, admit_group=group, wide_top_k=True)
+    events, finished = {}, threading.Semaphore(0)
+
+    def submit(name, request):
+      def on(event):
+        events.setdefault(name, []).append(event)
+        if isinstance(event, Done):
+          finished.release()
+      request.emit = on
+      scheduler.submit(request)
+    scheduler.start()
+    ready = CompileCounter.count()
+    try:
+      for i in range(3):                     # slots whose caches hold prefixes of the next turn's prompts
+        submit(f"history{i}", Request(base[:20 + i] + _prompt(50 + i, 5, v), 3, None, ignore_eos=True))
+      for _ in range(3):
+        assert finished.acquire(timeout=120)
+      mixed = {
+          "scored": Request(_prompt(2, 9, v), 0, None, prompt_logprobs=True, logprobs=2),
+          "logprobs": Request(_prompt(3, 12, v), 4, None, SamplingParams(temperature=0.8), 9, prompt_logprobs=True,
+                              logprobs=3, ignore_eos=True),
+          "one": Request(_prompt(4, 5, v), 1, None, ignore_eos=True),
+          "grammar": Request(_prompt(5, 7, v), 6, None, SamplingParams(temperature=1.0), 3,
+                             constraint=_Allowed(v), ignore_eos=True),
+          "bias": Request(_prompt(6, 3, v), 5, None, logit_bias={7: 100.0}, ignore_eos=True),
+          "reuse0": Request(base[:22] + _prompt(60, 3, v), 5, None, ignore_eos=True),
+          "reuse1": Request(base[:21] + _prompt(61, 8, v), 5, None, SamplingParams(temperature=0.7, repeat_penalty=1.3),
+                            4, ignore_eos=True),
+          "wide": Request(_prompt(7, 6, v), 4, None, SamplingParams(temperature=1.0, top_k=200), 8, ignore_eos=True),
+      }
+      for name, request in mixed.items():
+        submit(name, request)
+      for _ in mixed:
+        assert finished.acquire(timeout=120)
+    finally:
+      scheduler.stop()
+    assert CompileCounter.count() == ready
+    return events, dict(scheduler.metrics.admit_calls), scheduler.metrics.reused_tokens
+
+  grouped, calls4, reused4 = run(4)
+  alone, calls1, reused1 = run(1)
+  assert max(calls4) > 1 and set(calls1) == {1} and reused4 == reused1 > 0
+  assert grouped.keys() == alone.keys()
+  for name in grouped:
+    _assert_same_events(grouped[name], alone[name], name)
+  assert all(40 <= t < 50 for e in grouped["grammar"] if isinstance(e, Delta) for t in e.ids)
+  assert [t for e in grouped["bias"] if isinstance(e, Delta) for t in e.ids] == [7] * 5

@@ -48,12 +48,14 @@ def test_sharded_forward_equals_one_device(results):
 
 
 def test_the_servers_grouped_admission_on_2_devices(results):
-  """Two requests admitted in one call into rows of a cache split over 2 devices give the first tokens each gives
-  admitted alone, and those of one device."""
+  """Two requests admitted in one call into rows of a cache split over 2 devices (rows 3 and 2) give the first
+  tokens and the cache each gives admitted alone (every row of the state compared), and those of one device."""
   runs = {r["admit"]["n"]: r["admit"] for r in results if "admit" in r}
   assert sorted(runs) == [1, 2] and [runs[n]["on"] for n in (1, 2)] == [1, 2]
   for r in runs.values():
     assert r["together_calls"] == [2] and r["alone_calls"] == [1, 1] and r["together"] == r["alone"], r
+    assert r["cache_diff"] < 1e-5 * r["cache_scale"] and r["cache_scale"] > 0, r
+    assert r["pos"][0] == r["pos"][1] == [0, 0, 4, 10], r
   assert runs[2]["together"] == runs[1]["together"]
 
 

@@ -87,6 +87,9 @@ def test_bad_arguments_and_a_broken_model_exit_1(tmp_path):
   r = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--max-batch", "0"], capture_output=True, text=True,
                      timeout=60)
   assert r.returncode == 1 and "--max-batch must be >= 1" in r.stderr
+  r = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--admit-group", "0"], capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 1 and "--admit-group must be >= 1, got 0" in r.stderr, r.stderr
   for key in ("", " ", "k\u00e9y", "a b"):
     r = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--api-key", key], capture_output=True, text=True,
                        timeout=60)

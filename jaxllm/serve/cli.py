@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="slots: requests decoded together in one batched KV cache (default 4)")
   p.add_argument("--admit-group", type=int, default=None, metavar="R",
                  help="prompts whose last prefill chunks one call runs at most (rounded down to a power of two; "
-                      "default 8 on the GPU, 4 on the CPU; each size is a program compiled at start-up)")
+                      "default 4; each size is a program compiled at start-up)")
   p.add_argument("--max-context", "--ctx-size", "-c", dest="max_context", type=int, default=None, metavar="S",
                  help=f"tokens per slot, prompt and answer (default {DEFAULT_CONTEXT}, at most the model's)")
   p.add_argument("--max-waiting", type=int, default=64, metavar="N",

@@ -3,11 +3,11 @@
 The server keeps one batched DecodeState (cache [L, N, G, S, Dh], one row per slot) for its whole life
 (jaxllm.serve.slots compiles these functions of it and runs them for the scheduler):
 
-  extend_slot(weights, state, slot, tokens [1, C], lengths [1], start [1], last [1, D]) -> (state, last)
+  extend_slot(weights, state, slot, tokens [1, C], lengths [1], start [1]) -> state
       runs a full prefill chunk of one request into row `slot` (its cache row cut out, extended at batch 1,
       put back) and marks the row done, so decode steps between two chunks leave it alone;
-  admit_rows(weights, state, slots [R], tokens [R, T], lengths [R], start [R], last [R, D], pos [R], sampler
-             (R rows), limit [R], eog [R, MAX_EOG]) -> state
+  admit_rows(weights, state, slots [R], tokens [R, T], lengths [R], start [R], pos [R], sampler (R rows),
+             limit [R], eog [R, MAX_EOG]) -> state
       runs the last chunks of R requests (T a power-of-two bucket) in one call, each into its own row (the R
       cache rows gathered, extended as a batch of R, scattered back), samples their first tokens and writes
       each row's whole state (token, position, limit, end-of-generation ids, sampling settings and key): the
@@ -28,6 +28,8 @@ The server keeps one batched DecodeState (cache [L, N, G, S, Dh], one row per sl
       admission, a request's new tokens after each decode call.
 
 Slot indices are data (int32), so each function compiles once per chunk size, row count or admission size.
+Every chunk holds at least one of its prompt's tokens, so the first token is sampled from the last chunk's own
+hidden state: no hidden state is carried from one chunk to the next.
 """
 from __future__ import annotations
 
@@ -62,32 +64,34 @@ def _put_cache(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
   return dataclasses.replace(cache, k=_put(cache.k, row.k, slot, 1), v=_put(cache.v, row.v, slot, 1))
 
 
+def _by_row(fn, state: DecodeState, *others: DecodeState) -> DecodeState:
+  """The state whose every per-row array is fn(its array, the others' arrays, axis=its row axis): 1 for the
+  cache's k and v, 0 for every other field and the Sampler's arrays. The Sampler's static fields stay the
+  state's."""
+  others = tuple(_with_wide(o, state.sampler.wide_top_k) for o in others)
+  cache = dataclasses.replace(state.cache, **{n: fn(getattr(state.cache, n), *(getattr(o.cache, n) for o in others),
+                                                    axis=1) for n in ("k", "v")})
+  rest = {f.name: fn(getattr(state, f.name), *(getattr(o, f.name) for o in others), axis=0)
+          for f in dataclasses.fields(DecodeState) if f.name not in ("cache", "sampler")}
+  sampler = jax.tree.map(lambda *a: fn(*a, axis=0), state.sampler, *(o.sampler for o in others))
+  return DecodeState(cache=cache, sampler=sampler, **rest)
+
+
 def _rows(state: DecodeState, count: int) -> DecodeState:
   """Rows [0, count) of a state (count static)."""
   if count == state.tokens.shape[0]:
     return state
-  cut = functools.partial(jax.lax.slice_in_dim, start_index=0, limit_index=count)
-  return DecodeState(cache=dataclasses.replace(state.cache, k=cut(state.cache.k, axis=1), v=cut(state.cache.v, axis=1)),
-                     tokens=cut(state.tokens), pos=cut(state.pos), done=cut(state.done), limit=cut(state.limit),
-                     eog=cut(state.eog), sampler=jax.tree.map(cut, state.sampler))
+  return _by_row(lambda a, axis: jax.lax.slice_in_dim(a, 0, count, axis=axis), state)
 
 
 def _put_rows(state: DecodeState, rows: DecodeState, slot) -> DecodeState:
-  """state with rows (a state of fewer rows) written from row `slot` on (its arrays; the Sampler's static
-  wide_top_k stays the state's)."""
-  put = functools.partial(_put, slot=slot)
-  rows = _with_wide(rows, state.sampler.wide_top_k)
-  return DecodeState(cache=_put_cache(state.cache, rows.cache, slot), tokens=put(state.tokens, rows.tokens),
-                     pos=put(state.pos, rows.pos), done=put(state.done, rows.done), limit=put(state.limit, rows.limit),
-                     eog=put(state.eog, rows.eog), sampler=jax.tree.map(put, state.sampler, rows.sampler))
+  """state with rows (a state of fewer rows) written from row `slot` on."""
+  return _by_row(lambda big, row, axis: _put(big, row, slot, axis), state, rows)
 
 
 def _row(state: DecodeState, slot) -> DecodeState:
   """Row `slot` of a state, as a state of one row."""
-  take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1)
-  return DecodeState(cache=_row_cache(state.cache, slot), tokens=take(state.tokens), pos=take(state.pos),
-                     done=take(state.done), limit=take(state.limit), eog=take(state.eog),
-                     sampler=jax.tree.map(take, state.sampler))
+  return _by_row(lambda a, axis: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis), state)
 
 
 def swap_rows(state: DecodeState, a, b) -> DecodeState:
@@ -122,7 +126,7 @@ def decode_rows(step, count: int, k: int, masked: bool, wide: bool, weights, sta
 
 def put_masks(state: DecodeState, masks) -> DecodeState:
   """The state with the token masks [N, ceil(V / 32)] uint32 of the next masked decode call (the rows' logit
-  biases kept: each row's were written with its first token, admit_slot)."""
+  biases kept: each row's were written with its first token, admit_rows)."""
   return _with_mask(state, masks, state.sampler.bias_ids, state.sampler.bias_values)
 
 
@@ -138,12 +142,12 @@ def score_slot(config, weights, state: DecodeState, slot, tokens, start, targets
   return chosen, top_ids.astype(jnp.int32), top_lp
 
 
-def extend_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, last, *, kernels, layers):
-  """A full prefill chunk of one request into row `slot`; the row is marked done until admit_slot."""
-  row, last = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, last,
-                     kernels=kernels, layers=layers)
+def extend_slot(config, weights, state: DecodeState, slot, tokens, lengths, start, *, kernels, layers) -> DecodeState:
+  """A full prefill chunk of one request into row `slot`; the row is marked done until admit_rows."""
+  row, _ = extend(config, weights, _row_cache(state.cache, slot), tokens, lengths, start, kernels=kernels,
+                  layers=layers)
   done = state.done.at[slot].set(True)
-  return dataclasses.replace(state, cache=_put_cache(state.cache, row, slot), done=done), last
+  return dataclasses.replace(state, cache=_put_cache(state.cache, row, slot), done=done)
 
 
 def _cache_rows(cache: KVCache, slots: jax.Array) -> KVCache:
@@ -156,25 +160,19 @@ def _cache_rows(cache: KVCache, slots: jax.Array) -> KVCache:
 
 def _scatter_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
   """state with rows (a state of R rows) written into its rows `slots` [R], distinct (one row: a dynamic
-  update); the Sampler's static wide_top_k stays the state's."""
+  update)."""
   if slots.shape[0] == 1:
     return _put_rows(state, rows, slots[0])
-  rows = _with_wide(rows, state.sampler.wide_top_k)
-
-  def put(big, new, axis=0):
-    return big.at[(slice(None),) * axis + (slots,)].set(new.astype(big.dtype), unique_indices=True)
-  cache = dataclasses.replace(state.cache, k=put(state.cache.k, rows.cache.k, 1), v=put(state.cache.v, rows.cache.v, 1))
-  return DecodeState(cache=cache, tokens=put(state.tokens, rows.tokens), pos=put(state.pos, rows.pos),
-                     done=put(state.done, rows.done), limit=put(state.limit, rows.limit), eog=put(state.eog, rows.eog),
-                     sampler=jax.tree.map(put, state.sampler, rows.sampler))
+  return _by_row(lambda big, new, axis: big.at[(slice(None),) * axis + (slots,)].set(new.astype(big.dtype),
+                                                                                     unique_indices=True), state, rows)
 
 
-def admit_rows(config, weights, state: DecodeState, slots, tokens, lengths, start, last, pos, sampler, limit, eog,
+def admit_rows(config, weights, state: DecodeState, slots, tokens, lengths, start, pos, sampler, limit, eog,
                *, kernels, layers) -> DecodeState:
   """The last prefill chunks of R requests into rows `slots` [R] (distinct), their first tokens sampled: the
-  rows join the batch. tokens [R, T] right-padded; lengths, start, pos, limit [R]; last [R, D] f32 (carried
-  from an earlier chunk); sampler of R rows; eog [R, MAX_EOG]."""
-  rows, hidden = extend(config, weights, _cache_rows(state.cache, slots), tokens, lengths, start, last,
-                        kernels=kernels, layers=layers)
+  rows join the batch. tokens [R, T] right-padded; lengths (each >= 1), start, pos, limit [R]; sampler of R
+  rows; eog [R, MAX_EOG]."""
+  rows, hidden = extend(config, weights, _cache_rows(state.cache, slots), tokens, lengths, start, kernels=kernels,
+                        layers=layers)
   new = finish_prefill(config, weights, rows, hidden, pos, sampler, limit, eog, kernels=kernels)
   return _scatter_rows(state, new, slots)

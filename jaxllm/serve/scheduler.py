@@ -22,7 +22,7 @@ device programs. Each turn of its loop:
      past what the slot's history records, and its tokens are dropped.
 
 Structured output: a request under a grammar (Request.constraint, jaxllm.structured) draws its first token under
-its grammar's mask (admit_slot) and gives each token it draws to its Constraint. While such a request decodes,
+its grammar's mask (admit_rows) and gives each token it draws to its Constraint. While such a request decodes,
 nothing runs ahead: the turn reads the call in flight first, writes every row's next mask (put_masks; every token
 for rows without a grammar) and dispatches the masked program of one step. A request whose grammar is complete
 ends with "stop". With no such request decoding, the calls are the engine's own, pipelined, as above.
@@ -323,11 +323,11 @@ class Scheduler:
     if not ready:
       return
     groups = self.programs.groups([run.job for run in ready])
+    first = dict(zip([id(job) for group in groups for job in group], self.programs.admit(groups)))
     for group in groups:
       self.metrics.admit_calls[len(group)] = self.metrics.admit_calls.get(len(group), 0) + 1
-    tokens = self.programs.admit(groups)
-    for run, token in zip(ready, tokens):
-      run.job = None
+    for run in ready:                             # first come first served (groups() puts wide ones first)
+      token, run.job = first[id(run.job)], None
       self._admitted(run, token)
 
   def _constrained(self) -> bool:

@@ -58,13 +58,14 @@ def counts(slots: int) -> list[int]:
 
 
 SCORE_CHUNK = 128        # tokens per score call at most: its logits are [T, V] f32
-# Requests admitted in one call at most, per backend (SlotPrograms' admit_group). Each admission size is a
-# program compiled at start-up. CPU (smollm2-135m, 16 slots, bursts of 16 streams; docs/results/
-# 2026-12-05-cpu-admit-group.md): 4 a call gave 5-12% more tokens a second and a lower mean TTFT than 1, 8 about
-# what 4 gave, for 10-15 s more start-up without the compile cache. GPU: a call for a short prompt reads every
-# weight for a few tokens, so a group costs about one prompt's call (not yet measured on the GPU).
-ADMIT_GROUP = {"gpu": 8, "cpu": 4}
-
+# Requests admitted in one call at most by default (SlotPrograms' admit_group), and the tokens of such a call at
+# most (ADMIT_TOKENS: R x bucket, for R > 1; also at most the prefill chunk). A group pays where a prompt's call
+# costs more than its arithmetic (on the GPU, reading every weight for a few tokens), so only short chunks are
+# grouped; each admission size is a program compiled at start-up. Measured on the CPU only (smollm2-135m, 16
+# slots, 16-stream bursts, docs/results/2026-12-05-cpu-admit-group.md): 4 a call against 1 gave 1.5-13% more
+# tokens a second and a 10-13% lower mean TTFT; 8 gave about what 4 gave in one unpaired round.
+ADMIT_GROUP = 4
+ADMIT_TOKENS = 1024
 
 # The decode modes the server compiles (Engine.step_fn's `greedy`): the argmax-only step while every active
 # row is greedy without penalties, else the full sampler (temperature, top-k/p, min-p, penalties, seeds); WIDE,
@@ -93,7 +94,6 @@ class Prefill:
   sampler: Sampler                            # the row's sampling state (host arrays, batch 1)
   limit: int
   eog: np.ndarray                             # [1, MAX_EOG]
-  last: jax.Array | None = None               # [1, D] hidden state carried between chunks
 
   @property
   def remaining(self) -> int:
@@ -108,14 +108,14 @@ class SlotPrograms:
     slots: N, the rows of the batched cache (requests decoding at once).
     wide_top_k: whether requests may sample with a top_k above MAX_TOP_K (the WIDE programs are compiled too).
     admit_group: requests whose last prefill chunks one call runs at most (rounded down to a power of two, at
-      most `slots`); None: the backend's ADMIT_GROUP; 1: each prompt at batch 1.
+      most `slots`); None: ADMIT_GROUP; 1: each prompt at batch 1.
   """
 
   def __init__(self, engine, slots: int, wide_top_k: bool = False, admit_group: int | None = None):
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
       raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
     if admit_group is None:
-      admit_group = ADMIT_GROUP.get(jax.default_backend(), 1)
+      admit_group = ADMIT_GROUP
     if not isinstance(admit_group, int) or isinstance(admit_group, bool) or admit_group < 1:
       raise ValueError(f"admit_group must be an integer >= 1, got {admit_group!r}")
     self.engine, self.slots, self.wide_top_k = engine, slots, bool(wide_top_k)
@@ -127,8 +127,9 @@ class SlotPrograms:
     self.chunked = longest > engine.prefill_chunk     # whether a prompt can take more than one chunk
     self.score_sizes = [b for b in self.buckets if b <= SCORE_CHUNK] or [self.buckets[0]]
     groups = [r for r in counts(min(slots, admit_group)) if r & (r - 1) == 0]     # 1, 2, 4, ... (powers of two)
-    # (requests, bucket) of each admit program: R last chunks of a bucket in one call, at most a chunk's tokens.
-    self.admit_sizes = [(r, b) for b in self.buckets for r in groups if r == 1 or r * b <= chunk]
+    # (requests, bucket) of each admit program: R last chunks of a bucket in one call, R > 1 only where R x bucket
+    # is at most ADMIT_TOKENS and a chunk.
+    self.admit_sizes = [(r, b) for b in self.buckets for r in groups if r == 1 or r * b <= min(chunk, ADMIT_TOKENS)]
     self.counts = counts(slots)
     self.state = self._empty_state()
     self._blocks: dict[int, jax.Array] = {}          # per row count: the token block its calls donate
@@ -158,8 +159,7 @@ class SlotPrograms:
     n = max(rows, 1)
     vec = jax.ShapeDtypeStruct((n,), jnp.int32)
     slot = jax.ShapeDtypeStruct((n,) if rows else (), jnp.int32)
-    common = (self.engine.weights, _spec(self.state), slot, jax.ShapeDtypeStruct((n, size), jnp.int32), vec, vec,
-              jax.ShapeDtypeStruct((n, self.config.d_model), jnp.float32))
+    common = (self.engine.weights, _spec(self.state), slot, jax.ShapeDtypeStruct((n, size), jnp.int32), vec, vec)
     if not rows:
       return common
     v = self.config.vocab_size
@@ -292,23 +292,19 @@ class SlotPrograms:
     """Runs the next chunk of `job`, one of its full chunks (a chunk is left after it)."""
     assert job.remaining > 1, "the last chunk runs in admit()"
     tokens, n, start = job.chunks.pop(0)
-    last = job.last if job.last is not None else np.zeros((1, self.config.d_model), np.float32)
-    self.state, job.last = self.extend_fn()(self.engine.weights, self.state, np.int32(job.slot), tokens,
-                                            np.asarray([n], np.int32), np.asarray([start], np.int32), last)
+    self.state = self.extend_fn()(self.engine.weights, self.state, np.int32(job.slot), tokens,
+                                  np.asarray([n], np.int32), np.asarray([start], np.int32))
 
   def groups(self, jobs: Sequence[Prefill]) -> list[list[Prefill]]:
-    """`jobs` (each at its last chunk) cut into admit calls, in order: each call the most jobs that one admit
-    program takes (admit_sizes: R a power of two, R x the largest of their buckets at most a chunk; a job whose
-    top_k needs the wide step alone)."""
-    out, rest = [], list(jobs)
+    """`jobs` (each at its last chunk) cut into admit calls: a job whose top_k needs the wide step alone; the
+    others in order, each call taking as many of the next ones as an admit program takes (R the largest size
+    of admit_sizes whose bucket holds the largest of their last chunks)."""
+    out = [[j] for j in jobs if j.sampler.wide_top_k]
+    rest = [j for j in jobs if not j.sampler.wide_top_k]
+    sizes = sorted({r for r, _ in self.admit_sizes}, reverse=True)
     while rest:
-      take = 1
-      for r in sorted({r for r, _ in self.admit_sizes}, reverse=True):
-        head = rest[:r]
-        if len(head) == r and (r == 1 or not any(j.sampler.wide_top_k for j in head)) and \
-            (r, max(j.chunks[0][0].shape[1] for j in head)) in self.admit_sizes:
-          take = r
-          break
+      take = next(r for r in sizes if r <= len(rest) and
+                  (r, max(j.chunks[0][0].shape[1] for j in rest[:r])) in self.admit_sizes)
       out.append(rest[:take])
       rest = rest[take:]
     return out
@@ -329,15 +325,10 @@ class SlotPrograms:
     for i, job in enumerate(jobs):
       chunk, lengths[i], starts[i] = job.chunks.pop(0)
       tokens[i, :chunk.shape[1]] = chunk[0]
-    if rows == 1:              # the carried hidden state stays on the device
-      last = jobs[0].last if jobs[0].last is not None else np.zeros((1, self.config.d_model), np.float32)
-    else:
-      last = np.concatenate([np.zeros((1, self.config.d_model), np.float32) if job.last is None
-                             else np.asarray(job.last, np.float32) for job in jobs])
     sampler = jax.tree.map(lambda *rows_: np.concatenate(rows_), *(job.sampler for job in jobs))
     fn = self.admit_fn(rows, size, jobs[0].sampler.wide_top_k)
     self.state = fn(self.engine.weights, self.state, np.asarray([job.slot for job in jobs], np.int32), tokens,
-                    lengths, starts, last, np.asarray([job.pos for job in jobs], np.int32), sampler,
+                    lengths, starts, np.asarray([job.pos for job in jobs], np.int32), sampler,
                     np.asarray([job.limit for job in jobs], np.int32), np.concatenate([job.eog for job in jobs]))
 
   def swap(self, a: int, b: int) -> None:
