@@ -5,7 +5,10 @@
 # .carry/serve.jsonl (the last call's serve.jsonl) is read first, and the records it holds are not run again.
 #   PRESETS (default qwen2.5-0.5b,qwen2.5-7b), DEADLINE (seconds for the whole call, default 570),
 #   START_TIMEOUT (seconds a server may take to be ready, default 420: a 7B jaxllm converts and compiles first)
-# Writes $OUT/serve.jsonl and $OUT/serve.md; logs in $OUT/g.tgz.
+#   A second jaxllm configuration (an A/B in the same call): JAXLLM_ARGS (more arguments for jaxllm.serve, e.g.
+#   "--admit-group 1"), TAG (its study's name: serve-TAG.jsonl, resumed from .carry/serve-TAG.jsonl), PEER=0
+#   (jaxllm only, no llama-server), e.g. TAG=admit1 PEER=0 JAXLLM_ARGS="--admit-group 1" bash bench/device/serve.sh
+# Writes $OUT/serve.jsonl and $OUT/serve.md (serve-TAG.*); logs in $OUT/g.tgz.
 set -u
 ROOT=$PWD
 # The machine's copy of the working tree is what runs; prep.sh's .whl/ and .carry/vocab.gguf.xz travel beside it.
@@ -14,15 +17,20 @@ ROOT=$PWD
 [ -s .carry/vocab.gguf ] || xz -dc .carry/vocab.gguf.xz > .carry/vocab.gguf
 export DEADLINE=${DEADLINE:-570}
 source bench/device_call.sh
-use_llamacpp $ROOT/.carry/llamacpp-cuda-sm90.tar.xz || exit 1
-timeout 60 /tmp/llamacpp-bin/llama-server --version > $R/llama_version.txt 2>&1; stamp "llama-server --version rc $?"
-D=$R/serve
+if [ "${PEER:-1}" != 0 ]; then
+  use_llamacpp $ROOT/.carry/llamacpp-cuda-sm90.tar.xz || exit 1
+  timeout 60 /tmp/llamacpp-bin/llama-server --version > $R/llama_version.txt 2>&1; stamp "llama-server --version rc $?"
+fi
+NAME=serve${TAG:+-$TAG}
+D=$R/$NAME
 mkdir -p $D
-[ -f $ROOT/.carry/serve.jsonl ] && cp $ROOT/.carry/serve.jsonl $D/serve.jsonl
-stamp "serve_peers, $(left) s left"
-python3 bench/serve_peers.py --dir $D --presets ${PRESETS:-qwen2.5-0.5b,qwen2.5-7b} \
-  --llama-server /tmp/llamacpp-bin/llama-server --vocab $ROOT/.carry/vocab.gguf --gguf-dir /tmp/gguf \
-  --time-limit $(left) --start-timeout ${START_TIMEOUT:-420} > $R/serve.log 2>&1
+[ -f $ROOT/.carry/$NAME.jsonl ] && cp $ROOT/.carry/$NAME.jsonl $D/serve.jsonl
+PEER_ARGS=(--llama-server /tmp/llamacpp-bin/llama-server)
+[ "${PEER:-1}" = 0 ] && PEER_ARGS=()
+stamp "serve_peers ($NAME), $(left) s left"
+python3 bench/serve_peers.py --dir $D --presets ${PRESETS:-qwen2.5-0.5b,qwen2.5-7b} "${PEER_ARGS[@]}" \
+  --jaxllm-args="${JAXLLM_ARGS:-}" --vocab $ROOT/.carry/vocab.gguf --gguf-dir /tmp/gguf \
+  --time-limit $(left) --start-timeout ${START_TIMEOUT:-420} > $R/$NAME.log 2>&1
 stamp "serve_peers rc $?"
-cp $D/serve.jsonl $OUT/ 2>/dev/null; cp $R/serve.md $OUT/ 2>/dev/null
-tail -40 $R/serve.log
+cp $D/serve.jsonl $OUT/$NAME.jsonl 2>/dev/null; cp $R/$NAME.md $OUT/ 2>/dev/null
+tail -40 $R/$NAME.log
