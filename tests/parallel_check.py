@@ -95,6 +95,30 @@ def engine_tokens() -> list[dict]:
   return out
 
 
+def greedy_heads() -> list[dict]:
+  """TensorParallel.greedy (each shard's argmax, reduced) against the argmax of the gathered logits on N = 2, 4,
+  W8A16 and float heads: rows of random hidden states (their tokens in shards past the first), a zero row (every
+  logit 0: the tie goes to id 0, as jnp.argmax's first maximum) and a NaN row (not finite)."""
+  config = FAMILIES["qwen2"]
+  out = []
+  for quant in ("w8a16", "none"):
+    weights = random_weights(config, seed=4, quant=quant, dtype=jnp.float32)
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((5, config.d_model)).astype(np.float32)
+    hidden[2] = 0.0
+    hidden[4] = np.nan
+    for n in (2, 4):
+      tp = parallel.plan(config, parallel.make_mesh(n))
+      sharded = parallel.shard_weights(weights, tp)
+      logits = np.asarray(jax.jit(lambda w, h: tp.logits(w, h, jnp.float32))(sharded, hidden))
+      tokens, finite = jax.jit(lambda w, h: tp.greedy(w, h, jnp.float32))(sharded, hidden)
+      want = np.argmax(np.where(np.isnan(logits), -np.inf, logits), -1)
+      out.append({"quant": quant, "n": n, "tokens": np.asarray(tokens).tolist(), "want": want.tolist(),
+                  "finite": np.asarray(finite).tolist(), "want_finite": np.isfinite(logits).all(-1).tolist(),
+                  "shards": sorted({int(want[i]) * n // config.vocab_size for i in (0, 1, 3)})})
+  return out
+
+
 def admitted() -> list[dict]:
   """The server's admission on N = 1, 2 (FFI path, f32): two prompts' first tokens admitted in one call
   (serve.rows.admit_rows: rows gathered and scattered on the mesh) and each admitted alone."""
@@ -155,6 +179,8 @@ def main() -> int:
       print(json.dumps(rec), flush=True)
   for rec in engine_tokens():
     print(json.dumps({"engine": rec}), flush=True)
+  for rec in greedy_heads():
+    print(json.dumps({"greedy": rec}), flush=True)
   for rec in admitted():
     print(json.dumps({"admit": rec}), flush=True)
   print(json.dumps({"errors": errors()}), flush=True)

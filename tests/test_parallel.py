@@ -47,6 +47,18 @@ def test_sharded_forward_equals_one_device(results):
       assert r["hidden"] == r["logits"] == 0.0, r                 # one shard: the same program
 
 
+def test_greedy_tokens_from_each_shards_argmax(results):
+  """The vocabulary-parallel greedy head gives the argmax of the gathered logits (W8A16 and float, N = 2, 4): random
+  rows whose tokens lie in later shards, a row of equal logits (id 0, the first maximum) and a NaN row (not
+  finite)."""
+  runs = [r["greedy"] for r in results if "greedy" in r]
+  assert sorted((r["quant"], r["n"]) for r in runs) == [("none", 2), ("none", 4), ("w8a16", 2), ("w8a16", 4)]
+  for r in runs:
+    assert r["tokens"][:4] == r["want"][:4] and r["tokens"][2] == 0, r
+    assert r["finite"] == r["want_finite"] == [True, True, True, True, False], r
+    assert max(r["shards"]) > 0, r
+
+
 def test_the_servers_grouped_admission_on_2_devices(results):
   """Two requests admitted in one call into rows of a cache split over 2 devices (rows 3 and 2) give the first
   tokens and the cache each gives admitted alone (every row of the state compared), and those of one device."""
