@@ -142,7 +142,8 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
   greedy_only (static): compile only the argmax, for states whose every row is greedy.
   penalties (static): False promises that no row has a repeat/presence/frequency penalty (they are then
     skipped); with greedy_only the fused path takes the token from the LM-head kernel's argmax and never
-    writes the logits.
+    writes the logits, and weights on a mesh take it from each shard's argmax (parallel.TensorParallel.greedy)
+    without gathering them.
   kernels "ffi" runs the fused kernels where they take the model and batch (model.use_fused).
   layers (static): "unrolled", "scan" or None, the backend's default ("scan" on the CPU; model.forward).
   The state's Sampler brings the last static settings: wide_top_k, set by Sampler.create where some row's

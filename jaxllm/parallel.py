@@ -8,9 +8,10 @@ The layout (Megatron's), N shards on the mesh axis AXIS:
 - O row-parallel (its input columns by query head) and one psum; gate/up column-parallel (rows reordered
   [gate_s, up_s]), down row-parallel and one psum.
 - The embedding and the LM head vocabulary-parallel (V/N rows each): a lookup reads the shard's rows and a psum
-  adds the one shard that holds the token. A greedy step without penalties, masks or biases takes each shard's
-  argmax and reduces those (TensorParallel.greedy); otherwise the logits are all-gathered, so the sampler sees
-  the whole vocabulary as on one device. A tied head is the same sharded arrays.
+  adds the one shard that holds the token. A greedy decode step without penalties, masks or biases takes each
+  shard's argmax and reduces those (TensorParallel.greedy); otherwise (and for a prompt's first token) the
+  logits are all-gathered, so the sampler sees the whole vocabulary as on one device. A tied head is the same
+  sharded arrays.
 - The KV cache [L, B, N * G_local, S, Dh] sharded by KV head (G_local = max(G/N, 1)).
 - Norm weights, RoPE and the residual stream replicated; each shard runs the ordinary layer code (the FFI
   kernels included) on its slices, with a config of its local sizes (`TensorParallel.local`).
@@ -80,18 +81,19 @@ class TensorParallel:
 
   def greedy(self, weights: Weights, hidden, dtype, *, kernels: str = "xla"):
     """The greedy tokens of hidden [B, D], vocabulary-parallel: (ids [B] int32, whether each row's logits are all
-    finite [B] bool). Each shard takes the argmax of its V/N logits; the token is the lowest id among the
-    shards' maxima equal to the largest (jnp.argmax's first maximum, as on one device). Only [B] values cross
-    the shards, where logits() gathers [B, V]."""
+    finite [B] bool). Each shard takes the argmax of its V/N logits; all-gathers bring every shard's
+    (largest logit, its id, all finite) [B] to each, and the token is the lowest id among the maxima equal to the
+    largest (jnp.argmax's first maximum, as on one device): 3 x [B] values a shard cross the devices, where
+    logits() gathers [B, V]."""
     def body(head, hidden):
       local = model_logits(dataclasses.replace(weights, head=head, tp=None), hidden, dtype, kernels=kernels)
       at = jnp.argmax(local, axis=-1)                                              # [B], within the shard
       best = jnp.take_along_axis(local, at[:, None], axis=-1)[:, 0]
       ids = (at + jax.lax.axis_index(AXIS) * local.shape[-1]).astype(jnp.int32)
-      top = jax.lax.pmax(best, AXIS)
-      token = jax.lax.pmin(jnp.where(best == top, ids, jnp.iinfo(jnp.int32).max), AXIS)
-      finite = jax.lax.pmin(jnp.all(jnp.isfinite(local), axis=-1).astype(jnp.int32), AXIS) > 0
-      return token, finite
+      best, ids, finite = jax.lax.all_gather((best, ids, jnp.all(jnp.isfinite(local), axis=-1)), AXIS)  # [N, B]
+      top = jnp.max(best, axis=0)
+      token = jnp.min(jnp.where(best == top, ids, jnp.iinfo(jnp.int32).max), axis=0)
+      return token, jnp.all(finite, axis=0)
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=(_vocab_spec(weights.head), P()), out_specs=(P(), P()),
                        check_vma=False)
     return fn(weights.head, hidden)

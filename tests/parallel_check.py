@@ -5,6 +5,7 @@ be set before jax starts, so tests/test_parallel.py runs this as a script). Prin
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -98,11 +99,16 @@ def engine_tokens() -> list[dict]:
 def greedy_heads() -> list[dict]:
   """TensorParallel.greedy (each shard's argmax, reduced) against the argmax of the gathered logits on N = 2, 4,
   W8A16 and float heads: rows of random hidden states (their tokens in shards past the first), a zero row (every
-  logit 0: the tie goes to id 0, as jnp.argmax's first maximum) and a NaN row (not finite)."""
+  logit 0: the tie goes to id 0, as jnp.argmax's first maximum) and a NaN row (not finite); and float heads whose
+  first or last row is inf, so that only the first or the last shard's logits are not finite (every row then is
+  not)."""
   config = FAMILIES["qwen2"]
   out = []
-  for quant in ("w8a16", "none"):
-    weights = random_weights(config, seed=4, quant=quant, dtype=jnp.float32)
+  for quant in ("w8a16", "none", "none-inf-first", "none-inf-last"):
+    weights = random_weights(config, seed=4, quant=quant.split("-")[0], dtype=jnp.float32)
+    if "-inf-" in quant:
+      head = dataclasses.replace(weights.head, w=weights.head.w.at[0 if quant.endswith("first") else -1].set(jnp.inf))
+      weights = dataclasses.replace(weights, head=head)
     rng = np.random.default_rng(1)
     hidden = rng.standard_normal((5, config.d_model)).astype(np.float32)
     hidden[2] = 0.0
@@ -116,6 +122,24 @@ def greedy_heads() -> list[dict]:
       out.append({"quant": quant, "n": n, "tokens": np.asarray(tokens).tolist(), "want": want.tolist(),
                   "finite": np.asarray(finite).tolist(), "want_finite": np.isfinite(logits).all(-1).tolist(),
                   "shards": sorted({int(want[i]) * n // config.vocab_size for i in (0, 1, 3)})})
+  return out
+
+
+def greedy_step_gathers() -> dict:
+  """The all-gathers in the lowered decode step on 2 devices (their result shapes): the greedy step without
+  penalties (TensorParallel.greedy: [2, B] values) and the sampled one (the logits [B, V])."""
+  from jaxllm.decode import DecodeState, decode_step, eog_table
+  from jaxllm.sampling import Sampler, SamplingParams
+  config = FAMILIES["qwen2"]
+  tp = parallel.plan(config, parallel.make_mesh(2))
+  weights = parallel.shard_weights(random_weights(config, seed=2, dtype=jnp.float32), tp)
+  cache = parallel.shard_cache(create_cache(parallel.cache_config(tp), 3, 32, jnp.float32), tp)
+  state = DecodeState(cache=cache, tokens=np.zeros(3, np.int32), pos=np.zeros(3, np.int32), done=np.zeros(3, bool),
+                      limit=np.full(3, 31, np.int32), eog=eog_table((), 3), sampler=Sampler.create(SamplingParams(), 3))
+  out = {}
+  for name, flags in (("argmax", dict(greedy_only=True, penalties=False)), ("sampled", {})):
+    text = jax.jit(lambda w, s: decode_step(config, w, s, **flags)).lower(weights, state).as_text()
+    out[name] = sorted({line.split("->")[-1].strip() for line in text.splitlines() if "all_gather" in line})
   return out
 
 
@@ -181,6 +205,7 @@ def main() -> int:
     print(json.dumps({"engine": rec}), flush=True)
   for rec in greedy_heads():
     print(json.dumps({"greedy": rec}), flush=True)
+  print(json.dumps({"gathers": greedy_step_gathers()}), flush=True)
   for rec in admitted():
     print(json.dumps({"admit": rec}), flush=True)
   print(json.dumps({"errors": errors()}), flush=True)

@@ -50,13 +50,21 @@ def test_sharded_forward_equals_one_device(results):
 def test_greedy_tokens_from_each_shards_argmax(results):
   """The vocabulary-parallel greedy head gives the argmax of the gathered logits (W8A16 and float, N = 2, 4): random
   rows whose tokens lie in later shards, a row of equal logits (id 0, the first maximum) and a NaN row (not
-  finite)."""
+  finite); a head whose first or last shard alone gives non-finite logits makes every row not finite. The greedy decode
+  step on 2 devices gathers [2, B] values, never the [B, V] logits that a sampled step gathers."""
   runs = [r["greedy"] for r in results if "greedy" in r]
-  assert sorted((r["quant"], r["n"]) for r in runs) == [("none", 2), ("none", 4), ("w8a16", 2), ("w8a16", 4)]
+  quants = ("none", "none-inf-first", "none-inf-last", "w8a16")
+  assert sorted((r["quant"], r["n"]) for r in runs) == [(q, n) for q in quants for n in (2, 4)]
   for r in runs:
+    if "-inf-" in r["quant"]:
+      assert r["finite"] == r["want_finite"] == [False] * 5, r
+      continue
     assert r["tokens"][:4] == r["want"][:4] and r["tokens"][2] == 0, r
     assert r["finite"] == r["want_finite"] == [True, True, True, True, False], r
     assert max(r["shards"]) > 0, r
+  gathers = next(r["gathers"] for r in results if "gathers" in r)
+  assert gathers["argmax"] == ["tensor<2x3xf32>", "tensor<2x3xi1>", "tensor<2x3xi32>"], gathers
+  assert gathers["sampled"] == ["tensor<3x512xf32>"], gathers
 
 
 def test_the_servers_grouped_admission_on_2_devices(results):

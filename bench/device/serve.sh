@@ -5,12 +5,15 @@
 # .carry/serve.jsonl (the last call's serve.jsonl) is read first, and the records it holds are not run again.
 #   PRESETS (default qwen2.5-0.5b,qwen2.5-7b), DEADLINE (seconds for the whole call, default 570),
 #   START_TIMEOUT (seconds a server may take to be ready, default 420: a 7B jaxllm converts and compiles first)
-#   A second jaxllm configuration (an A/B in the same call): JAXLLM_ARGS (more arguments for jaxllm.serve, e.g.
-#   "--admit-group 1"), TAG (its study's name: serve-TAG.jsonl, resumed from .carry/serve-TAG.jsonl), PEER=0
-#   (jaxllm only, no llama-server), e.g. TAG=admit1 PEER=0 JAXLLM_ARGS="--admit-group 1" bash bench/device/serve.sh
+#   Another jaxllm configuration (an A/B: a run of its own, in its own device call): JAXLLM_ARGS (more arguments
+#   for jaxllm.serve, split on spaces, e.g. "--admit-group 1"), TAG (needed with JAXLLM_ARGS: its study's name,
+#   serve-TAG.jsonl, resumed from .carry/serve-TAG.jsonl, so that the default run's records are never taken for
+#   it), PEER=0 (jaxllm only, no llama-server); e.g. TAG=admit1 PEER=0 JAXLLM_ARGS="--admit-group 1" bash ...
 # Writes $OUT/serve.jsonl and $OUT/serve.md (serve-TAG.*); logs in $OUT/g.tgz.
 set -u
 ROOT=$PWD
+[ -n "${JAXLLM_ARGS:-}" ] && [ -z "${TAG:-}" ] &&
+  { echo "serve.sh: JAXLLM_ARGS needs a TAG (another configuration's records must not resume the default's)"; exit 2; }
 # The machine's copy of the working tree is what runs; prep.sh's .whl/ and .carry/vocab.gguf.xz travel beside it.
 [ -d .whl ] && [ -s .carry/vocab.gguf.xz ] ||
   { echo "serve.sh: no .whl/ or .carry/vocab.gguf.xz (bench/device/prep.sh)"; exit 2; }
@@ -28,7 +31,7 @@ mkdir -p $D
 PEER_ARGS=(--llama-server /tmp/llamacpp-bin/llama-server)
 [ "${PEER:-1}" = 0 ] && PEER_ARGS=()
 stamp "serve_peers ($NAME), $(left) s left"
-python3 bench/serve_peers.py --dir $D --presets ${PRESETS:-qwen2.5-0.5b,qwen2.5-7b} "${PEER_ARGS[@]}" \
+python3 bench/serve_peers.py --dir $D --presets ${PRESETS:-qwen2.5-0.5b,qwen2.5-7b} ${PEER_ARGS[@]+"${PEER_ARGS[@]}"} \
   --jaxllm-args="${JAXLLM_ARGS:-}" --vocab $ROOT/.carry/vocab.gguf --gguf-dir /tmp/gguf \
   --time-limit $(left) --start-timeout ${START_TIMEOUT:-420} > $R/$NAME.log 2>&1
 stamp "serve_peers rc $?"
