@@ -157,23 +157,20 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
   # The argmax alone decides the token: it may come from the LM head's kernel, or from each shard's own logits.
   argmax = greedy_only and not penalties and state.sampler.mask is None and state.sampler.bias_ids is None
   if use_fused(config, weights, state.cache, b, kernels):
+    # out: (tokens [B], all finite [B]) with argmax, else the logits [B, V] f32
     out, cache = forward_decode_fused_head(config, weights, state.cache, state.tokens, state.pos, active,
                                            greedy=argmax)
-    if argmax:
-      new, finite = out
-      new, sampler = jnp.where(finite, new, NONFINITE), state.sampler
-    else:   # out: the logits [B, V] f32
-      new, sampler = sample(out, state.sampler, greedy_only=greedy_only, penalties=penalties, kernels=kernels)
   else:
     hidden, cache = forward(config, weights, state.cache, state.tokens[:, None], state.pos, active[:, None],
                             kernels=kernels, layers=layers)
-    if argmax and weights.tp is not None:      # vocabulary-parallel: no [B, V] logits cross the shards
-      new, finite = weights.tp.greedy(weights, hidden[:, 0], cache.compute_dtype, kernels=kernels)
-      new, sampler = jnp.where(finite, new, NONFINITE), state.sampler
-    else:
-      step_logits = logits(weights, hidden[:, 0], cache.compute_dtype, kernels=kernels)      # [B, V]
-      new, sampler = sample(step_logits, state.sampler, greedy_only=greedy_only, penalties=penalties,
-                            kernels=kernels)
+    argmax = argmax and weights.tp is not None      # vocabulary-parallel: no [B, V] logits cross the shards
+    head = weights.tp.greedy if argmax else logits
+    out = head(weights, hidden[:, 0], cache.compute_dtype, kernels=kernels)
+  if argmax:
+    new, finite = out
+    new, sampler = jnp.where(finite, new, NONFINITE), state.sampler
+  else:
+    new, sampler = sample(out, state.sampler, greedy_only=greedy_only, penalties=penalties, kernels=kernels)
   tokens = jnp.where(active, new, state.tokens)
   pos = jnp.where(active, state.pos + 1, state.pos)
   if penalties:   # the window is read by the penalties only (a state without them keeps it as it was)

@@ -70,14 +70,19 @@ class TensorParallel:
                        out_specs=(P(), c_specs), check_vma=False)
     return fn(weights, cache, tokens, start, valid)
 
-  def logits(self, weights: Weights, hidden, dtype, *, kernels: str = "xla"):
-    """model.logits on the mesh: each shard's V/N logits, all-gathered to [..., V] f32 (replicated)."""
+  def _on_head(self, weights: Weights, hidden, dtype, kernels: str, finish, out_specs):
+    """finish(each shard's logits [..., V/N] f32 of hidden [..., D]) under shard_map over the vocabulary-parallel
+    head: finish's collectives make its outputs the same on every shard (out_specs replicated)."""
     def body(head, hidden):
-      local = model_logits(dataclasses.replace(weights, head=head, tp=None), hidden, dtype, kernels=kernels)
-      return jax.lax.all_gather(local, AXIS, axis=local.ndim - 1, tiled=True)
-    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(_vocab_spec(weights.head), P()), out_specs=P(),
+      return finish(model_logits(dataclasses.replace(weights, head=head, tp=None), hidden, dtype, kernels=kernels))
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(_vocab_spec(weights.head), P()), out_specs=out_specs,
                        check_vma=False)
     return fn(weights.head, hidden)
+
+  def logits(self, weights: Weights, hidden, dtype, *, kernels: str = "xla"):
+    """model.logits on the mesh: each shard's V/N logits, all-gathered to [..., V] f32 (replicated)."""
+    return self._on_head(weights, hidden, dtype, kernels,
+                         lambda local: jax.lax.all_gather(local, AXIS, axis=local.ndim - 1, tiled=True), P())
 
   def greedy(self, weights: Weights, hidden, dtype, *, kernels: str = "xla"):
     """The greedy tokens of hidden [B, D], vocabulary-parallel: (ids [B] int32, whether each row's logits are all
@@ -85,8 +90,7 @@ class TensorParallel:
     (largest logit, its id, all finite) [B] to each, and the token is the lowest id among the maxima equal to the
     largest (jnp.argmax's first maximum, as on one device): 3 x [B] values a shard cross the devices, where
     logits() gathers [B, V]."""
-    def body(head, hidden):
-      local = model_logits(dataclasses.replace(weights, head=head, tp=None), hidden, dtype, kernels=kernels)
+    def finish(local):
       at = jnp.argmax(local, axis=-1)                                              # [B], within the shard
       best = jnp.take_along_axis(local, at[:, None], axis=-1)[:, 0]
       ids = (at + jax.lax.axis_index(AXIS) * local.shape[-1]).astype(jnp.int32)
@@ -94,9 +98,7 @@ class TensorParallel:
       top = jnp.max(best, axis=0)
       token = jnp.min(jnp.where(best == top, ids, jnp.iinfo(jnp.int32).max), axis=0)
       return token, jnp.all(finite, axis=0)
-    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(_vocab_spec(weights.head), P()), out_specs=(P(), P()),
-                       check_vma=False)
-    return fn(weights.head, hidden)
+    return self._on_head(weights, hidden, dtype, kernels, finish, (P(), P()))
 
 
 def _psum(x):

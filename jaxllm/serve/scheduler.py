@@ -132,8 +132,8 @@ class Scheduler:
     prefix_reuse: continue from a free slot's cache when it holds the start of the prompt.
     wide_top_k: take requests whose top_k is above sampling.MAX_TOP_K (compiles the wide step's programs
       too: start-up takes longer; a batch with such a request decodes in them, sorting the vocabulary).
-    admit_group: requests whose last prefill chunks one call runs at most (SlotPrograms; None: the backend's
-      default, slots.ADMIT_GROUP).
+    admit_group: requests whose last prefill chunks one call runs at most (SlotPrograms; None:
+      slots.ADMIT_GROUP).
   """
 
   def __init__(self, engine, slots: int = 4, max_waiting: int = 64, prefix_reuse: bool = True,

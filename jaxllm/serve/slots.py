@@ -100,6 +100,11 @@ class Prefill:
     return len(self.chunks)
 
 
+def _last_bucket(jobs: Sequence[Prefill]) -> int:
+  """The largest bucket among the jobs' next chunks (their last: the size of the admit call that runs them)."""
+  return max(job.chunks[0][0].shape[1] for job in jobs)
+
+
 class SlotPrograms:
   """The slot state of an Engine's model: the N-row DecodeState and the compiled programs that change it.
 
@@ -303,8 +308,7 @@ class SlotPrograms:
     rest = [j for j in jobs if not j.sampler.wide_top_k]
     sizes = sorted({r for r, _ in self.admit_sizes}, reverse=True)
     while rest:
-      take = next(r for r in sizes if r <= len(rest) and
-                  (r, max(j.chunks[0][0].shape[1] for j in rest[:r])) in self.admit_sizes)
+      take = next(r for r in sizes if r <= len(rest) and (r, _last_bucket(rest[:r])) in self.admit_sizes)
       out.append(rest[:take])
       rest = rest[take:]
     return out
@@ -319,7 +323,7 @@ class SlotPrograms:
 
   def _admit(self, jobs: list[Prefill]) -> None:
     """One admit_rows call: the last chunks of `jobs`, padded to the largest of their buckets."""
-    rows, size = len(jobs), max(job.chunks[0][0].shape[1] for job in jobs)
+    rows, size = len(jobs), _last_bucket(jobs)
     tokens = np.zeros((rows, size), np.int32)
     lengths, starts = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
     for i, job in enumerate(jobs):
