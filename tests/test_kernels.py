@@ -2,6 +2,8 @@
 
 Runs on whatever backend JAX has: the CPU handlers in CI, the CUDA handlers on a GPU.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,13 +54,24 @@ def _quantized(rng, layers, n, k):
   return Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
 
 
+def _poison(shape, dtype) -> jax.Array:
+  """A NaN-filled device buffer for a kernel to write into, made on the host (an eager jnp.full is a compile for
+  every new shape, and on the GPU the suite's processes spent most of these tests' time compiling)."""
+  return jnp.asarray(np.full(shape, np.nan, np.dtype(dtype)))
+
+
 def _on_leading_rows(lin, xs, ms, dtype, layer=1):
   """The kernel on the first m rows of xs for each m in ms, in one compiled program (one compile per shape, not
   per M), each output poisoned with NaN before the kernel writes it; as float32 numpy arrays."""
   n = lin.w.shape[-2]
   call = jax.jit(lambda xs, lin, poisons: [ffi.w8a16_matmul(xs[:m], lin, layer, poison=p)
                                            for m, p in zip(ms, poisons)])
-  return [np.asarray(y, np.float32) for y in call(xs, lin, [jnp.full((m, n), jnp.nan, dtype) for m in ms])]
+  return [np.asarray(y, np.float32) for y in call(xs, lin, [_poison((m, n), dtype) for m in ms])]
+
+
+# linear_reference in f32 as one compiled program (eagerly, each of its ops compiles for every new shape).
+_f32_reference = jax.jit(lambda x, lin, layer: linear_reference(x.astype(jnp.float32), lin, layer),
+                         static_argnums=2)
 
 
 @pytest.mark.parametrize("k, n", MATMUL_SHAPES)
@@ -70,8 +83,8 @@ def test_w8a16_matches_reference(k, n, dtype):
   # configurations up to 8, 16, 32 and 64 rows, tiles of 8 rows of x full and partial; 70: a second column
   # of blocks).
   ms = (1, 2, 3, 4, 6, 16) + ((9, 20, 33, 64, 70) if ON_GPU else ())
-  xs = jnp.asarray(rng.standard_normal((max(ms), k)), dtype)
-  ref = np.asarray(linear_reference(xs.astype(jnp.float32), lin, 1))   # rows apart: row i is ref[i] for every M
+  xs = jnp.asarray(rng.standard_normal((max(ms), k)).astype(np.dtype(dtype)))
+  ref = np.asarray(_f32_reference(xs, lin, 1))   # rows apart: row i is ref[i] for every M
   for m, got in zip(ms, _on_leading_rows(lin, xs, ms, dtype)):
     assert not np.isnan(got).any(), f"unwritten outputs at M={m}"
     assert _rel(got, ref[:m]) < TOL[dtype], (m, _rel(got, ref[:m]))
@@ -100,36 +113,43 @@ def _preset_matmul_shapes():
   return sorted((shapes | {(2048, 8192)}) - set(MATMUL_SHAPES))
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _preset_operands(key, cols, k, n, head):
+  """One preset shape's operands, made in one compiled program: the weight (an LM head one [N, K] matrix; else
+  two stacked layers, layer 0 zeros, so a kernel reading the wrong layer gives zeros), its columns `cols` for the
+  reference, x for bf16 (64 rows) and f32 (1 row), and the f32 references of both on those columns."""
+  from jaxllm.weights import _randint
+  kw, ks, kx = jax.random.split(key, 3)
+  w = _randint(kw, (n, k), -127, 128, jnp.int8)
+  w = w if head else jnp.stack([jnp.zeros_like(w), w])
+  lin = Linear(w=w, scale=jax.random.uniform(ks, (*w.shape[:-1], k // 64), jnp.float32, 1e-3, 1e-2))
+  sub = Linear(w=lin.w[..., cols, :], scale=lin.scale[..., cols, :])
+  xs = (jax.random.normal(kx, (64, k), jnp.float32).astype(jnp.bfloat16), jax.random.normal(kx, (1, k), jnp.float32))
+  return lin, xs, tuple(linear_reference(x.astype(jnp.float32), sub, None if head else 1) for x in xs)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA dispatch's shapes (the CPU's kernel has one configuration)")
 @pytest.mark.parametrize("k, n", _preset_matmul_shapes())
 def test_w8a16_matches_reference_at_preset_shapes(k, n):
   """The configurations the CUDA dispatch picks for the 1B-14B presets' shapes (a 14B LM head is 780M weights).
   Memory: sixteen test processes share a card, so the weights are drawn in row blocks (weights._randint: JAX's
   threefry draws 32 bits an element, 4.6 GB for an 8B LM head's two layers drawn whole, and an H100 run of
-  2026-12-05 ran out of memory there; drawn on the host instead, the 44 cases took 1,438 s of the suite's
-  processes); a stacked weight's layer 0 is zeros (a kernel reading the wrong layer gives zeros), and an LM head
-  is one [N, K] matrix, as in a model (two layers of a 14B head ran out of an H100 test process's 4.5 GB). The f32
-  reference covers the first and last 256 columns (the edge tiles) and every s-th between them (s odd, ~N / 2048:
-  a column in every block of s, at every offset mod a power of two), not a 3 GB float copy. Every output is
-  checked written."""
+  2026-12-05 ran out of memory there), and an LM head is one [N, K] matrix, as in a model (two layers of a 14B
+  head ran out of an H100 test process's 4.5 GB). The f32 reference covers the first and last 256 columns (the
+  edge tiles) and every s-th between them (s odd, ~N / 2048: a column in every block of s, at every offset mod a
+  power of two), not a 3 GB float copy. Every output is checked written. Time: made eagerly, the operands and
+  the reference compiled some 40 programs a shape, and the 44 shapes took 1,485 s of an H100 run's processes;
+  here they are one program (_preset_operands), and the kernels one a dtype."""
   from jaxllm.presets import PRESETS
-  from jaxllm.weights import _randint
   head = (k, n) in {(c.d_model, c.vocab_size) for c in PRESETS.values()}
-  layer = None if head else 1
-  kw, ks, kx = jax.random.split(jax.random.PRNGKey(k * 7919 + n), 3)
-  w = _randint(kw, (n, k), -127, 128, jnp.int8)
-  w = w if head else jnp.stack([jnp.zeros_like(w), w])
-  lin = Linear(w=w, scale=jax.random.uniform(ks, (*w.shape[:-1], k // 64), jnp.float32, 1e-3, 1e-2))
-  del w
   step = n // 2048 | 1
   edges = np.concatenate([np.arange(min(n, 256)), np.arange(max(0, n - 256), n)])
   cols = np.unique(np.concatenate([edges, np.arange(k % step, n, step)]))
-  sub = Linear(w=lin.w[..., cols, :], scale=lin.scale[..., cols, :])
-  for dtype, ms in ((jnp.bfloat16, (1, 2, 4, 8, 16, 32, 64)), (jnp.float32, (1,))):
-    xs = jax.random.normal(kx, (max(ms), k), jnp.float32).astype(dtype)
-    ref = np.asarray(linear_reference(xs.astype(jnp.float32), sub, layer))   # rows apart: every M's rows are ref's
-    for m, got in zip(ms, _on_leading_rows(lin, xs, ms, dtype, layer)):   # GEMV kernels to M 4, then tensor cores
-      assert not np.isnan(got).any(), f"unwritten outputs at M={m}"
+  lin, xs, refs = _preset_operands(jax.random.PRNGKey(k * 7919 + n), cols, k, n, head)
+  for dtype, ms, x, ref in zip((jnp.bfloat16, jnp.float32), ((1, 2, 4, 8, 16, 32, 64), (1,)), xs, refs):
+    ref = np.asarray(ref)   # rows apart: every M's rows are ref's
+    for m, got in zip(ms, _on_leading_rows(lin, x, ms, dtype, None if head else 1)):   # GEMV kernels to
+      assert not np.isnan(got).any(), f"unwritten outputs at M={m}"                          # M 4, then tensor cores
       assert _rel(got[:, cols], ref[:m]) < TOL[dtype], (dtype, m, _rel(got[:, cols], ref[:m]))
 
 
@@ -194,18 +214,19 @@ def test_decode_attention_matches_reference(b, h, g, s, d, dtype):
   k = jnp.asarray(rng.standard_normal((layers, b, g, s, d)), dtype)
   v = jnp.asarray(rng.standard_normal((layers, b, g, s, d)), dtype)
   call = jax.jit(lambda q, k, v, n, p: ffi.decode_attention(q, k, v, 1, n, poison=p))
+  f32 = lambda *a: [x.astype(jnp.float32) for x in a]
+  reference = jax.jit(lambda q, k, v, n: decode_attention_reference(*f32(q, k, v), 1, n))
   # 1, full, random, and around the CUDA kernel's tiles (32 positions) and chunks (128 for bf16, Dh 64).
   for lens in ([1] * b, [s] * b, list(rng.integers(1, s + 1, b)), [min(s, 33)] * b, [min(s, 256)] * b,
                [min(s, 257)] * b):
     q = jnp.asarray(rng.standard_normal((b, h, d)), dtype)
     n = jnp.asarray(lens, jnp.int32)
-    got = call(q, k, v, n, jnp.full((b, h, d), jnp.nan, dtype))
-    ref = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1, n)
+    got = call(q, k, v, n, _poison((b, h, d), dtype))
+    ref = reference(q, k, v, n)
     assert not np.isnan(np.asarray(got, np.float32)).any(), f"unwritten outputs for lengths {lens}"
     assert _attention_error(got, ref, dtype) <= 1, (lens, _attention_error(got, ref, dtype))
     if min(lens) >= 1024:   # the bound is tight enough to catch a kernel that drops the last visible key
-      short = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1,
-                                         n - 1).astype(dtype)
+      short = reference(q, k, v, n - 1).astype(dtype)
       assert _attention_error(short, ref, dtype) > 1, (lens, _attention_error(short, ref, dtype))
 
 
@@ -285,7 +306,7 @@ def test_flash_prefill_attention_matches_reference(b, t, h, g, s, d, starts):
   q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
   st = jnp.asarray(starts, jnp.int32)
   call = jax.jit(lambda q, k, v, st, p: ffi.prefill_attention(q, k, v, 1, st, poison=p))
-  got = call(q, k, v, st, jnp.full((b, t, h, d), jnp.nan, jnp.bfloat16))
+  got = call(q, k, v, st, _poison((b, t, h, d), jnp.bfloat16))
   ref = jax.jit(lambda q, k, v, st: prefill_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
                                                                  v.astype(jnp.float32), 1, st))(q, k, v, st)
   assert not np.isnan(np.asarray(got, np.float32)).any(), "unwritten outputs"
