@@ -1,5 +1,7 @@
 """Chunked prefill equals one-shot prefill; prefill from a nonzero start appends to the cache; the engine
 reuses the cache of an earlier turn; the context-limit contract holds on every kernel path."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,12 +37,17 @@ def model(request, tiny_models):
   return tiny_models[request.param], config, weights, tok
 
 
+@functools.cache
+def _logits_fn(config):
+  """sequence_logits compiled (run op by op, each op of the forward compiled by itself for each new length: 25 s a
+  case on the GPU suite's H100), one function a model, so that a length compiled once serves every test."""
+  return jax.jit(lambda w, c, t, p: sequence_logits(config, w, c, t, p))
+
+
 def _one_shot_logits(config, weights, tokens, s=128):
-  """All tokens in one sequence_logits call, compiled (run op by op, each op of the forward compiled by itself
-  for each new length: 25 s a case on the GPU suite's H100)."""
+  """All tokens in one sequence_logits call."""
   cache = create_cache(config, 1, s, jnp.float32)
-  run = jax.jit(lambda w, c, t, p: sequence_logits(config, w, c, t, p))
-  out, _ = run(weights, cache, jnp.asarray([tokens], jnp.int32), jnp.zeros((1,), jnp.int32))
+  out, _ = _logits_fn(config)(weights, cache, np.asarray([tokens], np.int32), np.zeros((1,), np.int32))
   return np.asarray(out[0])
 
 
@@ -48,12 +55,12 @@ def _chunked_logits(config, weights, tokens, start_tokens=(), s=128):
   """Logits of `tokens` run in chunks of CHUNK after `start_tokens` (also run in chunks), each chunk one
   sequence_logits call from its start position: every chunk attends to the cache the earlier ones wrote."""
   cache = create_cache(config, 1, s, jnp.float32)
-  step = jax.jit(lambda w, c, t, p: sequence_logits(config, w, c, t, p))
+  step = _logits_fn(config)
   rows, pos = [], 0
   for seq, keep in ((list(start_tokens), False), (list(tokens), True)):
     for i in range(0, len(seq), CHUNK):
       piece = seq[i:i + CHUNK]
-      out, cache = step(weights, cache, jnp.asarray([piece], jnp.int32), jnp.asarray([pos], jnp.int32))
+      out, cache = step(weights, cache, np.asarray([piece], np.int32), np.asarray([pos], np.int32))
       pos += len(piece)
       if keep:
         rows.append(np.asarray(out[0]))
