@@ -163,7 +163,7 @@ def admitted() -> list[dict]:
         jobs = [slots.plan(3 - i, prompts[i], 0, SamplingParams(), 0, 63, ()) for i in rows]
         groups = slots.groups(jobs)
         calls += [len(g) for g in groups]
-        tokens += slots.admit(groups)
+        tokens += [int(t) for first in slots.admit(groups) for t in np.asarray(first)]
       rec[name], rec[name + "_calls"] = tokens, calls
       rec["on"] = len(slots.state.cache.k.sharding.device_set)
       states[name] = jax.device_get(slots.state)

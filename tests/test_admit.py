@@ -73,6 +73,11 @@ def test_admit_sizes_and_how_ready_requests_are_grouped(model):
       [(2, 256), (4, 256), (2, 512)]
 
 
+def _tokens(firsts) -> list[int]:
+  """SlotPrograms.admit's first tokens, each group's [R] array in turn, as one list."""
+  return [int(t) for first in firsts for t in np.asarray(first)]
+
+
 def _random_state(programs: SlotPrograms, seed: int):
   """The programs' state with every cache row random and distinct (what an admission must not touch)."""
   rng = np.random.default_rng(seed)
@@ -104,13 +109,13 @@ def test_rows_admitted_together_equal_each_admitted_alone(model):
   both = jobs(together)
   groups = together.groups(both)
   assert [len(g) for g in groups] == [4]
-  first = together.admit(groups)
+  first = _tokens(together.admit(groups))
   got = jax.device_get(together.state)
   rows = [slot for slot, _, _ in specs]
   for i, (slot, _, _) in enumerate(specs):
     alone.state = jax.device_put(start)
     one = jobs(alone)[i]
-    assert alone.admit([[one]]) == [first[i]]
+    assert _tokens(alone.admit([[one]])) == [first[i]]
     want = jax.device_get(alone.state)
     np.testing.assert_allclose(got.cache.k[:, slot], want.cache.k[:, slot], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got.cache.v[:, slot], want.cache.v[:, slot], rtol=1e-5, atol=1e-5)
@@ -172,10 +177,20 @@ def test_a_burst_is_admitted_several_a_call_and_each_request_equals_alone(model)
 
 def test_a_turn_runs_about_one_chunk_of_prompt_tokens(model):
   """Scheduler._prefill, the device calls recorded: full chunks and last chunks count against one chunk's tokens a
-  turn (64), first come first served, and the last chunks a turn reaches are admitted together."""
+  turn (64), first come first served, and the last chunks a turn reaches are admitted together. Every admit call
+  is dispatched first; then each group's first tokens are read (waiting for that call only) and handed to its
+  requests before the next group's are read."""
   from jaxllm.serve.scheduler import _Running
   scheduler = Scheduler(_engine(model), slots=SLOTS, admit_group=4)
-  real, calls, admitted = scheduler.programs, [], []
+  real, calls = scheduler.programs, []
+
+  class First:                          # a group's first tokens on the "device": 100 + slot, reading recorded
+    def __init__(self, slots):
+      self.slots = slots
+
+    def __array__(self, dtype=None, copy=None):
+      calls.append(("read", self.slots))
+      return np.asarray([100 + s for s in self.slots], np.int32)
 
   class Recording:                      # the programs' planning, the device calls recorded instead of run
     groups = real.groups
@@ -187,9 +202,9 @@ def test_a_turn_runs_about_one_chunk_of_prompt_tokens(model):
       calls.append(("admit", [[job.slot for job in group] for group in groups]))
       for job in (job for group in groups for job in group):
         job.chunks.pop(0)
-      return [0] * sum(len(group) for group in groups)
+      return [First([job.slot for job in group]) for group in groups]
   scheduler.programs = Recording()
-  scheduler._admitted = lambda run, token: admitted.append(scheduler._running.index(run))
+  scheduler._admitted = lambda run, token: calls.append(("first", scheduler._running.index(run), token))
   v = scheduler.engine.config.vocab_size
   for slot, n in enumerate([150, 30, 30, 30, 10]):   # chunks: 64 64 22 | 30 | 30 | 30 | 10
     job = real.plan(slot, _prompt(slot, n, v), 0, SamplingParams(), 0, CONTEXT - 1, ())
@@ -199,8 +214,10 @@ def test_a_turn_runs_about_one_chunk_of_prompt_tokens(model):
     calls.clear()
     scheduler._prefill()
     turns.append(list(calls))
-  assert turns == [[("extend", 0, 64)], [("extend", 0, 64)], [("admit", [[0, 1], [2]])], [("admit", [[3, 4]])]]
-  assert admitted == [0, 1, 2, 3, 4]
+  assert turns == [[("extend", 0, 64)], [("extend", 0, 64)],
+                   [("admit", [[0, 1], [2]]), ("read", [0, 1]), ("first", 0, 100), ("first", 1, 101),
+                    ("read", [2]), ("first", 2, 102)],
+                   [("admit", [[3, 4]]), ("read", [3, 4]), ("first", 3, 103), ("first", 4, 104)]]
   assert scheduler.metrics.admit_calls == {2: 2, 1: 1}
 
 

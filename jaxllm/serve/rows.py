@@ -168,11 +168,12 @@ def _scatter_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> De
 
 
 def admit_rows(config, weights, state: DecodeState, slots, tokens, lengths, start, pos, sampler, limit, eog,
-               *, kernels, layers) -> DecodeState:
+               *, kernels, layers) -> tuple[DecodeState, jax.Array]:
   """The last prefill chunks of R requests into rows `slots` [R] (distinct), their first tokens sampled: the
   rows join the batch. tokens [R, T] right-padded; lengths (each >= 1), start, pos, limit [R]; sampler of R
-  rows; eog [R, MAX_EOG]."""
+  rows; eog [R, MAX_EOG]. Returns the state and the R first tokens [R] int32 (an array of their own, readable
+  while the state goes on to the next call, which donates it)."""
   rows, hidden = extend(config, weights, _cache_rows(state.cache, slots), tokens, lengths, start, kernels=kernels,
                         layers=layers)
   new = finish_prefill(config, weights, rows, hidden, pos, sampler, limit, eog, kernels=kernels)
-  return _scatter_rows(state, new, slots)
+  return _scatter_rows(state, new, slots), new.tokens

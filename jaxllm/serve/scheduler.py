@@ -308,7 +308,8 @@ class Scheduler:
   def _prefill(self) -> None:
     """Runs prefill chunks, first come first served, until about one chunk's tokens have run this turn: full
     chunks one a call, then the last chunks reached this turn together (SlotPrograms.admit: several requests a
-    call), each of those requests then has its first token."""
+    call, every call dispatched first); each group's requests then have their first tokens as soon as the group's
+    call is done, while the later groups' calls run."""
     budget = self.engine.prefill_chunk
     jobs = sorted((r for r in self._running if r is not None and r.job is not None), key=lambda r: r.request.id)
     ready = []
@@ -322,13 +323,14 @@ class Scheduler:
       ready.append(run)
     if not ready:
       return
-    groups = self.programs.groups([run.job for run in ready])
-    first = dict(zip([id(job) for group in groups for job in group], self.programs.admit(groups)))
-    for group in groups:
+    groups = self.programs.groups([run.job for run in ready])   # first come first served, wide ones first
+    runs = {id(run.job): run for run in ready}
+    for group, first in zip(groups, self.programs.admit(groups)):
       self.metrics.admit_calls[len(group)] = self.metrics.admit_calls.get(len(group), 0) + 1
-    for run in ready:                             # first come first served (groups() puts wide ones first)
-      token, run.job = first[id(run.job)], None
-      self._admitted(run, token)
+      for job, token in zip(group, np.asarray(first).tolist()):   # waits for this group's call only
+        run = runs[id(job)]
+        run.job = None
+        self._admitted(run, token)
 
   def _constrained(self) -> bool:
     """Whether some decoding request has a grammar."""

@@ -313,16 +313,16 @@ class SlotPrograms:
       rest = rest[take:]
     return out
 
-  def admit(self, groups: Sequence[Sequence[Prefill]]) -> list[int]:
-    """Runs the last chunks of the jobs of `groups` (as groups() cuts them), a call per group, and returns each
-    job's first sampled token, in order."""
-    for group in groups:
-      self._admit(list(group))
-    tokens = np.asarray(self.state.tokens)
-    return [int(tokens[job.slot]) for group in groups for job in group]
+  def admit(self, groups: Sequence[Sequence[Prefill]]) -> list[jax.Array]:
+    """Runs the last chunks of the jobs of `groups` (as groups() cuts them), a call per group, every call
+    dispatched before any is waited for. Returns each group's first sampled tokens, [R] int32 on the device in
+    the group's order: reading a group's waits for its own call only, so its requests can have their first tokens
+    while the later groups' calls run."""
+    return [self._admit(list(group)) for group in groups]
 
-  def _admit(self, jobs: list[Prefill]) -> None:
-    """One admit_rows call: the last chunks of `jobs`, padded to the largest of their buckets."""
+  def _admit(self, jobs: list[Prefill]) -> jax.Array:
+    """One admit_rows call: the last chunks of `jobs`, padded to the largest of their buckets; their first
+    tokens [R]."""
     rows, size = len(jobs), _last_bucket(jobs)
     tokens = np.zeros((rows, size), np.int32)
     lengths, starts = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
@@ -331,9 +331,10 @@ class SlotPrograms:
       tokens[i, :chunk.shape[1]] = chunk[0]
     sampler = jax.tree.map(lambda *rows_: np.concatenate(rows_), *(job.sampler for job in jobs))
     fn = self.admit_fn(rows, size, jobs[0].sampler.wide_top_k)
-    self.state = fn(self.engine.weights, self.state, np.asarray([job.slot for job in jobs], np.int32), tokens,
-                    lengths, starts, np.asarray([job.pos for job in jobs], np.int32), sampler,
-                    np.asarray([job.limit for job in jobs], np.int32), np.concatenate([job.eog for job in jobs]))
+    self.state, first = fn(self.engine.weights, self.state, np.asarray([job.slot for job in jobs], np.int32),
+                           tokens, lengths, starts, np.asarray([job.pos for job in jobs], np.int32), sampler,
+                           np.asarray([job.limit for job in jobs], np.int32), np.concatenate([job.eog for job in jobs]))
+    return first
 
   def swap(self, a: int, b: int) -> None:
     """Exchanges rows a and b (cache and per-row values)."""
