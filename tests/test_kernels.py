@@ -51,13 +51,13 @@ def _attention_error(got, ref, dtype) -> float:
 
 def _quantized(rng, layers, n, k):
   q, s = quantize_int8(rng.standard_normal((layers, n, k)).astype(np.float32))
-  return Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
+  return Linear(w=jax.device_put(q), scale=jax.device_put(s))
 
 
 def _poison(shape, dtype) -> jax.Array:
-  """A NaN-filled device buffer for a kernel to write into, made on the host (an eager jnp.full is a compile for
-  every new shape, and on the GPU the suite's processes spent most of these tests' time compiling)."""
-  return jnp.asarray(np.full(shape, np.nan, np.dtype(dtype)))
+  """A NaN-filled device buffer for a kernel to write into, made on the host and put on the device as it is (an
+  eager jnp.full, or jnp.asarray of a numpy array on jax 0.10-0.11, compiles a program for every new shape)."""
+  return jax.device_put(np.full(shape, np.nan, np.dtype(dtype)))
 
 
 def _on_leading_rows(lin, xs, ms, dtype, layer=1):
@@ -69,9 +69,17 @@ def _on_leading_rows(lin, xs, ms, dtype, layer=1):
   return [np.asarray(y, np.float32) for y in call(xs, lin, [_poison((m, n), dtype) for m in ms])]
 
 
-# linear_reference in f32 as one compiled program (eagerly, each of its ops compiles for every new shape).
-_f32_reference = jax.jit(lambda x, lin, layer: linear_reference(x.astype(jnp.float32), lin, layer),
-                         static_argnums=2)
+def _float64_reference(x, lin, layer) -> np.ndarray:
+  """x [M, K] @ dequantize(lin)[layer].T in float64 numpy on the host, the kernel's independent expectation. No
+  compile: on the GPU an XLA f32 dot at HIGHEST precision is one more program a shape to compile (and tune)
+  beside fifteen other test processes; on an H100 run of 2026-12-05 the W8A16 cases still took 24-47 s each
+  with their operands and references jitted."""
+  w, s = np.asarray(lin.w), np.asarray(lin.scale, np.float64)
+  if layer is not None:
+    w, s = w[layer], s[layer]
+  dense = w.astype(np.float64)                                              # [N, K], scaled in place
+  dense.reshape(*s.shape, -1)[...] *= s[..., None]
+  return np.asarray(np.asarray(x, np.float32), np.float64) @ dense.T
 
 
 @pytest.mark.parametrize("k, n", MATMUL_SHAPES)
@@ -83,8 +91,8 @@ def test_w8a16_matches_reference(k, n, dtype):
   # configurations up to 8, 16, 32 and 64 rows, tiles of 8 rows of x full and partial; 70: a second column
   # of blocks).
   ms = (1, 2, 3, 4, 6, 16) + ((9, 20, 33, 64, 70) if ON_GPU else ())
-  xs = jnp.asarray(rng.standard_normal((max(ms), k)).astype(np.dtype(dtype)))
-  ref = np.asarray(_f32_reference(xs, lin, 1))   # rows apart: row i is ref[i] for every M
+  xs = jax.device_put(rng.standard_normal((max(ms), k)).astype(np.dtype(dtype)))
+  ref = _float64_reference(xs, lin, 1)   # rows apart: row i is ref[i] for every M
   for m, got in zip(ms, _on_leading_rows(lin, xs, ms, dtype)):
     assert not np.isnan(got).any(), f"unwritten outputs at M={m}"
     assert _rel(got, ref[:m]) < TOL[dtype], (m, _rel(got, ref[:m]))
@@ -116,16 +124,16 @@ def _preset_matmul_shapes():
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _preset_operands(key, cols, k, n, head):
   """One preset shape's operands, made in one compiled program: the weight (an LM head one [N, K] matrix; else
-  two stacked layers, layer 0 zeros, so a kernel reading the wrong layer gives zeros), its columns `cols` for the
-  reference, x for bf16 (64 rows) and f32 (1 row), and the f32 references of both on those columns."""
+  two stacked layers, layer 0 zeros, so a kernel reading the wrong layer gives zeros), the columns `cols` of the
+  layer the kernel reads (sub, for the reference), and x for bf16 (64 rows) and f32 (1 row)."""
   from jaxllm.weights import _randint
   kw, ks, kx = jax.random.split(key, 3)
   w = _randint(kw, (n, k), -127, 128, jnp.int8)
-  w = w if head else jnp.stack([jnp.zeros_like(w), w])
-  lin = Linear(w=w, scale=jax.random.uniform(ks, (*w.shape[:-1], k // 64), jnp.float32, 1e-3, 1e-2))
-  sub = Linear(w=lin.w[..., cols, :], scale=lin.scale[..., cols, :])
+  scale = jax.random.uniform(ks, (n, k // 64), jnp.float32, 1e-3, 1e-2)
+  sub = Linear(w=w[cols], scale=scale[cols])
+  lin = Linear(w=w, scale=scale) if head else Linear(w=jnp.stack([jnp.zeros_like(w), w]), scale=jnp.stack([scale] * 2))
   xs = (jax.random.normal(kx, (64, k), jnp.float32).astype(jnp.bfloat16), jax.random.normal(kx, (1, k), jnp.float32))
-  return lin, xs, tuple(linear_reference(x.astype(jnp.float32), sub, None if head else 1) for x in xs)
+  return lin, sub, xs
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the CUDA dispatch's shapes (the CPU's kernel has one configuration)")
@@ -135,19 +143,19 @@ def test_w8a16_matches_reference_at_preset_shapes(k, n):
   Memory: sixteen test processes share a card, so the weights are drawn in row blocks (weights._randint: JAX's
   threefry draws 32 bits an element, 4.6 GB for an 8B LM head's two layers drawn whole, and an H100 run of
   2026-12-05 ran out of memory there), and an LM head is one [N, K] matrix, as in a model (two layers of a 14B
-  head ran out of an H100 test process's 4.5 GB). The f32 reference covers the first and last 256 columns (the
-  edge tiles) and every s-th between them (s odd, ~N / 2048: a column in every block of s, at every offset mod a
-  power of two), not a 3 GB float copy. Every output is checked written. Time: made eagerly, the operands and
-  the reference compiled some 40 programs a shape, and the 44 shapes took 1,485 s of an H100 run's processes;
-  here they are one program (_preset_operands), and the kernels one a dtype."""
+  head ran out of an H100 test process's 4.5 GB). The float64 reference (numpy) covers the first and last 256
+  columns (the edge tiles) and every s-th between them (s odd, ~N / 2048: a column in every block of s, at every
+  offset mod a power of two), not a 6 GB float copy. Every output is checked written. Time: made eagerly, the
+  operands and an f32 reference compiled some 40 programs a shape, and the 44 shapes took 1,485 s of an H100
+  run's processes; here the operands are one program (_preset_operands), the kernels one a dtype."""
   from jaxllm.presets import PRESETS
   head = (k, n) in {(c.d_model, c.vocab_size) for c in PRESETS.values()}
   step = n // 2048 | 1
   edges = np.concatenate([np.arange(min(n, 256)), np.arange(max(0, n - 256), n)])
   cols = np.unique(np.concatenate([edges, np.arange(k % step, n, step)]))
-  lin, xs, refs = _preset_operands(jax.random.PRNGKey(k * 7919 + n), cols, k, n, head)
-  for dtype, ms, x, ref in zip((jnp.bfloat16, jnp.float32), ((1, 2, 4, 8, 16, 32, 64), (1,)), xs, refs):
-    ref = np.asarray(ref)   # rows apart: every M's rows are ref's
+  lin, sub, xs = _preset_operands(jax.random.PRNGKey(k * 7919 + n), cols, k, n, head)
+  for dtype, ms, x in zip((jnp.bfloat16, jnp.float32), ((1, 2, 4, 8, 16, 32, 64), (1,)), xs):
+    ref = _float64_reference(x, sub, None)   # rows apart: every M's rows are ref's
     for m, got in zip(ms, _on_leading_rows(lin, x, ms, dtype, None if head else 1)):   # GEMV kernels to
       assert not np.isnan(got).any(), f"unwritten outputs at M={m}"                          # M 4, then tensor cores
       assert _rel(got[:, cols], ref[:m]) < TOL[dtype], (dtype, m, _rel(got[:, cols], ref[:m]))
@@ -206,27 +214,59 @@ if ON_GPU:   # a long context: each CUDA split walks several chunks
   ATTN_SHAPES += [(1, 14, 2, 32768, 64)]
 
 
+def _attention_float64(q, k_cache, v_cache, layer: int, start) -> np.ndarray:
+  """prefill_attention_reference's contract in float64 numpy on the host (no compile: see _float64_reference):
+  q [B, T, H, Dh]; caches [L, B, G, S, Dh]; start [B] -> [B, T, H, Dh], query t of row b seeing the keys up to
+  start[b] + t (clipped to the cache)."""
+  f64 = lambda a: np.asarray(np.asarray(a, np.float32), np.float64)
+  q, k, v, start = f64(q), f64(k_cache[layer]), f64(v_cache[layer]), np.asarray(start)
+  b, t, h, dh = q.shape
+  g, s = k.shape[1], k.shape[2]
+  qg = q.reshape(b, t, g, h // g, dh).transpose(0, 2, 3, 1, 4)                 # [B, G, R, T, Dh]
+  scores = qg @ k[:, :, None].swapaxes(-1, -2) * dh ** -0.5                     # [B, G, R, T, S]
+  last = np.clip(start[:, None] + np.arange(t)[None, :], 0, s - 1)            # [B, T]
+  scores = np.where((np.arange(s) <= last[:, :, None])[:, None, None], scores, -np.inf)
+  p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+  out = (p / p.sum(axis=-1, keepdims=True)) @ v[:, :, None]                    # [B, G, R, T, Dh]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
+def test_the_jnp_references_equal_the_float64_ones():
+  """linear_reference and prefill_attention_reference (the XLA path's definitions) against the float64 numpy
+  references the kernel tests compare with, in f32 at HIGHEST precision: one definition for both."""
+  rng = np.random.default_rng(11)
+  lin = _quantized(rng, 2, 96, 192)
+  x = rng.standard_normal((5, 192)).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(linear_reference(jnp.asarray(x), lin, 1)), _float64_reference(x, lin, 1),
+                             rtol=1e-5, atol=1e-5)
+  q = rng.standard_normal((2, 7, 6, 64)).astype(np.float32)
+  k, v = (rng.standard_normal((2, 2, 3, 40, 64)).astype(np.float32) for _ in range(2))
+  st = np.asarray([0, 36], np.int32)   # 36 + 6 > 39: the last queries of row 1 see the whole (clipped) cache
+  got = prefill_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(st))
+  np.testing.assert_allclose(np.asarray(got), _attention_float64(q, k, v, 1, st), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("b, h, g, s, d", ATTN_SHAPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_attention_matches_reference(b, h, g, s, d, dtype):
   rng = np.random.default_rng(b * 1000 + s)
   layers = 2
-  k = jnp.asarray(rng.standard_normal((layers, b, g, s, d)), dtype)
-  v = jnp.asarray(rng.standard_normal((layers, b, g, s, d)), dtype)
+  k = rng.standard_normal((layers, b, g, s, d)).astype(np.dtype(dtype))
+  v = rng.standard_normal((layers, b, g, s, d)).astype(np.dtype(dtype))
   call = jax.jit(lambda q, k, v, n, p: ffi.decode_attention(q, k, v, 1, n, poison=p))
-  f32 = lambda *a: [x.astype(jnp.float32) for x in a]
-  reference = jax.jit(lambda q, k, v, n: decode_attention_reference(*f32(q, k, v), 1, n))
+  reference = lambda q, n: _attention_float64(q[:, None], k, v, 1, np.clip(n, 1, s) - 1)[:, 0]
+  kd, vd = jax.device_put(k), jax.device_put(v)
   # 1, full, random, and around the CUDA kernel's tiles (32 positions) and chunks (128 for bf16, Dh 64).
   for lens in ([1] * b, [s] * b, list(rng.integers(1, s + 1, b)), [min(s, 33)] * b, [min(s, 256)] * b,
                [min(s, 257)] * b):
-    q = jnp.asarray(rng.standard_normal((b, h, d)), dtype)
-    n = jnp.asarray(lens, jnp.int32)
-    got = call(q, k, v, n, _poison((b, h, d), dtype))
-    ref = reference(q, k, v, n)
+    q = rng.standard_normal((b, h, d)).astype(np.dtype(dtype))
+    n = np.asarray(lens, np.int32)
+    got = call(q, kd, vd, n, _poison((b, h, d), dtype))
+    ref = reference(q, n)
     assert not np.isnan(np.asarray(got, np.float32)).any(), f"unwritten outputs for lengths {lens}"
     assert _attention_error(got, ref, dtype) <= 1, (lens, _attention_error(got, ref, dtype))
     if min(lens) >= 1024:   # the bound is tight enough to catch a kernel that drops the last visible key
-      short = reference(q, k, v, n - 1).astype(dtype)
+      short = reference(q, n - 1).astype(np.dtype(dtype))
       assert _attention_error(short, ref, dtype) > 1, (lens, _attention_error(short, ref, dtype))
 
 
@@ -294,7 +334,7 @@ PREFILL_SHAPES = [(1, 256, 14, 2, 1024, 64, [0]), (1, 100, 14, 2, 1000, 64, [700
 @pytest.mark.gpu
 @pytest.mark.parametrize("b, t, h, g, s, d, starts", PREFILL_SHAPES)
 def test_flash_prefill_attention_matches_reference(b, t, h, g, s, d, starts):
-  """The CUDA flash prefill kernel (bf16) against the f32 masked-softmax reference, poisoned output; the
+  """The CUDA flash prefill kernel (bf16) against the float64 masked-softmax reference, poisoned output; the
   cache past the chunk's last position is filled with huge values that must not reach the result."""
   rng = np.random.default_rng(t * 31 + s)
   k = rng.standard_normal((2, b, g, s, d)).astype(np.float32)
@@ -302,13 +342,12 @@ def test_flash_prefill_attention_matches_reference(b, t, h, g, s, d, starts):
   for r, st in enumerate(starts):
     k[1, r, :, st + t:] = 3e4
     v[1, r, :, st + t:] = -3e4
-  k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
-  q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
-  st = jnp.asarray(starts, jnp.int32)
+  bf16 = np.dtype(jnp.bfloat16)
+  k, v, q = k.astype(bf16), v.astype(bf16), rng.standard_normal((b, t, h, d)).astype(bf16)
+  st = np.asarray(starts, np.int32)
   call = jax.jit(lambda q, k, v, st, p: ffi.prefill_attention(q, k, v, 1, st, poison=p))
   got = call(q, k, v, st, _poison((b, t, h, d), jnp.bfloat16))
-  ref = jax.jit(lambda q, k, v, st: prefill_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                                                                 v.astype(jnp.float32), 1, st))(q, k, v, st)
+  ref = _attention_float64(q, k, v, 1, st)
   assert not np.isnan(np.asarray(got, np.float32)).any(), "unwritten outputs"
   # P is rounded to bf16 before it meets v (as in FlashAttention): allow 2^-7 relative beyond the output's own.
   err = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
