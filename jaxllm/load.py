@@ -117,7 +117,7 @@ def load(model: str, quant: str = "auto", dtype=None, progress: bool | Stages = 
       def sink(name, array):
         if entry is not None:
           entry.add(name, array)
-        return jnp.asarray(array)
+        return jax.device_put(array)
       weights = assemble(convert(gf, quant, dtype, lambda n: bar.update(units.take(n)), sink))
       jax.block_until_ready(weights)
     if entry is not None:

@@ -250,9 +250,11 @@ def convert(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32,
 
 def assemble(arrays: dict[str, object]) -> Weights:
   """The Weights pytree from named arrays (convert's, or the model cache's), put on the device where they
-  are not yet; each is dropped from `arrays` once it is there, so a host copy can be freed."""
+  are not yet; each is dropped from `arrays` once it is there, so a host copy can be freed. jax.device_put, not
+  jnp.asarray: on jax 0.10-0.11 jnp.asarray of a numpy array runs a compiled copy program, one compile for
+  each new shape (13 for a 2-layer model)."""
   def take(name):
-    return jnp.asarray(arrays.pop(name)) if name in arrays else None
+    return jax.device_put(arrays.pop(name)) if name in arrays else None
 
   def linear(name):
     if name + ".layout" in arrays:
@@ -290,7 +292,7 @@ def load_weights(gf: GGUFFile, quant: str = "w8a16", dtype=jnp.float32, progress
   c = gf.config
   with tqdm(total=progress_total(c), desc=f"convert {c.arch}", unit="row", disable=None if progress else True,
             leave=False) as bar:
-    arrays = convert(gf, quant, dtype, bar.update, sink=lambda name, a: jnp.asarray(a))
+    arrays = convert(gf, quant, dtype, bar.update, sink=lambda name, a: jax.device_put(a))
   return assemble(arrays)
 
 
