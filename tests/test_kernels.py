@@ -77,7 +77,7 @@ def _float64_reference(x, lin, layer) -> np.ndarray:
   w, s = np.asarray(lin.w), np.asarray(lin.scale, np.float64)
   if layer is not None:
     w, s = w[layer], s[layer]
-  dense = w.astype(np.float64)                                              # [N, K], scaled in place
+  dense = w.astype(np.float64, order="C")                                   # [N, K], scaled in place
   dense.reshape(*s.shape, -1)[...] *= s[..., None]
   return np.asarray(np.asarray(x, np.float32), np.float64) @ dense.T
 
@@ -124,14 +124,15 @@ def _preset_matmul_shapes():
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _preset_operands(key, cols, k, n, head):
   """One preset shape's operands, made in one compiled program: the weight (an LM head one [N, K] matrix; else
-  two stacked layers, layer 0 zeros, so a kernel reading the wrong layer gives zeros), the columns `cols` of the
+  two stacked layers, layer 0's weights zeros and its scales other than layer 1's, so a kernel reading the wrong
+  layer's weights or scales gives a wrong result), the columns `cols` of the
   layer the kernel reads (sub, for the reference), and x for bf16 (64 rows) and f32 (1 row)."""
   from jaxllm.weights import _randint
   kw, ks, kx = jax.random.split(key, 3)
   w = _randint(kw, (n, k), -127, 128, jnp.int8)
-  scale = jax.random.uniform(ks, (n, k // 64), jnp.float32, 1e-3, 1e-2)
-  sub = Linear(w=w[cols], scale=scale[cols])
-  lin = Linear(w=w, scale=scale) if head else Linear(w=jnp.stack([jnp.zeros_like(w), w]), scale=jnp.stack([scale] * 2))
+  scale = jax.random.uniform(ks, (1 if head else 2, n, k // 64), jnp.float32, 1e-3, 1e-2)   # each layer its own
+  sub = Linear(w=w[cols], scale=scale[-1][cols])
+  lin = Linear(w=w, scale=scale[0]) if head else Linear(w=jnp.stack([jnp.zeros_like(w), w]), scale=scale)
   xs = (jax.random.normal(kx, (64, k), jnp.float32).astype(jnp.bfloat16), jax.random.normal(kx, (1, k), jnp.float32))
   return lin, sub, xs
 

@@ -7,7 +7,7 @@ The server keeps one batched DecodeState (cache [L, N, G, S, Dh], one row per sl
       runs a full prefill chunk of one request into row `slot` (its cache row cut out, extended at batch 1,
       put back) and marks the row done, so decode steps between two chunks leave it alone;
   admit_rows(weights, state, slots [R], tokens [R, T], lengths [R], start [R], pos [R], sampler (R rows),
-             limit [R], eog [R, MAX_EOG]) -> state
+             limit [R], eog [R, MAX_EOG]) -> (state, first tokens [R])
       runs the last chunks of R requests (T a power-of-two bucket) in one call, each into its own row (the R
       cache rows gathered, extended as a batch of R, scattered back), samples their first tokens and writes
       each row's whole state (token, position, limit, end-of-generation ids, sampling settings and key): the
