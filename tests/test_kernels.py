@@ -125,8 +125,8 @@ def _preset_matmul_shapes():
 def _preset_operands(key, cols, k, n, head):
   """One preset shape's operands, made in one compiled program: the weight (an LM head one [N, K] matrix; else
   two stacked layers, layer 0's weights zeros and its scales other than layer 1's, so a kernel reading the wrong
-  layer's weights or scales gives a wrong result), the columns `cols` of the
-  layer the kernel reads (sub, for the reference), and x for bf16 (64 rows) and f32 (1 row)."""
+  layer's weights or scales gives a wrong result), the columns `cols` of the layer the kernel reads (sub, for the
+  reference), and x for bf16 (64 rows) and f32 (1 row)."""
   from jaxllm.weights import _randint
   kw, ks, kx = jax.random.split(key, 3)
   w = _randint(kw, (n, k), -127, 128, jnp.int8)
@@ -155,8 +155,9 @@ def test_w8a16_matches_reference_at_preset_shapes(k, n):
   edges = np.concatenate([np.arange(min(n, 256)), np.arange(max(0, n - 256), n)])
   cols = np.unique(np.concatenate([edges, np.arange(k % step, n, step)]))
   lin, sub, xs = _preset_operands(jax.random.PRNGKey(k * 7919 + n), cols, k, n, head)
-  for dtype, ms, x in zip((jnp.bfloat16, jnp.float32), ((1, 2, 4, 8, 16, 32, 64), (1,)), xs):
-    ref = _float64_reference(x, sub, None)   # rows apart: every M's rows are ref's
+  # Both x's rows through one float64 reference (its dense weight made once): rows apart, every M's rows are ref's.
+  refs = np.split(_float64_reference(np.concatenate([np.asarray(x, np.float32) for x in xs]), sub, None), [64])
+  for dtype, ms, x, ref in zip((jnp.bfloat16, jnp.float32), ((1, 2, 4, 8, 16, 32, 64), (1,)), xs, refs):
     for m, got in zip(ms, _on_leading_rows(lin, x, ms, dtype, None if head else 1)):   # GEMV kernels to
       assert not np.isnan(got).any(), f"unwritten outputs at M={m}"                          # M 4, then tensor cores
       assert _rel(got[:, cols], ref[:m]) < TOL[dtype], (dtype, m, _rel(got[:, cols], ref[:m]))
