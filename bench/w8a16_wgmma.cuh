@@ -35,8 +35,9 @@
 // against 268.1, 341.6, 429.8). Each step waits on one chain (copies landed, the group's barrier, the weights
 // converted, the MMAs waited for, the barrier again). The versions timed (a first one loading the weights into
 // registers, the ring, several chunks a step, the carve-out) are compared in that write-up. KernelWs
-// below (a producer warp, mbarriers per ring slot) is the next version: compiled here for sm_90a (no spills),
-// not yet run on a GPU. Neither is dispatched.
+// below (a producer warp, mbarriers per ring slot) is the next version. It is right, but on an H100 it is never the
+// fastest of the sweep's four tensor-core kernels at 13-64 rows, and the slowest at 16, 50 and 64 on every 7B shape
+// (docs/results/2026-12-06-h100-perf.md). Neither is dispatched.
 #pragma once
 
 #include "w8a16_mma.cuh"

@@ -61,9 +61,10 @@ SCORE_CHUNK = 128        # tokens per score call at most: its logits are [T, V] 
 # Requests admitted in one call at most by default (SlotPrograms' admit_group), and the tokens of such a call at
 # most (ADMIT_TOKENS: R x bucket, for R > 1; also at most the prefill chunk). A group pays where a prompt's call
 # costs more than its arithmetic (on the GPU, reading every weight for a few tokens), so only short chunks are
-# grouped; each admission size is a program compiled at start-up. Measured on the CPU only (smollm2-135m, 16
-# slots, 16-stream bursts, docs/results/2026-12-05-cpu-admit-group.md): 4 a call against 1 gave 1.5-13% more
-# tokens a second and a 10-13% lower mean TTFT; 8 gave about what 4 gave in one unpaired round.
+# grouped; each admission size is a program compiled at start-up. On the CPU (smollm2-135m, 16 slots, 16-stream
+# bursts, docs/results/2026-12-05-cpu-admit-group.md) 4 a call against 1 gave 1.5-13% more tokens a second and a
+# 10-13% lower mean TTFT; 8 gave about what 4 gave in one unpaired round. On an H100 (0.5B and 7B shapes, 64
+# streams, docs/results/2026-12-06-h100-serve.md) 4 against 1 gave 20% and 34% more tokens a second.
 ADMIT_GROUP = 4
 ADMIT_TOKENS = 1024
 
