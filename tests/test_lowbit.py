@@ -19,6 +19,14 @@ T = gguf.GGMLQuantizationType
 needs_ffi = pytest.mark.skipif(ffi.unavailable_reason() is not None, reason="FFI extension not built")
 
 
+@pytest.fixture
+def on_the_cpu():
+  """The CPU's kernels run on the CPU device: on a GPU machine the test's arrays and programs go there (the FFI
+  registers the CPU handlers beside the GPU's); on the CPU it is the default device already."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
 @pytest.mark.parametrize("ggml_type, bits, store_min", [("Q4_0", 4, True), ("Q4_1", 4, True), ("Q4_0", 5, True),
                                                         ("Q4_1", 5, True), ("Q5_0", 5, True), ("Q5_1", 5, True),
                                                         ("Q4_0", 4, False), ("Q5_0", 5, False)])
@@ -112,14 +120,13 @@ def _dequant64(lin: LowBit, layer: int) -> np.ndarray:
   return w.reshape(n, 2 * half)
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 @needs_ffi
 @pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 37])   # several rows: tiles of 4 rows of x and of 4 weight rows
 @pytest.mark.parametrize("k, n", [(64, 37), (96, 130), (576, 200)])   # 96: an odd number of groups
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cpu_kernel_matches_float64(bits, m, k, n, dtype):
-  if jax.default_backend() != "cpu":
-    pytest.skip("the low-bit kernel is the CPU's")
   rng = np.random.default_rng(k + n + m + bits)
   lin = _random_lowbit(rng, 3, n, k, bits)
   x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1)), dtype)
@@ -137,6 +144,7 @@ def test_cpu_kernel_matches_float64(bits, m, k, n, dtype):
   assert np.all(np.abs(ref - want) <= tol * bound + 1e-6)
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 @needs_ffi
 @pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("m", [1, 3])
@@ -144,8 +152,6 @@ def test_cpu_kernel_matches_float64(bits, m, k, n, dtype):
 def test_cpu_kernel_without_stored_min(bits, m, dtype):
   """A stack of Q4_0 or Q5_0 blocks stores no min: both of the kernel's paths (one row, several) take
   -8 or -16 times the scale, against numpy float64 of GGUF's definition."""
-  if jax.default_backend() != "cpu":
-    pytest.skip("the low-bit kernel is the CPU's")
   rng = np.random.default_rng(40 + bits + m)
   lin = _random_lowbit(rng, 2, 130, 192, bits, store_min=False)
   x = jnp.asarray(rng.standard_normal((m, 192)) * 3, dtype)
@@ -188,6 +194,7 @@ def test_q6k_blocks_convert_exactly():
   np.testing.assert_array_equal(gguf.quants.dequantize(raw, T.Q6_K), want.astype(np.float32))
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 @needs_ffi
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 37])
 @pytest.mark.parametrize("k, n", [(256, 37), (768, 130)])
@@ -195,8 +202,6 @@ def test_q6k_blocks_convert_exactly():
 def test_q6k_cpu_kernel_matches_float64(m, k, n, dtype):
   """The Q6_K kernel (one row: int16 x in vpdpwssd; several: dequantized rows) against numpy float64, into a
   poisoned output, on layer 2 of a stack of 3."""
-  if jax.default_backend() != "cpu":
-    pytest.skip("the Q6_K kernel is the CPU's")
   rng = np.random.default_rng(k + n + m)
   raws = [random_k_blocks(rng, n, k, "Q6_K", 0.05) for _ in range(3)]
   lin = Q6K(*(jnp.asarray(np.stack(a)) for a in zip(*map(q6k_from_blocks, raws))))
@@ -213,10 +218,9 @@ def test_q6k_cpu_kernel_matches_float64(m, k, n, dtype):
   assert np.all(np.abs(ref - xf @ w.T) <= tol * bound + 1e-6)
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 @needs_ffi
 def test_cpu_kernel_propagates_nonfinite_x():
-  if jax.default_backend() != "cpu":
-    pytest.skip("the low-bit kernel is the CPU's")
   lin = _random_lowbit(np.random.default_rng(0), 1, 8, 64, 4)
   x = jnp.ones((1, 64), jnp.float32).at[0, 3].set(jnp.nan)
   assert np.all(np.isnan(np.asarray(ffi.lowbit_matmul(x, lin, 0))))

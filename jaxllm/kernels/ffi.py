@@ -1,7 +1,8 @@
 """jaxllm's own kernels through the XLA FFI: registration and one thin binding per kernel.
 
 The extension (`jaxllm._ffi`, built from ffi/ by the package build) exposes CPU handlers always and
-CUDA handlers when it was built with a CUDA compiler. Each binding validates its inputs up front,
+CUDA handlers when it was built with a CUDA compiler. On a GPU both are registered: work placed on the host's
+CPU device (`jax.default_device(jax.devices("cpu")[0])`) reaches the CPU handlers, the low-bit ones among them. Each binding validates its inputs up front,
 declares its outputs with jax.ShapeDtypeStruct, passes attributes as numpy scalars and always calls its
 kernel: no fallbacks here. When a kernel runs instead of its reference is decided in one place per op
 (kernels/linear.py, kernels/attention.py, kernels/fused.py), from what the *_supported functions here say
@@ -48,6 +49,9 @@ def _register() -> str | None:
   try:
     for name, capsule in targets.items():
       jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    if platform == "CUDA":   # the CPU handlers too, for what runs on the CPU device beside the GPU
+      for name, capsule in _ffi.cpu_targets().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   except Exception as e:  # registration failures come as assorted XLA errors
     return f"registering the FFI targets failed ({e})"
   return None
