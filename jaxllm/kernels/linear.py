@@ -75,6 +75,13 @@ def linear_reference(x: jax.Array, lin: Linear | LowBit | Q6K | Mixed | MixedAt,
   """
   if isinstance(lin, (Mixed, MixedAt)):
     return _mixed(x, lin, layer, linear_reference)
+  if not (isinstance(lin, Linear) and not lin.quantized):
+    # The dequantization waits for x. Nothing else ties it to its layer: XLA's scheduler ran every layer's up
+    # front, and an unrolled prefill held all layers' dequantized weights at once (about 13 GB beside the 7B
+    # shape's 8 GB of weights on the GPU). The barrier goes before the layer's slice, which then stays inside the
+    # dequantization's fusion. The GPU compiler removes barriers after scheduling; the CPU's before (its
+    # default, scanned layers, holds one layer's anyway).
+    x, lin = jax.lax.optimization_barrier((x, lin))
   if layer is not None:
     lin = jax.tree.map(lambda a: a[layer], lin)
   w = lin.dequantize(x.dtype)                                                   # [N, K]
