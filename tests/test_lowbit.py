@@ -16,7 +16,7 @@ from tiny import numpy_forward, random_k_blocks, write_tiny_model
 
 TOKENS = [5, 77, 200, 259, 31, 140, 12, 256, 99, 3, 18, 240, 66]
 T = gguf.GGMLQuantizationType
-needs_ffi = pytest.mark.skipif(ffi.unavailable_reason() is not None, reason="FFI extension not built")
+needs_cpu_ffi = pytest.mark.skipif(ffi.cpu_unavailable_reason() is not None, reason="the CPU handlers are not built")
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def _dequant64(lin: LowBit, layer: int) -> np.ndarray:
 
 
 @pytest.mark.usefixtures("on_the_cpu")
-@needs_ffi
+@needs_cpu_ffi
 @pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 37])   # several rows: tiles of 4 rows of x and of 4 weight rows
 @pytest.mark.parametrize("k, n", [(64, 37), (96, 130), (576, 200)])   # 96: an odd number of groups
@@ -145,7 +145,7 @@ def test_cpu_kernel_matches_float64(bits, m, k, n, dtype):
 
 
 @pytest.mark.usefixtures("on_the_cpu")
-@needs_ffi
+@needs_cpu_ffi
 @pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -195,7 +195,7 @@ def test_q6k_blocks_convert_exactly():
 
 
 @pytest.mark.usefixtures("on_the_cpu")
-@needs_ffi
+@needs_cpu_ffi
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 37])
 @pytest.mark.parametrize("k, n", [(256, 37), (768, 130)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -219,7 +219,7 @@ def test_q6k_cpu_kernel_matches_float64(m, k, n, dtype):
 
 
 @pytest.mark.usefixtures("on_the_cpu")
-@needs_ffi
+@needs_cpu_ffi
 def test_cpu_kernel_propagates_nonfinite_x():
   lin = _random_lowbit(np.random.default_rng(0), 1, 8, 64, 4)
   x = jnp.ones((1, 64), jnp.float32).at[0, 3].set(jnp.nan)

@@ -1,8 +1,9 @@
 """jaxllm's own kernels through the XLA FFI: registration and one thin binding per kernel.
 
 The extension (`jaxllm._ffi`, built from ffi/ by the package build) exposes CPU handlers always and
-CUDA handlers when it was built with a CUDA compiler. On a GPU both are registered: work placed on the host's
-CPU device (`jax.default_device(jax.devices("cpu")[0])`) reaches the CPU handlers, the low-bit ones among them. Each binding validates its inputs up front,
+CUDA handlers when it was built with a CUDA compiler. The CPU handlers are registered on a GPU machine too, so
+that the bindings here reach them for arrays on the host's CPU device (the low-bit and Q6_K kernels exist only
+there); which path a model takes still follows the default backend. Each binding validates its inputs up front,
 declares its outputs with jax.ShapeDtypeStruct, passes attributes as numpy scalars and always calls its
 kernel: no fallbacks here. When a kernel runs instead of its reference is decided in one place per op
 (kernels/linear.py, kernels/attention.py, kernels/fused.py), from what the *_supported functions here say
@@ -30,31 +31,42 @@ MAX_CANDIDATE_BLOCKS = 8192   # kMaxBlocks there: V <= 1M
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
+def _register_targets(targets: dict, platform: str) -> str | None:
+  try:
+    for name, capsule in targets.items():
+      jax.ffi.register_ffi_target(name, capsule, platform=platform)
+  except Exception as e:  # registration failures come as assorted XLA errors
+    return f"registering the FFI targets failed ({e})"
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _register_cpu() -> str | None:
+  """Registers the CPU handlers (whatever the default backend); returns why not, or None on success."""
+  try:
+    from jaxllm import _ffi
+  except ImportError as e:
+    return f"the extension jaxllm._ffi is not built ({e})"
+  return _register_targets(_ffi.cpu_targets(), "cpu")
+
+
 @functools.lru_cache(maxsize=None)
 def _register() -> str | None:
-  """Registers the handlers for the default backend; returns why not, or None on success."""
+  """Registers the handlers for the default backend (and the CPU's beside a GPU's); returns why the default
+  backend's are not there, or None on success."""
   try:
     from jaxllm import _ffi
   except ImportError as e:
     return f"the extension jaxllm._ffi is not built ({e})"
   backend = jax.default_backend()
   if backend == "cpu":
-    targets, platform = _ffi.cpu_targets(), "cpu"
-  elif backend == "gpu" and jax.devices()[0].platform == "gpu" and _ffi.with_cuda:
-    targets, platform = _ffi.cuda_targets(), "CUDA"
-  elif backend == "gpu":
+    return _register_cpu()
+  _register_cpu()   # the CPU device beside the accelerator (cpu_unavailable_reason says whether that worked)
+  if backend == "gpu" and jax.devices()[0].platform == "gpu" and _ffi.with_cuda:
+    return _register_targets(_ffi.cuda_targets(), "CUDA")
+  if backend == "gpu":
     return "the extension was built without a CUDA compiler"
-  else:
-    return f"no jaxllm kernels for the {backend!r} backend"
-  try:
-    for name, capsule in targets.items():
-      jax.ffi.register_ffi_target(name, capsule, platform=platform)
-    if platform == "CUDA":   # the CPU handlers too, for what runs on the CPU device beside the GPU
-      for name, capsule in _ffi.cpu_targets().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-  except Exception as e:  # registration failures come as assorted XLA errors
-    return f"registering the FFI targets failed ({e})"
-  return None
+  return f"no jaxllm kernels for the {backend!r} backend"
 
 
 def unavailable_reason() -> str | None:
@@ -62,8 +74,14 @@ def unavailable_reason() -> str | None:
   return _register()
 
 
-def _ensure_registered() -> None:
-  reason = _register()
+def cpu_unavailable_reason() -> str | None:
+  """None when the CPU handlers are registered (for the CPU device, on any machine), else why not."""
+  return _register_cpu()
+
+
+def _ensure_registered(cpu_only: bool = False) -> None:
+  """Raises unless the default backend's handlers (cpu_only: the CPU's) are registered."""
+  reason = _register_cpu() if cpu_only else _register()
   if reason is not None:
     raise RuntimeError(f"jaxllm's FFI kernels are unavailable: {reason}")
 
@@ -158,7 +176,7 @@ def lowbit_matmul(x: jax.Array, lin: LowBit, layer: int | None = None, *,
 
   `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
   """
-  _ensure_registered()
+  _ensure_registered(cpu_only=True)
   _check_dtype("x", x)
   arrays = (lin.q, lin.high, lin.scale, lin.min)
   if lin.q.ndim == 2:
@@ -176,7 +194,7 @@ def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.
   """x [..., K] @ lin.dequantize()[layer].T -> [..., N] with the CPU's Q6_K kernel, whatever M (linear.linear
   runs the reference past linear.lowbit_max_m() rows). `poison` (tests only): an [M, N] buffer the kernel
   writes into."""
-  _ensure_registered()
+  _ensure_registered(cpu_only=True)
   _check_dtype("x", x)
   arrays = (lin.ql, lin.qh, lin.sc, lin.d)
   if lin.ql.ndim == 2:

@@ -75,12 +75,13 @@ def linear_reference(x: jax.Array, lin: Linear | LowBit | Q6K | Mixed | MixedAt,
   """
   if isinstance(lin, (Mixed, MixedAt)):
     return _mixed(x, lin, layer, linear_reference)
-  if not (isinstance(lin, Linear) and not lin.quantized):
-    # The dequantization waits for x. Nothing else ties it to its layer: XLA's scheduler ran every layer's up
-    # front, and an unrolled prefill held all layers' dequantized weights at once (about 13 GB beside the 7B
-    # shape's 8 GB of weights on the GPU). The barrier goes before the layer's slice, which then stays inside the
-    # dequantization's fusion. The GPU compiler removes barriers after scheduling; the CPU's before (its
-    # default, scanned layers, holds one layer's anyway).
+  if layer is not None and not (isinstance(lin, Linear) and not lin.quantized):
+    # A layer of a stack (the unrolled layers): its dequantization waits for x. Nothing else ties it to its
+    # layer, and XLA is free to run every layer's first and hold them all (on the CPU with unrolled layers the
+    # 0.5B shape's prefill held all 24 layers' at once; the 7B bench's peak on the GPU had about that much, 13 GB,
+    # beyond weights and cache). The barrier goes before the layer's slice, which then stays inside the
+    # dequantization's fusion. The GPU compiler removes barriers after scheduling; the CPU's before (its default,
+    # scanned layers, holds one layer's anyway).
     x, lin = jax.lax.optimization_barrier((x, lin))
   if layer is not None:
     lin = jax.tree.map(lambda a: a[layer], lin)
