@@ -36,8 +36,8 @@
 // converted, the MMAs waited for, the barrier again). The versions timed (a first one loading the weights into
 // registers, the ring, several chunks a step, the carve-out) are compared in that write-up. KernelWs
 // below (a producer warp, mbarriers per ring slot) is the next version. It is right, but on an H100 it is never the
-// fastest of the sweep's four tensor-core kernels at 13-64 rows, and the slowest at 16, 50 and 64 on every 7B shape
-// (docs/results/2026-12-06-h100-perf.md). Neither is dispatched.
+// fastest of the sweep's four tensor-core kernels at 13, 16, 50 or 64 rows, and the slowest at 16, 50 and 64 on
+// every 7B shape (docs/results/2026-12-06-h100-perf.md). Neither is dispatched.
 #pragma once
 
 #include "w8a16_mma.cuh"
