@@ -75,15 +75,15 @@ def linear_reference(x: jax.Array, lin: Linear | LowBit | Q6K | Mixed | MixedAt,
   """
   if isinstance(lin, (Mixed, MixedAt)):
     return _mixed(x, lin, layer, linear_reference)
-  if layer is not None and not (isinstance(lin, Linear) and not lin.quantized):
-    # A layer of a stack (the unrolled layers): its dequantization waits for x. Nothing else ties it to its
-    # layer, and XLA is free to run every layer's first and hold them all (on the CPU with unrolled layers the
-    # 0.5B shape's prefill held all 24 layers' at once; the 7B bench's peak on the GPU had about that much, 13 GB,
-    # beyond weights and cache). The barrier goes before the layer's slice, which then stays inside the
-    # dequantization's fusion. The GPU compiler removes barriers after scheduling; the CPU's before (its default,
-    # scanned layers, holds one layer's anyway).
-    x, lin = jax.lax.optimization_barrier((x, lin))
   if layer is not None:
+    if not (isinstance(lin, Linear) and not lin.quantized):
+      # A layer of a stack (the unrolled layers): its dequantization waits for x. Nothing else ties it to its
+      # layer, and XLA is free to run every layer's first and hold them all (on the CPU with unrolled layers the
+      # 0.5B shape's prefill held all 24 layers' at once; the 7B bench's peak on the GPU had about that much, 13 GB,
+      # beyond weights and cache). The barrier goes before the layer's slice, which then stays inside the
+      # dequantization's fusion. The GPU compiler removes barriers after scheduling; the CPU's before (its default,
+      # scanned layers, holds one layer's anyway).
+      x, lin = jax.lax.optimization_barrier((x, lin))
     lin = jax.tree.map(lambda a: a[layer], lin)
   w = lin.dequantize(x.dtype)                                                   # [N, K]
   # f32 activations are the float reference: full precision on the GPU too (its default for f32 is TF32).
