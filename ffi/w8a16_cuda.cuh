@@ -927,16 +927,22 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     // The 1B-14B shapes (N >= 1536, K >= 2048; bench/gemv_sweep.cu's *_1b ... *_14b shapes on the H200,
     // docs/results/2026-12-04-h200-scaling.md): a warp per 2 or 4 rows with x staged as int16 chunks once a block,
     // 1.0-2.0x faster there than the short-K and long-K rules below, which were chosen on Qwen2.5-0.5B's shapes.
+    // Lab switch JAXLLM_X_FIRST=0: the q/k/v and gate/up rules here and the short-K rule below issue their weight
+    // loads before staging x too (as O and down do since 2026-12-06), to compare.
+    static const bool x_first = LabFlag("JAXLLM_X_FIRST", true);
     if (big && stage_fits) {
       if (huge_n) return Launch<T, 1, 32, 4, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);   // gate/up 7B, heads
+      if (many_rows && k < 8192 && !x_first) return Launch<T, 1, 32, 2, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);
       if (many_rows && k < 8192)   // q/k/v and gate/up
         return Launch<T, 1, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);
       // The 1B-3B down projections (N <= 2048, K >= 8192): 4 warps a row over K, f32 (the sweep's best there, 6.65
       // against 7.70 us at 1B and 6.03 against 7.75 at 1.5B, plain matmul; 3B's 2048 x 11008 and the fused residual
       // variant were not in that sweep; the 7B-14B ones, N >= 3584, keep the rule below).
       if (n <= 2048 && k >= 8192) return Launch<T, 1, 128, Rows<EX>(1), 1, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
-      // O, down, and the 1B-3B q/k/v: rows shared evenly between the SMs
-      return Launch<T, 1, 32, 2, 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
+      // O, down, and the 1B-3B q/k/v: rows shared evenly between the SMs; the first weight loads issued before the
+      // wait on the previous kernel, x staged after it (the step 1.1-1.5% faster at 7B and 1.4-1.6% at 1B than x
+      // staged first, two interleaved pairs each on the H100: docs/results/2026-12-06-h100-x-first.md).
+      return Launch<T, 1, 32, 2, 4, kInt16, kStaged | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
     }
     // The down projection (a residual epilogue at long K): 4 rows a block, rows shared evenly between the SMs (two
     // blocks an SM), each thread's chunks of x turned into int16 once for its 4 rows: a quarter of the blocks, each
@@ -946,6 +952,7 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     }
     if (long_k) return Launch<T, 1, 256, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);     // K over the block
     if (int16 && huge_n) return Launch<T, 1, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);  // LM head
+    if (int16 && !x_first) return Launch<T, 1, 16, Rows<EX>(2), 4, kInt16, kStaged | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
     if (int16)   // half a warp per 2 rows, rows shared evenly between the SMs
       return Launch<T, 1, 16, Rows<EX>(2), 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
     if (EX == 0 && huge_n && StreamFits<2>(k))   // f32 LM head
