@@ -152,15 +152,17 @@ def test_rates_come_from_whole_calls(tmp_path):
 
 
 def test_the_default_calls_decide_the_shortest_run(tmp_path):
-  """Without --tokens-per-call the engine's own K (8 on the CPU) decides, before anything compiles."""
+  """Without --tokens-per-call the engine's own K (the platform's default: 8 on the CPU and on the GPU) decides,
+  before anything compiles."""
   import jax
-  if jax.default_backend() != "cpu":
-    pytest.skip("the CPU's default tokens per call")
-  with pytest.raises(SystemExit, match=r"--decode-len 17 is too short for 8 tokens per call: .*\(less the last, "
-                                       r"pipelined\), and it gives 1 of the 2 needed; give --decode-len 18 or more"):
-    _run(tmp_path, "--decode-len", "17", "--loop", "pipelined")
-  (r,) = _run(tmp_path, "--decode-len", "17", "--loop", "streaming")
-  assert r["tokens_per_call"] == 8 and r["calls_timed"] == 2 * 2
+  from jaxllm import programs
+  k = programs.GPU_TOKENS_PER_CALL if jax.default_backend() == "gpu" else programs.CPU_TOKENS_PER_CALL
+  with pytest.raises(SystemExit, match=rf"--decode-len {2 * k + 1} is too short for {k} tokens per call: .*\(less "
+                                       rf"the last, pipelined\), and it gives 1 of the 2 needed; give --decode-len "
+                                       rf"{2 * k + 2} or more"):
+    _run(tmp_path, "--decode-len", str(2 * k + 1), "--loop", "pipelined")
+  (r,) = _run(tmp_path, "--decode-len", str(2 * k + 1), "--loop", "streaming")
+  assert r["tokens_per_call"] == k and r["calls_timed"] == 2 * 2
 
 
 def test_timing_stats_per_token_and_per_step():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxllm
+from agree import same_or_near_tie
 from tiny import numpy_forward
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "embedding.md"
@@ -40,27 +41,7 @@ def test_batched_greedy_equals_alone(tiny_models, arch):
   prompts = [tok.encode(s) for s in ("hi", "the quick brown fox jumps", "一二三四五六七八九十 the end", "x")]
   batch = engine.generate_batch(prompts, 24, ignore_eos=True)
   for p, r in zip(prompts, batch):
-    _same_or_near_tie(engine, p, r.ids, engine.generate(p, 24, ignore_eos=True).ids)
-
-
-def _same_or_near_tie(engine, prompt, batched, alone, spread=0.02):
-  """Greedy tokens of a row run in a batch and alone are the same where the two runs take the same path:
-  on the CPU (f32, the same kernels at every batch size). On the GPU (bf16) a batch of 4 and a single row run
-  different kernels (the GEMV path and the fused step), whose roundings differ, so there the rule is
-  tolerance-aware: the two may part only where the choice was a near tie, the two tokens' logits (the prefill
-  path, at the first difference) within `spread` of the logits' range."""
-  if jax.default_backend() == "cpu" or batched == alone:
-    assert batched == alone
-    return
-  assert len(batched) == len(alone)
-  i = next(j for j, (a, b) in enumerate(zip(batched, alone)) if a != b)
-  seq = list(prompt) + list(alone[:i])
-  cache = jaxllm.create_cache(engine.config, 1, len(seq), engine.dtype)
-  logits, _ = jaxllm.sequence_logits(engine.config, engine.weights, cache, jnp.asarray([seq], jnp.int32),
-                                     jnp.zeros((1,), jnp.int32))
-  row = np.asarray(logits[0, -1], np.float64)
-  gap = abs(row[batched[i]] - row[alone[i]])
-  assert gap <= spread * (row.max() - row.min()), (i, batched[i], alone[i], gap, row.max() - row.min())
+    same_or_near_tie(engine, p, r.ids, engine.generate(p, 24, ignore_eos=True).ids)
 
 
 def test_batched_stops_per_sequence(qwen2):
@@ -127,7 +108,7 @@ def test_batched_greedy_equals_alone_smollm2():
              tok.encode("The capital of France is"), tok.encode("def fibonacci(n):"), tok.encode("Once")]
   batch = engine.generate_batch(prompts, 16, ignore_eos=True)
   for p, r in zip(prompts, batch):
-    _same_or_near_tie(engine, p, r.ids, engine.generate(p, 16, ignore_eos=True).ids)
+    same_or_near_tie(engine, p, r.ids, engine.generate(p, 16, ignore_eos=True).ids)
 
 
 def test_score_memory_does_not_grow_with_the_vocabulary_times_length():

@@ -52,12 +52,13 @@ def test_parity_tiny_gpu(tiny_models, arch):
   assert len(a) == 128 and a == b
 
 
-def test_graphs_are_never_reported_active_on_the_cpu(tiny_models):
-  if ON_GPU:
-    pytest.skip("CPU-only statement")
+def test_graphs_are_reported_active_only_on_the_gpu(tiny_models):
   gf = GGUFFile(tiny_models["qwen2"])
-  engine = Engine(gf.config, load_weights(gf, progress=False), None, max_context=32, graphs_on=True)
-  assert engine.graphs_requested and not engine.graphs_active
+  weights = load_weights(gf, progress=False)
+  on = Engine(gf.config, weights, None, max_context=32, graphs_on=True)
+  off = Engine(gf.config, weights, None, max_context=32, graphs_on=False)
+  assert on.graphs_requested and on.graphs_active == ON_GPU
+  assert not off.graphs_requested and not off.graphs_active
 
 
 @pytest.mark.gpu
@@ -84,13 +85,18 @@ def test_while_device_loop_gpu():
   assert len(want) == 64 and all(_tokens(e, 64) == want for e in looped)
 
 
-def test_graph_state_reports_cpu_truthfully():
-  if ON_GPU:
-    pytest.skip("CPU-only statement")
+def test_graph_state_reports_the_platform_truthfully(monkeypatch):
+  """The default engine's graph state: on the GPU one command buffer holding the step (read from XLA's dump);
+  on the CPU off, saying why."""
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.delenv(graphs.ENV_VAR, raising=False)
   config = preset("smollm2-135m").replace(n_layers=1, vocab_size=256)
   engine = Engine(config, random_weights(config, seed=0), None, max_context=32)
   state = graphs.graph_state(engine)
-  assert state["state"] == "off" and "only on the GPU" in state["reason"]
+  if ON_GPU:
+    assert state["state"] == "on" and state["command_buffers"] >= 1, state
+  else:
+    assert state["state"] == "off" and "only on the GPU" in state["reason"], state
 
 
 @pytest.mark.gpu

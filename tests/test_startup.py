@@ -17,6 +17,7 @@ import jaxllm
 from jaxllm import cachedir, store
 from jaxllm.generate import main as cli_main
 from jaxllm.progress import Stages
+from agree import same_or_near_tie
 from tiny import write_tiny_model
 
 
@@ -172,9 +173,10 @@ def _pty_session(args, lines, env, timeout=240):
   return out.decode("utf-8", "replace"), code
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the exact equality holds in f32; the GPU chat runs bf16, "
-                    "where keys cached by decode steps and a fresh prefill's differ in the last bits")
 def test_interactive_chat_reuses_the_cache_and_matches_a_one_shot_run(tmp_path):
+  """The second turn reuses the first's cache and gives a one-shot run's tokens: exactly in f32 (the CPU); in
+  bf16 (the GPU), where keys cached by decode steps and a fresh prefill's differ in the last bits, parting only
+  at a near tie."""
   path = write_tiny_model(tmp_path / "chat.gguf", "qwen2")
   out, code = _pty_session([path, "-i", "-n", "6", "--ignore-eos", "--json", "-q", "--kernels", "xla"],
                             ["the cat", "sat on", "/exit"], {"JAXLLM_CACHE": str(tmp_path / "cache")})
@@ -188,7 +190,7 @@ def test_interactive_chat_reuses_the_cache_and_matches_a_one_shot_run(tmp_path):
   ids = tok.encode(tok.apply_chat_template(history))
   assert turns[1]["prompt_ids"] == ids
   one_shot = jaxllm.Engine(config, weights, tok, max_context=config.context_length, kernels="xla")
-  assert one_shot.generate(ids, 6, ignore_eos=True).ids == turns[1]["ids"]
+  same_or_near_tie(one_shot, ids, turns[1]["ids"], one_shot.generate(ids, 6, ignore_eos=True).ids)
 
 
 def _startup_script(*args):
