@@ -15,6 +15,8 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 pack() { tar czf "$OUT/g.tgz" -C "$OUT" r && rm -rf "$R"; }
 trap pack EXIT
+# The records' commit (the machine's copy may hold a stale .git): .carry/commit, written after the last commit.
+[ -f .carry/commit ] && export JAXLLM_GIT_COMMIT=${JAXLLM_GIT_COMMIT:-$(cat .carry/commit)}
 T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $R/stamps.txt; }
 DEADLINE=${DEADLINE:-560}
 room() { [ $(( $(date +%s) - T0 + $1 )) -lt $DEADLINE ] || { stamp "skipped: $2"; return 1; }; }

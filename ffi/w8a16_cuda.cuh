@@ -927,13 +927,9 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     // The 1B-14B shapes (N >= 1536, K >= 2048; bench/gemv_sweep.cu's *_1b ... *_14b shapes on the H200,
     // docs/results/2026-12-04-h200-scaling.md): a warp per 2 or 4 rows with x staged as int16 chunks once a block,
     // 1.0-2.0x faster there than the short-K and long-K rules below, which were chosen on Qwen2.5-0.5B's shapes.
-    // Lab switch JAXLLM_X_FIRST=0: the q/k/v and gate/up rules here and the short-K rule below issue their weight
-    // loads before staging x too (as O and down do since 2026-12-06), to compare.
-    static const bool x_first = LabFlag("JAXLLM_X_FIRST", true);
     if (big && stage_fits) {
       if (huge_n) return Launch<T, 1, 32, 4, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);   // gate/up 7B, heads
-      if (many_rows && k < 8192 && !x_first) return Launch<T, 1, 32, 2, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);
-      if (many_rows && k < 8192)   // q/k/v and gate/up
+      if (many_rows && k < 8192)   // q/k/v and gate/up (x first or weights first: the same step, h100-x-first)
         return Launch<T, 1, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);
       // The 1B-3B down projections (N <= 2048, K >= 8192): 4 warps a row over K, f32 (the sweep's best there, 6.65
       // against 7.70 us at 1B and 6.03 against 7.75 at 1.5B, plain matmul; 3B's 2048 x 11008 and the fused residual
@@ -952,7 +948,6 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     }
     if (long_k) return Launch<T, 1, 256, Rows<EX>(1), 2, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);     // K over the block
     if (int16 && huge_n) return Launch<T, 1, 32, Rows<EX>(4), 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);  // LM head
-    if (int16 && !x_first) return Launch<T, 1, 16, Rows<EX>(2), 4, kInt16, kStaged | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
     if (int16)   // half a warp per 2 rows, rows shared evenly between the SMs
       return Launch<T, 1, 16, Rows<EX>(2), 4, kInt16, kStagedFirst | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
     if (EX == 0 && huge_n && StreamFits<2>(k))   // f32 LM head
