@@ -15,8 +15,10 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 pack() { tar czf "$OUT/g.tgz" -C "$OUT" r && rm -rf "$R"; }
 trap pack EXIT
-# The records' commit (the machine's copy may hold a stale .git): .carry/commit, written after the last commit.
-[ -f .carry/commit ] && export JAXLLM_GIT_COMMIT=${JAXLLM_GIT_COMMIT:-$(cat .carry/commit)}
+# The records' commit (the machine's copy may hold a stale .git): .carry/commit (carry it; write it with
+# `git rev-parse HEAD > .carry/commit` after the last commit), else "unknown", never the stale .git's.
+[ -s .carry/commit ] && export JAXLLM_GIT_COMMIT=${JAXLLM_GIT_COMMIT:-$(cat .carry/commit)}
+export JAXLLM_GIT_COMMIT=${JAXLLM_GIT_COMMIT:-unknown}
 T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $R/stamps.txt; }
 DEADLINE=${DEADLINE:-560}
 room() { [ $(( $(date +%s) - T0 + $1 )) -lt $DEADLINE ] || { stamp "skipped: $2"; return 1; }; }
@@ -30,6 +32,7 @@ use_llamacpp() {
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/env.txt
+echo "records' commit: $JAXLLM_GIT_COMMIT" >> $R/env.txt
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90-real \
   ${LAB:+-Ccmake.define.JAXLLM_LAB=ON} > $R/build.log 2>&1 || { stamp "build failed"; tail -30 $R/build.log; exit 1; }

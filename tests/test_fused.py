@@ -396,13 +396,14 @@ def test_fused_step_logits_match_unfused(name):
 def test_fused_engine_tokens_match_unfused_and_xla(name):
   """Greedy and penalized greedy, two prompts of different lengths: the same tokens on the fused, unfused FFI
   and XLA paths. On the CPU (f32) as a batch of two, exactly; on the GPU (bf16, whose fused step runs one row)
-  each prompt alone, the paths parting only at a near tie (agree.same_or_near_tie)."""
+  each prompt alone, every token of every path the reference's argmax or a near tie (agree.same_or_near_tie)."""
   from jaxllm.engine import Engine
+  from jaxllm.model import use_fused
   from jaxllm.sampling import SamplingParams
   config, weights = _synthetic(name)
   prompts, batch = [[1, 5, 9, 3, 4], [7, 2]], 1 if ON_GPU else 2
-  assert fused.fused_decode_reason(config, weights, _cache(config, batch), batch) is None
   engines = {k: Engine(config, weights, None, max_context=48, kernels=k) for k in ("ffi", "ffi-unfused", "xla")}
+  assert use_fused(config, weights, _cache(config, batch), batch, engines["ffi"].kernels)   # the fused step runs
   for params in (SamplingParams(), SamplingParams(repeat_penalty=1.3)):
     ids = {}
     for kernels, e in engines.items():
@@ -412,7 +413,7 @@ def test_fused_engine_tokens_match_unfused_and_xla(name):
         ids[kernels] = [r.ids for r in e.generate_batch(prompts, 24, params, ignore_eos=True)]
     for other in ("ffi-unfused", "xla"):
       for p, got, want in zip(prompts, ids["ffi"], ids[other]):
-        same_or_near_tie(engines[other], p, got, want, repeat_penalty=params.repeat_penalty)
+        same_or_near_tie(engines[other], p, got, want, params=params)
 
 
 def _cache(config, batch=2, max_len=48):

@@ -86,8 +86,8 @@ def test_while_device_loop_gpu():
 
 
 def test_graph_state_reports_the_platform_truthfully(monkeypatch):
-  """The default engine's graph state: on the GPU one command buffer holding the step (read from XLA's dump);
-  on the CPU off, saying why."""
+  """The default engine's graph state: on the GPU "on", with command buffers in XLA's dump; on the CPU off,
+  saying why."""
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   monkeypatch.delenv(graphs.ENV_VAR, raising=False)
   config = preset("smollm2-135m").replace(n_layers=1, vocab_size=256)

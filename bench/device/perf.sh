@@ -15,7 +15,6 @@ ROOT=$PWD
 [ -s .carry/vocab.gguf ] || xz -dc .carry/vocab.gguf.xz > .carry/vocab.gguf
 export DEADLINE=${DEADLINE:-570}
 source bench/device_call.sh
-export JAXLLM_GIT_COMMIT=$(cat $ROOT/.carry/commit 2>/dev/null || echo unknown)
 if room 120 "step profile"; then
   timeout 150 python3 bench/step_profile.py --model synthetic:qwen2.5-7b --batch 1,16 --out $OUT/profile.json \
     > $R/profile.log 2>&1; stamp "step_profile rc $?"
