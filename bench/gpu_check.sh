@@ -16,6 +16,8 @@
 # share of the GPU's memory, default 0.9 / WORKERS; empty: no limit), ORDER (recorded test times the tests start
 # in, the longest files first; default tests/gpu_test_times.jsonl; empty: file order).
 set -u
+# Records' commit on a lent machine whose copy of the tree has a stale .git: .carry/commit where present.
+[ -s .carry/commit ] && export JAXLLM_GIT_COMMIT=${JAXLLM_GIT_COMMIT:-$(cat .carry/commit)}
 if ! nvidia-smi -L >/dev/null 2>&1; then
   echo "bench/gpu_check.sh builds and runs the CUDA handlers: it needs an NVIDIA GPU, and nvidia-smi finds none here"
   exit 0

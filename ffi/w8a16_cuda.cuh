@@ -932,16 +932,18 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
     // 1.0-2.0x faster there than the short-K and long-K rules below, which were chosen on Qwen2.5-0.5B's shapes.
     if (big && stage_fits) {
       if (huge_n) return Launch<T, 1, 32, 4, 2, kInt16, kStaged>(st, x, w, sc, y, m, n, k, g, fu);   // gate/up 7B, heads
-      if (many_rows && k < 8192)   // q/k/v and gate/up (the fused step's are kNorm: weights first regardless)
+      // q/k/v and gate/up (kNorm in the fused step: kXFirst ignored), and the 8B-14B O (kResidual: x still staged
+      // first; weights first, as the rule below, not measured there)
+      if (many_rows && k < 8192)
         return Launch<T, 1, 32, 2, 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);
       // The 1B-3B down projections (N <= 2048, K >= 8192): 4 warps a row over K, f32 (the sweep's best there, 6.65
       // against 7.70 us at 1B and 6.03 against 7.75 at 1.5B, plain matmul; 3B's 2048 x 11008 and the fused residual
       // variant were not in that sweep; the 7B-14B ones, N >= 3584, keep the rule below).
       if (n <= 2048 && k >= 8192) return Launch<T, 1, 128, Rows<EX>(1), 1, kMagic, kH>(st, x, w, sc, y, m, n, k, g, fu);
-      // O, the 7B-14B down, and the 1B-3B q/k/v: rows shared evenly between the SMs; the first weight loads issued
-      // before the wait on the previous kernel, x staged after it (the fused step 1.1-1.5% faster at 7B, O and
-      // down, and 1.4-1.6% at 1B, O alone, than x staged first; two interleaved pairs each on the H100:
-      // docs/results/2026-12-06-h100-x-first.md).
+      // O of the 1B, 3B and 7B shapes (N < 4096), the 7B-14B down, and the 1B and 3B q/k/v: rows shared evenly
+      // between the SMs; the first weight loads issued before the wait on the previous kernel, x staged after it
+      // (the fused step 1.1-1.5% faster at 7B, O and down, and 1.4-1.6% at 1B, O alone, than x staged first; two
+      // interleaved pairs each on the H100: docs/results/2026-12-06-h100-x-first.md).
       return Launch<T, 1, 32, 2, 4, kInt16, kStaged | kBalance>(st, x, w, sc, y, m, n, k, g, fu);
     }
     // The down projection (a residual epilogue at long K): 4 rows a block, rows shared evenly between the SMs (two

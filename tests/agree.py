@@ -36,6 +36,7 @@ def _near_argmax(engine, prompt: list[int], ids: list[int], spread: float, param
   logits, _ = jaxllm.sequence_logits(engine.config, engine.weights, cache, jnp.asarray([seq], jnp.int32),
                                      jnp.zeros((1,), jnp.int32))
   rows = np.asarray(logits[0, len(prompt) - 1:], np.float64)   # [len(ids), V]: row j predicts ids[j]
+  assert params.greedy, "the rule is the argmax's: greedy runs only"
   assert params.presence_penalty == 0 and params.frequency_penalty == 0, "only the repeat penalty is emulated"
   for j, tok in enumerate(ids):
     row = rows[j]
