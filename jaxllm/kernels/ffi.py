@@ -40,30 +40,35 @@ def _register_targets(targets: dict, platform: str) -> str | None:
   return None
 
 
-@functools.lru_cache(maxsize=None)
-def _register_cpu() -> str | None:
-  """Registers the CPU handlers (whatever the default backend); returns why not, or None on success."""
+def _extension():
+  """(the built extension module, None), or (None, why it cannot be imported)."""
   try:
     from jaxllm import _ffi
   except ImportError as e:
-    return f"the extension jaxllm._ffi is not built ({e})"
-  return _register_targets(_ffi.cpu_targets(), "cpu")
+    return None, f"the extension jaxllm._ffi is not built ({e})"
+  return _ffi, None
+
+
+@functools.lru_cache(maxsize=None)
+def _register_cpu() -> str | None:
+  """Registers the CPU handlers (whatever the default backend); returns why not, or None on success."""
+  ext, why = _extension()
+  return why if ext is None else _register_targets(ext.cpu_targets(), "cpu")
 
 
 @functools.lru_cache(maxsize=None)
 def _register() -> str | None:
   """Registers the handlers for the default backend (and the CPU's beside a GPU's); returns why the default
   backend's are not there, or None on success."""
-  try:
-    from jaxllm import _ffi
-  except ImportError as e:
-    return f"the extension jaxllm._ffi is not built ({e})"
+  ext, why = _extension()
+  if ext is None:
+    return why
   backend = jax.default_backend()
   if backend == "cpu":
     return _register_cpu()
   _register_cpu()   # the CPU device beside the accelerator (cpu_unavailable_reason says whether that worked)
-  if backend == "gpu" and jax.devices()[0].platform == "gpu" and _ffi.with_cuda:
-    return _register_targets(_ffi.cuda_targets(), "CUDA")
+  if backend == "gpu" and jax.devices()[0].platform == "gpu" and ext.with_cuda:
+    return _register_targets(ext.cuda_targets(), "CUDA")
   if backend == "gpu":
     return "the extension was built without a CUDA compiler"
   return f"no jaxllm kernels for the {backend!r} backend"
