@@ -383,8 +383,12 @@ int main(int argc, char** argv) {
     configs.push_back(c);
   // More of the kernel's own configurations at 16 rows (the 7B batch-16 step): fewer warps a block, longer chunk
   // groups (docs/results/2026-12-06-h100-mma-pipe.md).
-  for (Config c : {MakeMma<2, 1, 2, 8>(16), MakeMma<2, 1, 2, 4>(16), MakeMma<2, 1, 4, 8>(16), MakeMma<2, 2, 4, 2>(16),
-                   MakeMma<2, 2, 8, 1>(16)})
+  for (Config c : {MakeMma<2, 1, 2, 8>(16), MakeMma<2, 1, 4, 8>(16), MakeMma<2, 2, 4, 2>(16), MakeMma<2, 2, 8, 1>(16),
+                   MakeMma<2, 1, 2, 4>(16),
+                   // a warp a block owning all of K (no reduction in shared memory), and more warps splitting K
+                   MakeMma<2, 1, 1, 4>(16), MakeMma<2, 1, 1, 8>(16), MakeMma<2, 2, 1, 4>(16), MakeMma<2, 2, 2, 4>(16),
+                   MakeMma<2, 1, 16, 4>(16), MakeMma<2, 1, 12, 4>(16), MakeMma<2, 2, 16, 2>(16),
+                   MakeMma<8, 2, 16, 1>(64), MakeMma<8, 2, 2, 2>(64), MakeMma<8, 2, 1, 2>(64)})
     configs.push_back(c);
   for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
                    MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),
