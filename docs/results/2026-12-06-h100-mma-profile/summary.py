@@ -1,0 +1,115 @@
+"""The tables of ../2026-12-06-h100-mma-profile.md from Nsight Compute's exports in this folder (python3 summary.py).
+
+<name>_raw.csv.gz: `ncu --import <report> --page raw --csv` (first profiled launch); <name>_sass.csv.gz: `--page
+source --csv --print-source sass` (executed instructions and warp-stall samples per SASS instruction).
+"""
+import csv
+import gzip
+import os
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NAMES = ("gate_up_7b_16", "down_7b_16", "gate_up_7b_64")
+METRICS = {
+    "duration (us; ncu locks the clocks)": "gpu__time_duration.sum",
+    "SM clock (GHz)": "sm__cycles_elapsed.avg.per_second",
+    "registers a thread": "launch__registers_per_thread",
+    "warps active, % of the SM's": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "DRAM throughput, % of peak": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "issue slots busy, %": "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+    "tensor pipe (HMMA) active, %": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "ALU pipe active, %": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+    "L1 hit rate, %": "l1tex__t_sector_hit_rate.pct",
+}
+STALLS = ("long_scoreboard", "wait", "not_selected", "math_pipe_throttle", "barrier", "dispatch_stall",
+          "short_scoreboard", "lg_throttle")
+CONVERSION = ("PRMT", "FADD", "LOP3.LUT")   # the int8 -> bf16 conversion's instructions (and little else)
+
+
+def raw(name):
+  """{metric: value} of the first launch, durations in us."""
+  with gzip.open(os.path.join(HERE, f"{name}_raw.csv.gz"), "rt") as f:
+    rows = list(csv.reader(f))
+  values = dict(zip(rows[0], rows[2]))
+  unit = dict(zip(rows[0], rows[1]))["gpu__time_duration.sum"]
+  scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[unit]
+  values["gpu__time_duration.sum"] = str(number(values["gpu__time_duration.sum"]) * scale)
+  return values
+
+
+def number(text):
+  return float(text.replace(",", ""))
+
+
+def sass(name):
+  with gzip.open(os.path.join(HERE, f"{name}_sass.csv.gz"), "rt") as f:
+    rows = list(csv.reader(f))
+  head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+  cols = rows[head]
+  data = [r for r in rows[head + 1:] if len(r) == len(cols) and r[0].startswith("0x")]
+  seen, unique = set(), []
+  for r in data:                      # an export of two launches lists each instruction twice: count it once
+    if r[0] not in seen:
+      seen.add(r[0])
+      unique.append(r)
+  samples_col, exec_col = cols.index("Warp Stall Sampling (All Samples)"), cols.index("Instructions Executed")
+  long_col = cols.index("stall_long_sb")
+  executed, samples, long_sb = Counter(), Counter(), Counter()
+  for r in unique:
+    words = r[1].split()
+    op = words[1] if words[0].startswith("@") else words[0]
+    executed[op] += int(r[exec_col])
+    samples[op] += int(r[samples_col])
+    long_sb[op] += int(r[long_col])
+  return executed, samples, long_sb
+
+
+def main():
+  metrics = {n: raw(n) for n in NAMES}
+  print("| metric | " + " | ".join(NAMES) + " |")
+  print("|---|" + "---|" * len(NAMES))
+  for label, key in METRICS.items():
+    vals = []
+    for n in NAMES:
+      vals.append(f"{number(metrics[n][key]):.2f}")
+    print(f"| {label} | " + " | ".join(vals) + " |")
+  print("\nStall cycles per issued instruction, by reason:\n")
+  print("| reason | " + " | ".join(NAMES) + " |")
+  print("|---|" + "---|" * len(NAMES))
+  for s in STALLS:
+    key = f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio"
+    print(f"| {s} | " + " | ".join(f"{number(metrics[n][key]):.2f}" for n in NAMES) + " |")
+  print("\nInstruction mix (share of executed instructions) and where the warps waited (share of stall samples):\n")
+  print("| instruction | " + " | ".join(f"{n} executed / stalls" for n in NAMES) + " |")
+  print("|---|" + "---|" * len(NAMES))
+  mixes = {n: sass(n) for n in NAMES}
+  ops = Counter()
+  for executed, _, _ in mixes.values():
+    total = sum(executed.values())
+    for op, v in executed.items():
+      ops[op] += v / total
+  for op, _ in ops.most_common(10):
+    cells = []
+    for n in NAMES:
+      executed, samples, _ = mixes[n]
+      cells.append(f"{100 * executed[op] / sum(executed.values()):.1f}% / {100 * samples[op] / sum(samples.values()):.1f}%")
+    print(f"| {op} | " + " | ".join(cells) + " |")
+  cells = []
+  for n in NAMES:
+    executed, _, _ = mixes[n]
+    cells.append(f"{100 * sum(executed[o] for o in CONVERSION) / sum(executed.values()):.1f}%")
+  print("| conversion (" + ", ".join(CONVERSION) + ") | " + " | ".join(cells) + " |")
+  print("\nThe long-scoreboard (global load) stall samples, by the instruction that waited: LOP3 is the conversion's")
+  print("first use of the weights, HMMA's only loaded operand is x, FFMA's the scale:\n")
+  print("| instruction | " + " | ".join(NAMES) + " |")
+  print("|---|" + "---|" * len(NAMES))
+  for op in ("LOP3.LUT", "HMMA.16816.F32.BF16", "FFMA"):
+    cells = []
+    for n in NAMES:
+      _, _, long_sb = mixes[n]
+      cells.append(f"{100 * long_sb[op] / sum(long_sb.values()):.1f}%")
+    print(f"| {op} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+  main()
