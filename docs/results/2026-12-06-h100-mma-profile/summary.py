@@ -23,7 +23,13 @@ METRICS = {
 }
 STALLS = ("long_scoreboard", "wait", "not_selected", "math_pipe_throttle", "barrier", "dispatch_stall",
           "short_scoreboard", "lg_throttle")
-CONVERSION = ("PRMT", "FADD", "LOP3.LUT")   # the int8 -> bf16 conversion's instructions (and little else)
+# The int8 -> bf16 conversion's instructions: every PRMT, the FADDs of -8388736 (2^23 + 128), the LOP3s that XOR
+# with 0x80808080.
+def is_conversion(source):
+  words = source.split()
+  op = words[1] if words[0].startswith("@") else words[0]
+  return (op == "PRMT" or (op == "FADD" and "-8388736" in source)
+          or (op == "LOP3.LUT" and "0x80808080" in source))
 
 
 def raw(name):
@@ -58,6 +64,12 @@ def sass(name):
   for r in unique:
     words = r[1].split()
     op = words[1] if words[0].startswith("@") else words[0]
+    if is_conversion(r[1]):
+      executed["(conversion)"] += int(r[exec_col])
+      samples["(conversion)"] += int(r[samples_col])
+      if op == "LOP3.LUT":
+        long_sb["(conversion XOR)"] += int(r[long_col])
+        samples["(conversion XOR)"] += int(r[samples_col])
     executed[op] += int(r[exec_col])
     samples[op] += int(r[samples_col])
     long_sb[op] += int(r[long_col])
@@ -85,29 +97,41 @@ def main():
   mixes = {n: sass(n) for n in NAMES}
   ops = Counter()
   for executed, _, _ in mixes.values():
-    total = sum(executed.values())
+    total = sum(v for op, v in executed.items() if op != "(conversion)")
     for op, v in executed.items():
-      ops[op] += v / total
+      if op != "(conversion)":
+        ops[op] += v / total
   for op, _ in ops.most_common(10):
     cells = []
     for n in NAMES:
       executed, samples, _ = mixes[n]
-      cells.append(f"{100 * executed[op] / sum(executed.values()):.1f}% / {100 * samples[op] / sum(samples.values()):.1f}%")
+      total_e = sum(v for o, v in executed.items() if o != "(conversion)")
+      total_s = sum(v for o, v in samples.items() if not o.startswith("(conversion"))
+      cells.append(f"{100 * executed[op] / total_e:.1f}% / {100 * samples[op] / total_s:.1f}%")
     print(f"| {op} | " + " | ".join(cells) + " |")
   cells = []
   for n in NAMES:
-    executed, _, _ = mixes[n]
-    cells.append(f"{100 * sum(executed[o] for o in CONVERSION) / sum(executed.values()):.1f}%")
-  print("| conversion (" + ", ".join(CONVERSION) + ") | " + " | ".join(cells) + " |")
-  print("\nThe long-scoreboard (global load) stall samples, by the instruction that waited: LOP3 is the conversion's")
+    executed, samples, _ = mixes[n]
+    total_e = sum(v for o, v in executed.items() if o != "(conversion)")
+    total_s = sum(v for o, v in samples.items() if not o.startswith("(conversion"))
+    cells.append(f"{100 * executed['(conversion)'] / total_e:.1f}% / {100 * samples['(conversion)'] / total_s:.1f}%")
+  print("| the conversion (PRMT, FADD -8388736, LOP3 ^0x80808080) | " + " | ".join(cells) + " |")
+  cells = []
+  for n in NAMES:
+    _, samples, _ = mixes[n]
+    total_s = sum(v for o, v in samples.items() if not o.startswith("(conversion"))
+    cells.append(f"- / {100 * samples['(conversion XOR)'] / total_s:.1f}%")
+  print("| its XOR alone (the first use of the weights) | " + " | ".join(cells) + " |")
+  print("\nThe long-scoreboard (global load) stall samples, by the instruction that waited: the conversion's XOR is the")
   print("first use of the weights, HMMA's only loaded operand is x, FFMA's the scale:\n")
   print("| instruction | " + " | ".join(NAMES) + " |")
   print("|---|" + "---|" * len(NAMES))
-  for op in ("LOP3.LUT", "HMMA.16816.F32.BF16", "FFMA"):
+  for op in ("(conversion XOR)", "HMMA.16816.F32.BF16", "FFMA"):
     cells = []
     for n in NAMES:
       _, _, long_sb = mixes[n]
-      cells.append(f"{100 * long_sb[op] / sum(long_sb.values()):.1f}%")
+      total = sum(v for o, v in long_sb.items() if o != "(conversion XOR)")
+      cells.append(f"{100 * long_sb[op] / total:.1f}%")
     print(f"| {op} | " + " | ".join(cells) + " |")
 
 
