@@ -68,6 +68,7 @@ def sass(name):
       executed["(conversion)"] += int(r[exec_col])
       samples["(conversion)"] += int(r[samples_col])
       if op == "LOP3.LUT":
+        executed["(conversion XOR)"] += int(r[exec_col])
         long_sb["(conversion XOR)"] += int(r[long_col])
         samples["(conversion XOR)"] += int(r[samples_col])
     executed[op] += int(r[exec_col])
@@ -95,44 +96,28 @@ def main():
   print("| instruction | " + " | ".join(f"{n} executed / stalls" for n in NAMES) + " |")
   print("|---|" + "---|" * len(NAMES))
   mixes = {n: sass(n) for n in NAMES}
+
+  def share(counts, key):
+    """counts[key] as a percentage of all instructions' counts (the "(...)" keys are subsets, not added in)."""
+    return 100 * counts[key] / sum(v for o, v in counts.items() if not o.startswith("("))
+
   ops = Counter()
   for executed, _, _ in mixes.values():
-    total = sum(v for op, v in executed.items() if op != "(conversion)")
-    for op, v in executed.items():
-      if op != "(conversion)":
-        ops[op] += v / total
-  for op, _ in ops.most_common(10):
-    cells = []
-    for n in NAMES:
-      executed, samples, _ = mixes[n]
-      total_e = sum(v for o, v in executed.items() if o != "(conversion)")
-      total_s = sum(v for o, v in samples.items() if not o.startswith("(conversion"))
-      cells.append(f"{100 * executed[op] / total_e:.1f}% / {100 * samples[op] / total_s:.1f}%")
-    print(f"| {op} | " + " | ".join(cells) + " |")
-  cells = []
-  for n in NAMES:
-    executed, samples, _ = mixes[n]
-    total_e = sum(v for o, v in executed.items() if o != "(conversion)")
-    total_s = sum(v for o, v in samples.items() if not o.startswith("(conversion"))
-    cells.append(f"{100 * executed['(conversion)'] / total_e:.1f}% / {100 * samples['(conversion)'] / total_s:.1f}%")
-  print("| the conversion (PRMT, FADD -8388736, LOP3 ^0x80808080) | " + " | ".join(cells) + " |")
-  cells = []
-  for n in NAMES:
-    _, samples, _ = mixes[n]
-    total_s = sum(v for o, v in samples.items() if not o.startswith("(conversion"))
-    cells.append(f"- / {100 * samples['(conversion XOR)'] / total_s:.1f}%")
-  print("| its XOR alone (the first use of the weights) | " + " | ".join(cells) + " |")
+    for op in executed:
+      if not op.startswith("("):
+        ops[op] += share(executed, op)
+  rows = [(op, op) for op, _ in ops.most_common(10)]
+  rows += [("the conversion (PRMT, FADD -8388736, LOP3 ^0x80808080)", "(conversion)"),
+           ("its XOR alone (the first use of the weights)", "(conversion XOR)")]
+  for label, op in rows:
+    cells = [f"{share(mixes[n][0], op):.1f}% / {share(mixes[n][1], op):.1f}%" for n in NAMES]
+    print(f"| {label} | " + " | ".join(cells) + " |")
   print("\nThe long-scoreboard (global load) stall samples, by the instruction that waited: the conversion's XOR is the")
   print("first use of the weights, HMMA's only loaded operand is x, FFMA's the scale:\n")
   print("| instruction | " + " | ".join(NAMES) + " |")
   print("|---|" + "---|" * len(NAMES))
   for op in ("(conversion XOR)", "HMMA.16816.F32.BF16", "FFMA"):
-    cells = []
-    for n in NAMES:
-      _, _, long_sb = mixes[n]
-      total = sum(v for o, v in long_sb.items() if o != "(conversion XOR)")
-      cells.append(f"{100 * long_sb[op] / total:.1f}%")
-    print(f"| {op} | " + " | ".join(cells) + " |")
+    print(f"| {op} | " + " | ".join(f"{share(mixes[n][2], op):.1f}%" for n in NAMES) + " |")
 
 
 if __name__ == "__main__":
