@@ -24,6 +24,8 @@ def same_or_near_tie(engine, prompt: list[int], got: list[int], want: list[int],
     assert got == want
     return
   assert len(got) == len(want), (len(got), len(want))
+  assert params.greedy, "the rule is the argmax's: greedy runs only"
+  assert params.presence_penalty == 0 and params.frequency_penalty == 0, "only the repeat penalty is emulated"
   for ids in (got, want):
     _near_argmax(engine, prompt, ids, spread, params)
 
@@ -36,8 +38,6 @@ def _near_argmax(engine, prompt: list[int], ids: list[int], spread: float, param
   logits, _ = jaxllm.sequence_logits(engine.config, engine.weights, cache, jnp.asarray([seq], jnp.int32),
                                      jnp.zeros((1,), jnp.int32))
   rows = np.asarray(logits[0, len(prompt) - 1:], np.float64)   # [len(ids), V]: row j predicts ids[j]
-  assert params.greedy, "the rule is the argmax's: greedy runs only"
-  assert params.presence_penalty == 0 and params.frequency_penalty == 0, "only the repeat penalty is emulated"
   for j, tok in enumerate(ids):
     row = rows[j]
     if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:   # llama.cpp's, the prompt included
