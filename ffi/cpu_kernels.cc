@@ -231,7 +231,7 @@ void MatmulF32(ffi::ThreadPool& pool, const MatmulShape& s, const float* xf, con
 }
 
 ffi::Error W8A16Cpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                    ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
+                    ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t /*mma: the GPU's*/) {
   MatmulShape s;
   if (auto err = CheckMatmul(x, w, scale, *y, layer, &s); err.failure()) return err;
   const ffi::DataType t = x.element_type();
@@ -498,8 +498,8 @@ ffi::Error DecodeAttentionMergedCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
 
 // Test variants: the output aliases a poisoned input buffer, so tests can see unwritten elements.
 ffi::Error W8A16CpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                        ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
-  return W8A16Cpu(pool, x, w, scale, y, layer);
+                        ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t mma) {
+  return W8A16Cpu(pool, x, w, scale, y, layer, mma);
 }
 ffi::Error DecodeAttentionCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                   ffi::AnyBuffer lengths, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,

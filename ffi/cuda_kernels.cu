@@ -17,14 +17,18 @@ namespace jaxllm {
 namespace {
 
 ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                     ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
+                     ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t mma) {
   MatmulShape s;
   if (auto err = CheckMatmul(x, w, scale, *y, layer, &s); err.failure()) return err;
+  if (mma < -1 || mma >= w8a16::mma::kCandidateCount)
+    return ffi::Error::InvalidArgument("jaxllm_w8a16: mma must be -1 (the rule) or a configuration index below " +
+                                       std::to_string(w8a16::mma::kCandidateCount) + ", got " + std::to_string(mma));
   if (s.m == 0 || s.n == 0) return ffi::Error::Success();
   const int8_t* wl = static_cast<const int8_t*>(w.untyped_data()) + layer * s.n * s.k;
   const float* sl = static_cast<const float*>(scale.untyped_data()) + layer * s.n * s.groups;
   cudaError_t e = x.element_type() == ffi::BF16
-                      ? w8a16::Dispatch<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data())
+                      ? w8a16::Dispatch<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data(), {},
+                                                       int(mma))
                       : w8a16::Dispatch<float>(stream, s, x.untyped_data(), wl, sl, y->untyped_data());
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_w8a16 launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -408,8 +412,8 @@ ffi::Error DecodeAttentionMergedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi:
 
 // Test variants: the output aliases a poisoned input buffer, so tests can see unwritten elements.
 ffi::Error W8A16CudaInto(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                         ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer) {
-  return W8A16Cuda(stream, x, w, scale, y, layer);
+                         ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t mma) {
+  return W8A16Cuda(stream, x, w, scale, y, layer, mma);
 }
 ffi::Error DecodeAttentionCudaInto(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                    ffi::AnyBuffer lengths, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,

@@ -30,6 +30,8 @@ extern "C" XLA_FFI_Error* QkvEpilogueCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* DecodeLayersCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* TopCandidatesCudaHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* TopCandidatesCudaIntoHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* W8A16TuneCuda(XLA_FFI_CallFrame*);
+int MmaCandidateCount();
 #endif
 }  // namespace jaxllm
 
@@ -74,13 +76,16 @@ PYBIND11_MODULE(_ffi, m) {
     d["jaxllm_decode_layers"] = Capsule(jaxllm::DecodeLayersCuda);
     d["jaxllm_top_candidates"] = Capsule(jaxllm::TopCandidatesCudaHandler);
     d["jaxllm_top_candidates_into"] = Capsule(jaxllm::TopCandidatesCudaIntoHandler);
+    d["jaxllm_w8a16_tune"] = Capsule(jaxllm::W8A16TuneCuda);
 #endif
     return d;
   });
 #ifdef JAXLLM_WITH_CUDA
   m.attr("with_cuda") = true;
+  m.attr("mma_candidates") = jaxllm::MmaCandidateCount();   // the tensor-core configurations jaxllm.tuning times
 #else
   m.attr("with_cuda") = false;
+  m.attr("mma_candidates") = 0;
 #endif
   // A lab build (cmake -DJAXLLM_LAB=ON) reads the lab switches from the environment; jaxllm/lab.py asks.
 #ifdef JAXLLM_LAB

@@ -899,13 +899,14 @@ cudaError_t Launch(cudaStream_t stream, const void* x, const int8_t* w, const fl
 // shared memory (compute-bound otherwise); few rows and long K are latency-bound and keep the f32 one.
 // f32 activations always keep the f32 inner product (exact to f32 rounding).
 // EX: the fusion flags (kNorm, kResidual, kSwiGLU, kArgmax) added to every configuration; with kSwiGLU the
-// configurations of one row per team take two. x and y are what the flags say (see Kernel).
+// configurations of one row per team take two. x and y are what the flags say (see Kernel). mma_choice: the
+// tensor-core configuration for 5-64 rows of bf16 x (mma::Dispatch's choice; -1 its rule).
 template <unsigned EX>
 constexpr int Rows(int rows) { return (EX & kSwiGLU) && rows < 2 ? 2 : rows; }
 
 template <typename T, unsigned EX = 0>
 cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, const int8_t* w, const float* sc,
-                     void* yp, Fuse fu = {}) {
+                     void* yp, Fuse fu = {}, int mma_choice = -1) {
   constexpr Conv kMagic = Conv::kMagic, kInt16 = Conv::kInt16;
   constexpr unsigned kStaged = kHint | kStageX | EX, kStagedFirst = kHint | kStageX | kXFirst | EX, kH = kHint | EX;
   const void* x = xp;
@@ -977,7 +978,8 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
   // 5 or more rows of bf16 x, plain matmul: tensor cores (w8a16_mma.cuh), the weights read once for up to 64 rows.
   if constexpr (EX == 0 && std::is_same_v<T, __nv_bfloat16>) {
     if (m >= mma::kMinM && s.group == mma::kChunk && k % mma::kChunk == 0)
-      return mma::Dispatch(st, static_cast<const __nv_bfloat16*>(x), w, sc, static_cast<__nv_bfloat16*>(y), m, n, k);
+      return mma::Dispatch(st, static_cast<const __nv_bfloat16*>(x), w, sc, static_cast<__nv_bfloat16*>(y), m, n, k,
+                           mma_choice);
   }
   // M >= 3: tiles of 4 rows of x.
   if (int16 && huge_n) return Launch<T, 4, 32, Rows<EX>(4), 2, kInt16, kStagedFirst>(st, x, w, sc, y, m, n, k, g, fu);

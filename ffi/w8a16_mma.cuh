@@ -194,12 +194,37 @@ cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w,
   return cudaGetLastError();
 }
 
-// The configuration by shape, from bench/gemv_sweep.cu on the H200 at M = 8, 16, 32, 64 over the 0.5B and 7B
+// The configurations a measured choice may name (jaxllm.tuning times them on the model's shapes when the engine
+// loads, bench/gemv_sweep.cu beside others): index -> launch. Every one is right for any M (its 8 MT rows of x
+// a block row); `rows` is the row bucket (8, 16, 32, 64: Bucket) it is timed at. Appending keeps the indexes of a
+// saved choice; changing one's meaning needs jaxllm.tuning's FORMAT raised.
+using LaunchFn = cudaError_t (*)(cudaStream_t, const __nv_bfloat16*, const int8_t*, const float*, __nv_bfloat16*,
+                                 int, int, int);
+struct Candidate {
+  int rows;
+  LaunchFn launch;
+};
+inline constexpr Candidate kCandidates[] = {
+    {8, Launch<1, 1, 4, 4>},   {8, Launch<1, 1, 16, 2>},  {8, Launch<1, 1, 8, 4>},   {8, Launch<1, 1, 2, 4>},
+    {8, Launch<1, 1, 1, 4>},   {8, Launch<1, 2, 4, 2>},
+    {16, Launch<2, 1, 4, 4>},  {16, Launch<2, 1, 8, 8>},  {16, Launch<2, 2, 2, 4>},  {16, Launch<2, 1, 1, 4>},
+    {16, Launch<2, 1, 2, 4>},  {16, Launch<2, 2, 8, 2>},  {16, Launch<2, 1, 16, 4>}, {16, Launch<2, 2, 1, 4>},
+    {32, Launch<4, 1, 4, 4>},  {32, Launch<4, 1, 8, 4>},  {32, Launch<4, 2, 8, 2>},  {32, Launch<4, 1, 2, 4>},
+    {32, Launch<4, 1, 1, 4>},  {32, Launch<4, 2, 2, 2>},
+    {64, Launch<8, 2, 4, 2>},  {64, Launch<8, 2, 8, 1>},  {64, Launch<8, 2, 2, 2>},  {64, Launch<8, 2, 1, 2>},
+    {64, Launch<8, 1, 8, 2>},  {64, Launch<8, 2, 16, 1>},
+};
+inline constexpr int kCandidateCount = int(sizeof(kCandidates) / sizeof(kCandidates[0]));
+inline int Bucket(int m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }
+
+// The configuration by shape: `choice` (an index into kCandidates, measured on this GPU by jaxllm.tuning) when
+// one is given, else the rule, from bench/gemv_sweep.cu on the H200 at M = 8, 16, 32, 64 over the 0.5B and 7B
 // matmuls (docs/results/2026-12-04-h200-scaling.md): x tiles to cover M (up to kMaxM a block column); many
 // 16-row tiles (N >= 4608: 7B's q/k/v, gate/up, the LM heads) split K over 4 warps with 4 chunks in flight,
 // few over 8 or 16; from 33 rows two 16-row tiles a warp (x's L1 reads per weight byte halved).
 inline cudaError_t Dispatch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
-                            __nv_bfloat16* y, int m, int n, int k) {
+                            __nv_bfloat16* y, int m, int n, int k, int choice = -1) {
+  if (choice >= 0 && choice < kCandidateCount) return kCandidates[choice].launch(stream, x, w, scale, y, m, n, k);
   const int tiles = (n + 15) / 16;
   const bool many = tiles >= 288;
   if (m <= 8)

@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import executables, graphs, parallel
+from jaxllm import executables, graphs, parallel, tuning
 from jaxllm.cache import KVCache, create_cache
 from jaxllm.config import Config
 from jaxllm.cores import pool_threads
 from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
 from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights, default_layers, use_fused
+from jaxllm.quant import Linear
 from jaxllm.sampling import Sampler, SamplingParams, candidates_kernel, full_mask, rows_of
 
 MIN_BUCKET = 16
@@ -233,6 +234,7 @@ class Programs:
     self.built = {"loaded": 0, "compiled": 0, "saved": 0}
     # Sharded executables are not kept on disk (their key would have to name the devices of the mesh).
     self.cache_executables = cache_executables and self.tp is None
+    self._tuned = False                        # jaxllm.tuning's choices made for the weights' shapes (_tune)
 
   # ---- compilation ---------------------------------------------------------------------------
 
@@ -243,6 +245,7 @@ class Programs:
     compiled = self._exe.get(key)
     if compiled is not None:
       return compiled
+    self._tune()
     t0 = time.perf_counter()
     options, graphs_on = self.compiler_options, self.graphs_active
     disk_key = None
@@ -251,6 +254,7 @@ class Programs:
                                             jnp.dtype(self.cache_dtype).name, self.max_context,
                                             sorted(options.items()), fused.layers_call(),
                                             fused.cpu_fused(), select.ffi_ops(), candidates_kernel(),
+                                            tuning.fingerprint(),
                                             jax.tree.structure(args),
                                             [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
       compiled = executables.load_executable(disk_key)
@@ -278,6 +282,20 @@ class Programs:
       self.built["saved"] += executables.save_executable(disk_key, compiled)
     self._done(key, compiled, "compiled", time.perf_counter() - t0)
     return compiled
+
+  def _tune(self) -> None:
+    """Before the first program: the tensor-core matmul's configuration measured for each W8A16 weight shape
+    (jaxllm.tuning; the GPU's FFI path on one device, bf16; timed once a card and kept in the cache)."""
+    if self._tuned:
+      return
+    self._tuned = True
+    if self.tp is not None or self.kernels == "xla" or jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16:
+      return
+    lins = jax.tree.leaves(self.weights, is_leaf=lambda a: isinstance(a, Linear))
+    shapes = {lin.w.shape[-2:] for lin in lins if isinstance(lin, Linear) and lin.quantized and lin.w.dtype == jnp.int8}
+    t0 = time.perf_counter()
+    if tuning.ensure(shapes, jax.devices()[0].device_kind):
+      self.compile_seconds += time.perf_counter() - t0
 
   def _done(self, key: tuple, compiled, how: str, seconds: float) -> None:
     self.built[how] += 1

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import tuning
 from jaxllm.quant import Q6K, Linear, LowBit
 
 ATTN_MAX_SPLITS = 256    # kMaxSplits in cuda_kernels.cu
@@ -104,14 +105,14 @@ def _target(name: str, poison: jax.Array | None, n_args: int) -> tuple[str, dict
 
 
 @functools.lru_cache(maxsize=None)
-def _matmul_call(target: str, layer: int):
+def _matmul_call(target: str, layer: int, attrs: tuple = ()):
   """An FFI matmul (x [M, K] and stacked weight arrays, each [L, N, ...] -> [M, N]) for one layer index,
   batched under vmap by folding into M; batched weights map sequentially."""
 
   @jax.custom_batching.custom_vmap
   def call(x, *w):
     out = jax.ShapeDtypeStruct((x.shape[0], w[0].shape[1]), x.dtype)
-    return jax.ffi.ffi_call(target, out)(x, *w, layer=np.int64(layer))
+    return jax.ffi.ffi_call(target, out)(x, *w, layer=np.int64(layer), **dict(attrs))
 
   @call.def_vmap
   def _batched(axis_size, in_batched, x, *w):
@@ -125,26 +126,28 @@ def _matmul_call(target: str, layer: int):
   return call
 
 
-def _matmul(target: str, x: jax.Array, weights: tuple, layer: int, poison) -> jax.Array:
+def _matmul(target: str, x: jax.Array, weights: tuple, layer: int, poison, attrs: tuple = ()) -> jax.Array:
   """x [..., K] through the FFI matmul `target` on the stacked weight arrays (each [L, N, ...]) -> [..., N];
-  into `poison` (the test variant) when given."""
+  into `poison` (the test variant) when given. attrs: more attributes, as ((name, value), ...)."""
   k, n = x.shape[-1], weights[0].shape[1]
   lead = x.shape[:-1]
   m = int(np.prod(lead)) if lead else 1
   if poison is not None:
     name, kw = _target(target, poison, 1 + len(weights))
     y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((m, n), x.dtype), **kw)(x.reshape(m, k), *weights, poison,
-                                                                             layer=np.int64(layer))
+                                                                             layer=np.int64(layer), **dict(attrs))
   else:
-    y = _matmul_call(target, int(layer))(x.reshape(m, k), *weights)
+    y = _matmul_call(target, int(layer), attrs)(x.reshape(m, k), *weights)
   return y.reshape(*lead, n)
 
 
 def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
-                 poison: jax.Array | None = None) -> jax.Array:
+                 poison: jax.Array | None = None, mma: int | None = None) -> jax.Array:
   """x [..., K] @ dequantize(lin)[layer].T -> [..., N] with jaxllm's kernel, whatever M (linear.linear runs
   the reference past linear.max_m() rows, where XLA's dot is faster).
 
+  mma: for 5-64 rows of bf16 x on the GPU, the tensor-core configuration (an index of ffi/w8a16_mma.cuh's
+  kCandidates; -1 its rule); None: jaxllm.tuning's measured choice for this shape, else the rule.
   `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
   """
   _ensure_registered()
@@ -165,7 +168,18 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
   if k < 1 or w.shape[1] < 1 or k % scale.shape[-1] or (k // scale.shape[-1]) % 16:
     raise ValueError(f"expected K >= 1 and N >= 1 with K a multiple of the scale groups (each a multiple of "
                      f"16 inputs); got w {w.shape}, scale {scale.shape}")
-  return _matmul("jaxllm_w8a16", x, (w, scale.astype(jnp.float32)), layer, poison)
+  if mma is None:
+    m = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
+    mma = tuning.choice(w.shape[1], k, m) if x.dtype == jnp.bfloat16 and scale.shape[-1] * tuning.GROUP == k else -1
+  elif isinstance(mma, bool) or not isinstance(mma, (int, np.integer)) or not -1 <= mma < tuning_count():
+    raise ValueError(f"mma must be -1 (the rule) or a configuration index below {tuning_count()}, got {mma!r}")
+  return _matmul("jaxllm_w8a16", x, (w, scale.astype(jnp.float32)), layer, poison, (("mma", np.int64(mma)),))
+
+
+def tuning_count() -> int:
+  """The tensor-core configurations the GPU's matmul can be given (0 in a build without CUDA)."""
+  _ensure_registered()
+  return tuning._candidates()
 
 
 def lowbit_supported() -> bool:

@@ -1,0 +1,201 @@
+"""Which tensor-core configuration the GPU's W8A16 matmul runs for each shape: measured on this GPU.
+
+For 5-64 rows of bf16 x the matmul runs ffi/w8a16_mma.cuh, whose configurations (tiles of x and of w a warp,
+warps splitting K, chunks in flight) are listed there as kCandidates, each for a row bucket (8, 16, 32 or 64
+rows). Which one is fastest depends on the shape and on the card: on the H100 its built-in rule, chosen on the
+H200, was 23% slower than the best on Qwen2.5-7B's LM head at 16 rows and 11-12% on the 8B and 14B gate/up
+(docs/results/2026-12-06-h100-autotune.md). So when an engine's first program is built, `ensure` times every
+configuration of every bucket on each of the model's W8A16 matmul shapes (N, K), on random weights spanning
+more than the L2 (the tune handler, ffi/tune_cuda.cu; a few seconds for a model), and keeps the fastest;
+`choice(n, k, m)` is what the matmul is then given (jaxllm.kernels.ffi.w8a16_matmul; -1, the rule, for a shape
+not timed).
+
+Choices are kept in <cache>/tuning/ (jaxllm.cachedir), one JSON file a device kind, for the extension build
+that timed them: a later run on the same card reads them instead of timing again. The file is checked (every
+choice one of kCandidates, each right for any shape) and one that does not parse is timed again; whoever can
+write it could only make the matmuls slower, never wrong. `JAXLLM_AUTOTUNE=0` turns the timing off: the rule
+runs everywhere (for comparisons: `python -m jaxllm.bench ... --ab autotune`).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from jaxllm.cachedir import cache_dir, private_dir, warn_once
+
+FORMAT = 1                    # the file's layout and the meaning of its indexes (w8a16_mma.cuh's kCandidates)
+BUCKETS = (8, 16, 32, 64)     # rows of x each configuration is timed at (w8a16_mma.cuh's Bucket)
+MIN_M, MAX_M = 5, 64          # rows of x the tensor-core kernel takes
+GROUP = 64                    # the kernel's scale group (jaxllm.quant.GROUP)
+SPAN_BYTES = 128 << 20        # weight copies timed in rotation: more than any GPU's L2 (50-60 MB on Hopper)
+MAX_COPIES = 64
+
+_choices: dict[tuple[int, int, int], int] = {}   # (N, K, bucket) -> index into kCandidates
+_times: dict[str, list] = {}                     # "N,K,bucket" -> each configuration's us (None: not of it)
+_loaded: set[str] = set()                        # the files read in this process
+
+
+def enabled() -> bool:
+  """Whether matmul shapes are timed (JAXLLM_AUTOTUNE, default on)."""
+  return os.environ.get("JAXLLM_AUTOTUNE", "1") != "0"
+
+
+def bucket(m: int) -> int:
+  """The row bucket of m rows of x (w8a16_mma.cuh's Bucket)."""
+  return next(b for b in BUCKETS if m <= b) if m <= BUCKETS[-1] else BUCKETS[-1]
+
+
+def choice(n: int, k: int, m: int) -> int:
+  """The configuration for x [m, k] @ w [n, k].T: its index in kCandidates, or -1 (the kernel's rule) when this
+  shape was not timed, m is outside 5-64 rows, or timing is off."""
+  if not enabled() or not MIN_M <= m <= MAX_M:
+    return -1
+  return _choices.get((int(n), int(k), bucket(m)), -1)
+
+
+def fingerprint() -> str:
+  """What the programs compiled now take from here (a part of jaxllm.executables' key)."""
+  return repr(sorted(_choices.items())) if enabled() else "off"
+
+
+def _candidates() -> int:
+  from jaxllm import _ffi
+  return int(getattr(_ffi, "mma_candidates", 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _build_id() -> str:
+  """A hash of the extension module loaded: choices are kept for the build that timed them."""
+  from jaxllm import executables
+  path = executables._extension_file()
+  h = hashlib.sha256()
+  if path is not None:
+    with open(path, "rb") as f:
+      for chunk in iter(lambda: f.read(1 << 22), b""):
+        h.update(chunk)
+  return h.hexdigest()[:16]
+
+
+def _file(device_kind: str) -> Path:
+  name = re.sub(r"[^A-Za-z0-9._-]+", "_", device_kind).strip("._") or "gpu"
+  return cache_dir() / "tuning" / f"{name}.json"
+
+
+def _valid(choices, count: int) -> dict[tuple[int, int, int], int] | None:
+  """The choices of a file's "choices" entry ({"N,K,bucket": index}), or None when any is malformed."""
+  if not isinstance(choices, dict):
+    return None
+  out = {}
+  for key, idx in choices.items():
+    parts = key.split(",") if isinstance(key, str) else []
+    if (len(parts) != 3 or not all(p.isdigit() and len(p) < 10 for p in parts) or isinstance(idx, bool)
+        or not isinstance(idx, int) or not 0 <= idx < count or int(parts[2]) not in BUCKETS):
+      return None
+    out[(int(parts[0]), int(parts[1]), int(parts[2]))] = idx
+  return out
+
+
+def _read(path: Path, count: int) -> dict[tuple[int, int, int], int]:
+  """The choices kept in path for this build, or {} (missing, another build, or malformed: warned once); their
+  times go to _times."""
+  try:
+    with open(path, "rb") as f:
+      data = json.loads(f.read(1 << 20))
+  except FileNotFoundError:
+    return {}
+  except (OSError, ValueError) as e:
+    warn_once("unreadable tuning", path, f"jaxllm: ignoring the kernel tuning file {path} ({e}); timing again")
+    return {}
+  if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("candidates") != count:
+    return {}
+  if data.get("build") != _build_id():
+    return {}
+  choices = _valid(data.get("choices"), count)
+  if choices is None:
+    warn_once("unreadable tuning", path, f"jaxllm: ignoring the kernel tuning file {path} (a choice that is "
+                                         f"not one of the {count} configurations); timing again")
+    return {}
+  times = data.get("times_us")
+  if isinstance(times, dict):
+    _times.update((key, v) for key, v in times.items() if isinstance(v, list) and len(v) == count)
+  return choices
+
+
+def _write(path: Path) -> None:
+  """Saves this build's choices for the device (atomically; a cache that cannot be written is warned once)."""
+  d = private_dir(path.parent, "kernel tuning")
+  if d is None:
+    return
+  data = {"format": FORMAT, "build": _build_id(), "candidates": _candidates(),
+          "choices": {f"{n},{k},{b}": i for (n, k, b), i in sorted(_choices.items())},
+          "times_us": dict(sorted(_times.items()))}
+  try:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=d)
+    with os.fdopen(fd, "w") as f:
+      json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+  except OSError as e:
+    warn_once("unwritable", d, f"jaxllm: cannot save the kernel tuning in {d} ({e}); it is timed again next run")
+
+
+@functools.lru_cache(maxsize=None)
+def _timer(n: int, k: int, copies: int, count: int):
+  """A program timing every configuration of every bucket on w [copies, n, k]: -> [len(BUCKETS), count] us."""
+  import jax
+  import jax.numpy as jnp
+
+  def run(key):
+    kx, kw, ks = jax.random.split(key, 3)
+    x = jax.random.uniform(kx, (BUCKETS[-1], k), jnp.float32, -1.0, 1.0).astype(jnp.bfloat16)
+    w = jax.lax.bitcast_convert_type(jax.random.bits(kw, (copies, n, k), jnp.uint8), jnp.int8)
+    s = jax.random.uniform(ks, (copies, n, k // GROUP), jnp.float32, 1e-3, 1e-2)
+    rows = []
+    for b in BUCKETS:
+      out = (jax.ShapeDtypeStruct((b, n), jnp.bfloat16), jax.ShapeDtypeStruct((count,), jnp.float32))
+      rows.append(jax.ffi.ffi_call("jaxllm_w8a16_tune", out)(x[:b], w, s)[1])
+    return jnp.stack(rows)
+
+  return jax.jit(run)
+
+
+def measure(n: int, k: int) -> np.ndarray:
+  """Microseconds a call of each configuration (columns: kCandidates) at each bucket's rows (rows: BUCKETS) on
+  x [bucket, k] @ w [n, k].T; +inf where a configuration is not of that bucket."""
+  import jax
+  from jaxllm.kernels import ffi
+  ffi._ensure_registered()
+  copies = int(min(MAX_COPIES, max(2, -(-SPAN_BYTES // (n * k)))))
+  return np.asarray(jax.device_get(_timer(n, k, copies, _candidates())(jax.random.key(0))))
+
+
+def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> int:
+  """Choices for every (N, K) in shapes at every bucket: read from this device's file, the rest timed and the
+  file updated. Shapes the kernel does not take (K not a multiple of 64) are skipped. -> shapes timed now."""
+  if not enabled():
+    return 0
+  count = _candidates()
+  if count == 0:
+    return 0
+  path = _file(device_kind)
+  if str(path) not in _loaded:
+    _loaded.add(str(path))
+    _choices.update(_read(path, count))
+  todo = sorted({(int(n), int(k)) for n, k in shapes if k % GROUP == 0 and k > 0 and n > 0
+                 and any((int(n), int(k), b) not in _choices for b in BUCKETS)})
+  for n, k in todo:
+    t = measure(n, k)
+    for i, b in enumerate(BUCKETS):
+      if np.isfinite(t[i]).any():
+        _choices[(n, k, b)] = int(np.nanargmin(np.where(np.isfinite(t[i]), t[i], np.inf)))
+        _times[f"{n},{k},{b}"] = [round(float(v), 3) if np.isfinite(v) else None for v in t[i]]
+  if todo:
+    _write(path)
+  return len(todo)

@@ -1,0 +1,201 @@
+"""jaxllm.tuning: the tensor-core matmul's configuration measured per shape, kept per card, given to the kernel.
+
+The CPU tests check the kept file (what is read back, what is refused), the lookup and that the choice reaches
+the kernel's call; the GPU tests time real configurations and check that every configuration a choice can name
+is right (against the float64 reference, poisoned outputs)."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import tuning
+from jaxllm.kernels import ffi
+from jaxllm.quant import Linear, quantize_int8
+
+pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None,
+                                reason=f"FFI kernels unavailable: {ffi.unavailable_reason()}")
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+  """A cache of its own and no choices in memory; 8 configurations, this build id."""
+  monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
+  monkeypatch.delenv("JAXLLM_AUTOTUNE", raising=False)
+  monkeypatch.setattr(tuning, "_choices", {})
+  monkeypatch.setattr(tuning, "_times", {})
+  monkeypatch.setattr(tuning, "_loaded", set())
+  if not ON_GPU:
+    monkeypatch.setattr(tuning, "_candidates", lambda: 8)
+  return tmp_path
+
+
+def _fake_measure(calls):
+  """A measure() whose fastest configuration is (n + k + bucket) mod 8, +inf for half of each bucket's."""
+  def measure(n, k):
+    calls.append((n, k))
+    t = np.full((len(tuning.BUCKETS), 8), np.inf)
+    for i, b in enumerate(tuning.BUCKETS):
+      t[i, :4] = 10.0
+      t[i, (n + k + b) % 4] = 5.0
+    return t
+  return measure
+
+
+def test_bucket_and_choice_bounds(fresh):
+  assert [tuning.bucket(m) for m in (5, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+  tuning._choices[(100, 128, 16)] = 3
+  assert tuning.choice(100, 128, 13) == 3
+  assert tuning.choice(100, 128, 4) == -1 and tuning.choice(100, 128, 65) == -1   # the GEMV kernels, XLA's dot
+  assert tuning.choice(100, 128, 8) == -1                                         # another bucket: the rule
+  os.environ["JAXLLM_AUTOTUNE"] = "0"
+  try:
+    assert tuning.choice(100, 128, 13) == -1 and tuning.fingerprint() == "off"
+  finally:
+    del os.environ["JAXLLM_AUTOTUNE"]
+
+
+def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
+  calls = []
+  monkeypatch.setattr(tuning, "measure", _fake_measure(calls))
+  assert tuning.ensure([(100, 128), (100, 128), (64, 192), (10, 100)], "NVIDIA H100 80GB HBM3") == 2
+  assert sorted(calls) == [(64, 192), (100, 128)]                 # K 100: not the kernel's (a multiple of 64)
+  expect = {(n, k, b): (n + k + b) % 4 for n, k in calls for b in tuning.BUCKETS}
+  assert tuning._choices == expect
+  path = fresh / "tuning" / "NVIDIA_H100_80GB_HBM3.json"
+  assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+  data = json.loads(path.read_text())
+  assert data["choices"]["100,128,16"] == (100 + 128 + 16) % 4 and len(data["times_us"]["100,128,16"]) == 8
+  # A new process on the same card reads them back instead of timing.
+  monkeypatch.setattr(tuning, "_choices", {})
+  monkeypatch.setattr(tuning, "_loaded", set())
+  assert tuning.ensure([(100, 128), (64, 192)], "NVIDIA H100 80GB HBM3") == 0
+  assert tuning._choices == expect and len(calls) == 2
+  # Another card times its own.
+  monkeypatch.setattr(tuning, "_choices", {})
+  assert tuning.ensure([(100, 128)], "NVIDIA H200") == 1 and len(calls) == 3
+
+
+@pytest.mark.parametrize("mutate, warns", [
+    (lambda d: d.update(build="0" * 16), False),                     # another extension build: timed again
+    (lambda d: d.update(candidates=9), False),                       # another kernel list
+    (lambda d: d.update(format=0), False),
+    (lambda d: d["choices"].update({"100,128,16": 8}), True),        # not one of the 8 configurations
+    (lambda d: d["choices"].update({"100,128,16": True}), True),
+    (lambda d: d["choices"].update({"100,128,12": 1}), True),        # not a bucket
+    (lambda d: d["choices"].update({"100,-128,16": 1}), True),
+    (lambda d: d.update(choices=[1, 2]), True),
+])
+def test_kept_file_is_checked(fresh, monkeypatch, mutate, warns):
+  calls = []
+  monkeypatch.setattr(tuning, "measure", _fake_measure(calls))
+  tuning.ensure([(100, 128)], "gpu")
+  path = fresh / "tuning" / "gpu.json"
+  data = json.loads(path.read_text())
+  mutate(data)
+  path.write_text(json.dumps(data))
+  monkeypatch.setattr(tuning, "_choices", {})
+  monkeypatch.setattr(tuning, "_loaded", set())
+  from jaxllm import cachedir
+  monkeypatch.setattr(cachedir, "_warned", set())
+  if warns:
+    with pytest.warns(cachedir.CacheWarning, match="ignoring the kernel tuning file"):
+      tuning.ensure([(100, 128)], "gpu")
+  else:
+    tuning.ensure([(100, 128)], "gpu")
+  assert len(calls) == 2                                          # timed again, and the file written anew
+  assert json.loads(path.read_text())["choices"]["100,128,16"] == (100 + 128 + 16) % 4
+
+
+def test_unparsable_file_is_timed_again(fresh, monkeypatch):
+  calls = []
+  monkeypatch.setattr(tuning, "measure", _fake_measure(calls))
+  (fresh / "tuning").mkdir(mode=0o700)
+  (fresh / "tuning" / "gpu.json").write_text("{not json")
+  with pytest.warns(RuntimeWarning, match="ignoring the kernel tuning file"):
+    assert tuning.ensure([(100, 128)], "gpu") == 1
+
+
+def test_off_times_nothing(fresh, monkeypatch):
+  monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
+  monkeypatch.setattr(tuning, "measure", lambda n, k: pytest.fail("timed with JAXLLM_AUTOTUNE=0"))
+  assert tuning.ensure([(100, 128)], "gpu") == 0
+
+
+def test_choice_reaches_the_kernel_call(fresh):
+  """The measured choice is the call's `mma` attribute (bf16, 5-64 rows); -1 elsewhere; a given index wins."""
+  rng = np.random.default_rng(0)
+  q, s = quantize_int8(rng.standard_normal((1, 96, 128)).astype(np.float32))
+  lin = Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
+  tuning._choices[(96, 128, 16)] = 2
+
+  def attr(m, dtype=jnp.bfloat16, **kw):
+    x = jnp.zeros((m, 128), dtype)
+    text = jax.jit(lambda x: ffi.w8a16_matmul(x, lin, 0, **kw)).lower(x).as_text()
+    return int(text.split("mma = ")[1].split(" ")[0])
+
+  assert attr(12) == 2 and attr(8) == -1 and attr(4) == -1 and attr(12, jnp.float32) == -1
+  assert attr(12, mma=-1) == -1
+  with pytest.raises(ValueError, match="mma must be -1"):
+    ffi.w8a16_matmul(jnp.zeros((12, 128), jnp.bfloat16), lin, 0, mma=10 ** 6)
+
+
+def test_engine_times_only_on_the_gpu(fresh, monkeypatch):
+  """An engine's first program asks for its W8A16 shapes once (the GPU) or never (the CPU)."""
+  from jaxllm.bench import load_model
+  from jaxllm.engine import Engine
+  asked = []
+  monkeypatch.setattr(tuning, "ensure", lambda shapes, kind: asked.append(sorted(shapes)) or 0)
+  config, weights, _, _ = load_model("synthetic:tiny", "w8a16", 0)
+  eng = Engine(config, weights, None, max_context=64)
+  eng.generate([1, 2, 3], 3)
+  eng.generate_batch([[1, 2, 3]] * 6, 3)
+  if ON_GPU:
+    assert len(asked) == 1 and (config.d_model, config.q_dim) in {tuple(s) for s in asked[0]}
+  else:
+    assert asked == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core kernel")
+def test_measure_times_each_configuration_in_its_bucket(fresh):
+  t = tuning.measure(1152, 896)
+  finite = np.isfinite(t)
+  assert t.shape == (len(tuning.BUCKETS), ffi.tuning_count())
+  assert (finite.sum(axis=0) == 1).all(), "each configuration is timed at exactly one bucket"
+  assert (finite.sum(axis=1) >= 2).all() and (t[finite] > 0).all() and (t[finite] < 1e4).all(), t
+  tuning.ensure([(1152, 896)], "test-card")
+  for i, b in enumerate(tuning.BUCKETS):
+    assert finite[i, tuning._choices[(1152, 896, b)]]
+
+
+# (K, N): Qwen2.5-0.5B's q/k/v and down, N not a multiple of 16 (edge tiles), and a 7B-like O.
+_SHAPES = [(896, 1152), (4864, 896), (192, 1000), (128, 33), (3584, 3584)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core kernel's configurations")
+@pytest.mark.parametrize("k, n", _SHAPES)
+def test_every_configuration_matches_reference(k, n):
+  """Every configuration a choice can name, at rows that fill and part-fill its tiles of x (and 70: a second
+  column of blocks), against the float64 reference, each output poisoned first; two stacked layers, the
+  kernel reading layer 1."""
+  from test_kernels import _float64_reference, _poison, _rel, TOL
+  rng = np.random.default_rng(k * 31 + n)
+  q, s = quantize_int8(rng.standard_normal((2, n, k)).astype(np.float32))
+  lin = Linear(w=jax.device_put(q), scale=jax.device_put(s))
+  ms = (5, 8, 13, 16, 27, 32, 50, 64, 70)
+  xs = jax.device_put(rng.standard_normal((max(ms), k)).astype(jnp.bfloat16))
+  ref = _float64_reference(xs, lin, 1)
+  count = ffi.tuning_count()
+  cases = [(i, m) for i in range(count) for m in ms]
+  call = jax.jit(lambda xs, lin, poisons: [ffi.w8a16_matmul(xs[:m], lin, 1, poison=p, mma=i)
+                                           for (i, m), p in zip(cases, poisons)])
+  outs = call(xs, lin, [_poison((m, n), jnp.bfloat16) for _, m in cases])
+  for (i, m), got in zip(cases, outs):
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any(), f"configuration {i}: unwritten outputs at M={m}"
+    assert _rel(got, ref[:m]) < TOL[jnp.bfloat16], (i, m, _rel(got, ref[:m]))
