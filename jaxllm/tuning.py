@@ -1,20 +1,22 @@
-"""Which tensor-core configuration the GPU's W8A16 matmul runs for each shape: measured on this GPU.
+"""Which tensor-core configuration the GPU's W8A16 matmul runs for each shape: measured on this GPU (opt-in).
 
 For 5-64 rows of bf16 x the matmul runs ffi/w8a16_mma.cuh, whose configurations (tiles of x and of w a warp,
 warps splitting K, chunks in flight) are listed there as kCandidates, each for a row bucket (8, 16, 32 or 64
-rows). Which one is fastest depends on the shape and on the card: on the H100 its built-in rule, chosen on the
+rows). Which one is fastest depends on the shape and on the card: on the H100 the built-in rule, chosen on the
 H200, was 23% slower than the best on Qwen2.5-7B's LM head at 16 rows and 11-12% on the 8B and 14B gate/up
-(docs/results/2026-12-06-h100-autotune.md). So when an engine's first program is built, `ensure` times every
+(docs/results/2026-12-06-h100-autotune.md). With JAXLLM_AUTOTUNE=1, an engine's first program build times every
 configuration of every bucket on each of the model's W8A16 matmul shapes (N, K), on random weights spanning
-more than the L2 (the tune handler, ffi/tune_cuda.cu; a few seconds for a model), and keeps the fastest;
-`choice(n, k, m)` is what the matmul is then given (jaxllm.kernels.ffi.w8a16_matmul; -1, the rule, for a shape
-not timed).
+more than the L2, in a child process (`ensure`; the tune handler, ffi/tune_cuda.cu), and keeps the fastest;
+linear() then gives the matmul `choice(n, k, m)` (-1, the rule, for a shape not timed).
 
 Choices are kept in <cache>/tuning/ (jaxllm.cachedir), one JSON file a device kind, for the extension build
 that timed them: a later run on the same card reads them instead of timing again. The file is checked (every
 choice one of kCandidates, each right for any shape) and one that does not parse is timed again; whoever can
-write it could only make the matmuls slower, never wrong. `JAXLLM_AUTOTUNE=0` turns the timing off: the rule
-runs everywhere (for comparisons: `python -m jaxllm.bench ... --ab autotune`).
+write it could only make the matmuls slower, never wrong.
+
+Off by default: timed inside the serving process (as first written), the choices made its steps 1.6-5% faster
+than the rule in processes that read them, but the process that timed them ran 8-10% slower; the child process
+that now does the timing has not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -37,15 +42,18 @@ MIN_M, MAX_M = 5, 64          # rows of x the tensor-core kernel takes
 GROUP = 64                    # the kernel's scale group (jaxllm.quant.GROUP)
 SPAN_BYTES = 128 << 20        # weight copies timed in rotation: more than any GPU's L2 (50-60 MB on Hopper)
 MAX_COPIES = 64
+CHILD_SECONDS = 240           # the timing process's limit (an 8B model's shapes took about 8 s in-process on an H200)
 
 _choices: dict[tuple[int, int, int], int] = {}   # (N, K, bucket) -> index into kCandidates
 _times: dict[str, list] = {}                     # "N,K,bucket" -> each configuration's us (None: not of it)
 _loaded: set[str] = set()                        # the files read in this process
+_failed: set[tuple[int, int]] = set()            # (N, K) whose timing failed in this process: the rule
 
 
 def enabled() -> bool:
-  """Whether matmul shapes are timed (JAXLLM_AUTOTUNE, default on)."""
-  return os.environ.get("JAXLLM_AUTOTUNE", "1") != "0"
+  """Whether matmul shapes are timed and their choices used (JAXLLM_AUTOTUNE=1; off by default until the child
+  process that times them has run on a GPU)."""
+  return os.environ.get("JAXLLM_AUTOTUNE", "0") == "1"
 
 
 def bucket(m: int) -> int:
@@ -67,8 +75,8 @@ def fingerprint() -> str:
 
 
 def _candidates() -> int:
-  from jaxllm import _ffi
-  return int(getattr(_ffi, "mma_candidates", 0))
+  from jaxllm.kernels import ffi
+  return ffi.tuning_count()
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,38 +155,44 @@ def _write(path: Path) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _timer(n: int, k: int, copies: int, count: int):
+def _timer(n: int, k: int, copies: int):
   """A program timing every configuration of every bucket on w [copies, n, k]: -> [len(BUCKETS), count] us."""
   import jax
   import jax.numpy as jnp
+  from jaxllm.kernels import ffi
 
   def run(key):
     kx, kw, ks = jax.random.split(key, 3)
     x = jax.random.uniform(kx, (BUCKETS[-1], k), jnp.float32, -1.0, 1.0).astype(jnp.bfloat16)
     w = jax.lax.bitcast_convert_type(jax.random.bits(kw, (copies, n, k), jnp.uint8), jnp.int8)
     s = jax.random.uniform(ks, (copies, n, k // GROUP), jnp.float32, 1e-3, 1e-2)
-    rows = []
-    for b in BUCKETS:
-      out = (jax.ShapeDtypeStruct((b, n), jnp.bfloat16), jax.ShapeDtypeStruct((count,), jnp.float32))
-      rows.append(jax.ffi.ffi_call("jaxllm_w8a16_tune", out)(x[:b], w, s)[1])
-    return jnp.stack(rows)
+    return jnp.stack([ffi.w8a16_tune(x[:b], w, s) for b in BUCKETS])
 
   return jax.jit(run)
 
 
 def measure(n: int, k: int) -> np.ndarray:
   """Microseconds a call of each configuration (columns: kCandidates) at each bucket's rows (rows: BUCKETS) on
-  x [bucket, k] @ w [n, k].T; +inf where a configuration is not of that bucket."""
+  x [bucket, k] @ w [n, k].T, on the first GPU of this process; +inf where a configuration is not of that
+  bucket. The engine runs it in a child process (ensure)."""
   import jax
-  from jaxllm.kernels import ffi
-  ffi._ensure_registered()
   copies = int(min(MAX_COPIES, max(2, -(-SPAN_BYTES // (n * k)))))
-  return np.asarray(jax.device_get(_timer(n, k, copies, _candidates())(jax.random.key(0))))
+  return np.asarray(jax.device_get(_timer(n, k, copies)(jax.random.key(0))))
+
+
+def _record(n: int, k: int, t: np.ndarray) -> None:
+  for i, b in enumerate(BUCKETS):
+    if np.isfinite(t[i]).any():
+      _choices[(n, k, b)] = int(np.argmin(np.where(np.isfinite(t[i]), t[i], np.inf)))
+      _times[f"{n},{k},{b}"] = [round(float(v), 3) if np.isfinite(v) else None for v in t[i]]
 
 
 def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> int:
-  """Choices for every (N, K) in shapes at every bucket: read from this device's file, the rest timed and the
-  file updated. Shapes the kernel does not take (K not a multiple of 64) are skipped. -> shapes timed now."""
+  """Choices for every (N, K) in shapes at every bucket: read from this device's file, the rest timed in a child
+  process (`python -m jaxllm.tuning`, on the same first GPU, memory taken as needed: timing in the serving
+  process made its own steps slower afterwards, docs/results/2026-12-06-h100-autotune.md) that updates the file.
+  Shapes the kernel does not take (K not a multiple of 64) are skipped; a child that fails or takes more than
+  CHILD_SECONDS is warned of, and its shapes run the rule. -> the shapes sent to a child."""
   if not enabled():
     return 0
   count = _candidates()
@@ -188,14 +202,49 @@ def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> int:
   if str(path) not in _loaded:
     _loaded.add(str(path))
     _choices.update(_read(path, count))
-  todo = sorted({(int(n), int(k)) for n, k in shapes if k % GROUP == 0 and k > 0 and n > 0
-                 and any((int(n), int(k), b) not in _choices for b in BUCKETS)})
-  for n, k in todo:
-    t = measure(n, k)
-    for i, b in enumerate(BUCKETS):
-      if np.isfinite(t[i]).any():
-        _choices[(n, k, b)] = int(np.nanargmin(np.where(np.isfinite(t[i]), t[i], np.inf)))
-        _times[f"{n},{k},{b}"] = [round(float(v), 3) if np.isfinite(v) else None for v in t[i]]
-  if todo:
-    _write(path)
+  todo = sorted({(int(n), int(k)) for n, k in shapes if k % GROUP == 0 and k > 0 and n > 0}
+                - _failed - {(n, k) for n, k, _ in _choices})
+  if not todo:
+    return 0
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+  cmd = [sys.executable, "-m", "jaxllm.tuning", device_kind, *(f"{n},{k}" for n, k in todo)]
+  try:
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_SECONDS)
+    why = None if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-500:]}"
+  except (OSError, subprocess.TimeoutExpired) as e:
+    why = str(e)
+  _choices.update(_read(path, count))
+  missing = [(n, k) for n, k in todo if any((n, k, b) not in _choices for b in BUCKETS)]
+  if missing:
+    _failed.update(missing)
+    warnings.warn(f"jaxllm: timing the tensor-core matmul's configurations failed ({why or 'no choices saved'}); "
+                  f"{len(missing)} shape(s) run its built-in rule (JAXLLM_AUTOTUNE=0 skips the timing)",
+                  RuntimeWarning, stacklevel=3)
   return len(todo)
+
+
+def _main(argv: list[str] | None = None) -> int:
+  """python -m jaxllm.tuning DEVICE_KIND N,K [N,K ...]: times each weight shape on this process's first GPU and
+  saves the choices to DEVICE_KIND's file (the child process of ensure)."""
+  import argparse
+  p = argparse.ArgumentParser(prog="python -m jaxllm.tuning", description=_main.__doc__)
+  p.add_argument("device_kind")
+  p.add_argument("shapes", nargs="+", metavar="N,K")
+  args = p.parse_args(argv)
+  shapes = []
+  for text in args.shapes:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(v.isdigit() for v in parts) or int(parts[1]) % GROUP or "0" in (parts[0], parts[1]):
+      p.error(f"expected N,K with K a positive multiple of {GROUP}, got {text!r}")
+    shapes.append((int(parts[0]), int(parts[1])))
+  path = _file(args.device_kind)
+  _choices.update(_read(path, _candidates()))
+  for n, k in shapes:
+    _record(n, k, measure(n, k))
+  _write(path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_main())

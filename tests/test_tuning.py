@@ -4,7 +4,7 @@ The CPU tests check the kept file (what is read back, what is refused), the look
 the kernel's call; the GPU tests time real configurations and check that every configuration a choice can name
 is right (against the float64 reference, poisoned outputs)."""
 import json
-import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxllm import tuning
-from jaxllm.kernels import ffi
+from jaxllm.kernels import ffi, linear
 from jaxllm.quant import Linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(ffi.unavailable_reason() is not None,
@@ -24,18 +24,45 @@ ON_GPU = jax.default_backend() == "gpu"
 def fresh_cache(monkeypatch, tmp_path):
   """A cache of its own and no choices in memory."""
   monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
-  monkeypatch.delenv("JAXLLM_AUTOTUNE", raising=False)
+  monkeypatch.setenv("JAXLLM_AUTOTUNE", "1")
   monkeypatch.setattr(tuning, "_choices", {})
   monkeypatch.setattr(tuning, "_times", {})
   monkeypatch.setattr(tuning, "_loaded", set())
+  monkeypatch.setattr(tuning, "_failed", set())
   return tmp_path
 
 
 @pytest.fixture
 def fresh(fresh_cache, monkeypatch):
   """fresh_cache, with 8 configurations (the kernel's own count on the GPU is larger)."""
-  monkeypatch.setattr(tuning, "_candidates", lambda: 8)
+  monkeypatch.setattr(ffi, "tuning_count", lambda: 8)
   return fresh_cache
+
+
+def _fake_child(calls, fail=None):
+  """A subprocess.run for ensure's child: `python -m jaxllm.tuning ...` run here, with measure() faked and this
+  process's choices hidden from it (a child has its own), or failing as `fail` says."""
+  def run(cmd, env, capture_output, text, timeout):
+    assert cmd[1:3] == ["-m", "jaxllm.tuning"] and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    if fail == "timeout":
+      raise subprocess.TimeoutExpired(cmd, timeout)
+    if fail == "exit":
+      return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: no GPU")
+    saved = dict(tuning._choices), dict(tuning._times)
+    tuning._choices.clear()
+    tuning._times.clear()
+    real = tuning.measure
+    tuning.measure = _fake_measure(calls)
+    try:
+      tuning._main(cmd[3:])
+    finally:
+      tuning.measure = real
+      tuning._choices.clear()
+      tuning._choices.update(saved[0])
+      tuning._times.clear()
+      tuning._times.update(saved[1])
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+  return run
 
 
 def _fake_measure(calls):
@@ -50,22 +77,21 @@ def _fake_measure(calls):
   return measure
 
 
-def test_bucket_and_choice_bounds(fresh):
+def test_bucket_and_choice_bounds(fresh, monkeypatch):
   assert [tuning.bucket(m) for m in (5, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
   tuning._choices[(100, 128, 16)] = 3
   assert tuning.choice(100, 128, 13) == 3
   assert tuning.choice(100, 128, 4) == -1 and tuning.choice(100, 128, 65) == -1   # the GEMV kernels, XLA's dot
   assert tuning.choice(100, 128, 8) == -1                                         # another bucket: the rule
-  os.environ["JAXLLM_AUTOTUNE"] = "0"
-  try:
-    assert tuning.choice(100, 128, 13) == -1 and tuning.fingerprint() == "off"
-  finally:
-    del os.environ["JAXLLM_AUTOTUNE"]
+  monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
+  assert tuning.choice(100, 128, 13) == -1 and tuning.fingerprint() == "off"
+  monkeypatch.delenv("JAXLLM_AUTOTUNE")                                           # off by default
+  assert tuning.choice(100, 128, 13) == -1 and not tuning.enabled()
 
 
 def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
   calls = []
-  monkeypatch.setattr(tuning, "measure", _fake_measure(calls))
+  monkeypatch.setattr(tuning.subprocess, "run", _fake_child(calls))
   assert tuning.ensure([(100, 128), (100, 128), (64, 192), (10, 100)], "NVIDIA H100 80GB HBM3") == 2
   assert sorted(calls) == [(64, 192), (100, 128)]                 # K 100: not the kernel's (a multiple of 64)
   expect = {(n, k, b): (n + k + b) % 4 for n, k in calls for b in tuning.BUCKETS}
@@ -96,7 +122,7 @@ def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
 ])
 def test_kept_file_is_checked(fresh, monkeypatch, mutate, warns):
   calls = []
-  monkeypatch.setattr(tuning, "measure", _fake_measure(calls))
+  monkeypatch.setattr(tuning.subprocess, "run", _fake_child(calls))
   tuning.ensure([(100, 128)], "gpu")
   path = fresh / "tuning" / "gpu.json"
   data = json.loads(path.read_text())
@@ -117,7 +143,7 @@ def test_kept_file_is_checked(fresh, monkeypatch, mutate, warns):
 
 def test_unparsable_file_is_timed_again(fresh, monkeypatch):
   calls = []
-  monkeypatch.setattr(tuning, "measure", _fake_measure(calls))
+  monkeypatch.setattr(tuning.subprocess, "run", _fake_child(calls))
   (fresh / "tuning").mkdir(mode=0o700)
   (fresh / "tuning" / "gpu.json").write_text("{not json")
   with pytest.warns(RuntimeWarning, match="ignoring the kernel tuning file"):
@@ -126,24 +152,43 @@ def test_unparsable_file_is_timed_again(fresh, monkeypatch):
 
 def test_off_times_nothing(fresh, monkeypatch):
   monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
-  monkeypatch.setattr(tuning, "measure", lambda n, k: pytest.fail("timed with JAXLLM_AUTOTUNE=0"))
+  monkeypatch.setattr(tuning.subprocess, "run", lambda *a, **k: pytest.fail("timed with JAXLLM_AUTOTUNE=0"))
   assert tuning.ensure([(100, 128)], "gpu") == 0
 
 
+@pytest.mark.parametrize("fail", ["exit", "timeout"])
+def test_a_failed_child_warns_and_leaves_the_rule(fresh, monkeypatch, fail):
+  calls = []
+  monkeypatch.setattr(tuning.subprocess, "run", _fake_child(calls, fail))
+  with pytest.warns(RuntimeWarning, match="run its built-in rule"):
+    assert tuning.ensure([(100, 128)], "gpu") == 1
+  assert tuning.choice(100, 128, 16) == -1
+  monkeypatch.setattr(tuning.subprocess, "run", lambda *a, **k: pytest.fail("tried again in the same process"))
+  assert tuning.ensure([(100, 128)], "gpu") == 0
+
+
+def test_child_refuses_bad_shapes(fresh, capsys):
+  for bad in ("10,100", "5", "a,64", "0,64"):
+    with pytest.raises(SystemExit) as e:
+      tuning._main(["gpu", bad])
+    assert e.value.code == 2 and "expected N,K" in capsys.readouterr().err
+
+
 def test_choice_reaches_the_kernel_call(fresh):
-  """The measured choice is the call's `mma` attribute (bf16, 5-64 rows); -1 elsewhere; a given index wins."""
+  """linear() gives the matmul the measured choice as its `mma` attribute (bf16, 5-64 rows), -1 elsewhere."""
   rng = np.random.default_rng(0)
   q, s = quantize_int8(rng.standard_normal((1, 96, 128)).astype(np.float32))
   lin = Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
   tuning._choices[(96, 128, 16)] = 2
 
-  def attr(m, dtype=jnp.bfloat16, **kw):
+  def attr(m, dtype=jnp.bfloat16, call=lambda x: linear(x, lin, 0, kernels="ffi")):
     x = jnp.zeros((m, 128), dtype)
-    text = jax.jit(lambda x: ffi.w8a16_matmul(x, lin, 0, **kw)).lower(x).as_text()
+    text = jax.jit(call).lower(x).as_text()
     return int(text.split("mma = ")[1].split(" ")[0])
 
   assert attr(12) == 2 and attr(8) == -1 and attr(4) == -1 and attr(12, jnp.float32) == -1
-  assert attr(12, mma=-1) == -1
+  assert attr(12, call=lambda x: ffi.w8a16_matmul(x, lin, 0)) == -1            # called directly: the rule
+  assert attr(12, call=lambda x: ffi.w8a16_matmul(x, lin, 0, mma=5)) == 5
   with pytest.raises(ValueError, match="mma must be -1"):
     ffi.w8a16_matmul(jnp.zeros((12, 128), jnp.bfloat16), lin, 0, mma=10 ** 6)
 
@@ -172,7 +217,7 @@ def test_measure_times_each_configuration_in_its_bucket(fresh_cache):
   assert t.shape == (len(tuning.BUCKETS), ffi.tuning_count())
   assert (finite.sum(axis=0) == 1).all(), "each configuration is timed at exactly one bucket"
   assert (finite.sum(axis=1) >= 2).all() and (t[finite] > 0).all() and (t[finite] < 1e4).all(), t
-  tuning.ensure([(1152, 896)], "test-card")
+  tuning.ensure([(1152, 896)], "test-card")   # in a child process, as an engine does
   for i, b in enumerate(tuning.BUCKETS):
     assert finite[i, tuning._choices[(1152, 896, b)]]
 

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import tuning
 from jaxllm.quant import Q6K, Linear, LowBit
 
 ATTN_MAX_SPLITS = 256    # kMaxSplits in cuda_kernels.cu
@@ -147,7 +146,7 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
   the reference past linear.max_m() rows, where XLA's dot is faster).
 
   mma: for 5-64 rows of bf16 x on the GPU, the tensor-core configuration (an index of ffi/w8a16_mma.cuh's
-  kCandidates; -1 its rule); None: jaxllm.tuning's measured choice for this shape, else the rule.
+  kCandidates, below tuning_count(); -1 or None: its rule). linear() passes jaxllm.tuning's measured choice.
   `poison` (tests only): an [M, N] buffer the kernel writes into, to catch unwritten outputs.
   """
   _ensure_registered()
@@ -169,8 +168,7 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
     raise ValueError(f"expected K >= 1 and N >= 1 with K a multiple of the scale groups (each a multiple of "
                      f"16 inputs); got w {w.shape}, scale {scale.shape}")
   if mma is None:
-    m = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
-    mma = tuning.choice(w.shape[1], k, m) if x.dtype == jnp.bfloat16 and scale.shape[-1] * tuning.GROUP == k else -1
+    mma = -1
   elif isinstance(mma, bool) or not isinstance(mma, (int, np.integer)) or not -1 <= mma < tuning_count():
     raise ValueError(f"mma must be -1 (the rule) or a configuration index below {tuning_count()}, got {mma!r}")
   return _matmul("jaxllm_w8a16", x, (w, scale.astype(jnp.float32)), layer, poison, (("mma", np.int64(mma)),))
@@ -179,7 +177,18 @@ def w8a16_matmul(x: jax.Array, lin: Linear, layer: int | None = None, *,
 def tuning_count() -> int:
   """The tensor-core configurations the GPU's matmul can be given (0 in a build without CUDA)."""
   _ensure_registered()
-  return tuning._candidates()
+  from jaxllm import _ffi
+  return int(getattr(_ffi, "mma_candidates", 0))
+
+
+def w8a16_tune(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+  """Microseconds a call of each tensor-core configuration (ffi/tune_cuda.cu; GPU only) on x [M, K] bf16 (5-64
+  rows) and the weight copies w [C, N, K] int8, scale [C, N, K / 64] f32, the calls rotating over the copies;
+  -> [tuning_count()] f32, +inf for the configurations of another row bucket than M's."""
+  _ensure_registered()
+  m, n = x.shape[0], w.shape[1]
+  out = (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((tuning_count(),), jnp.float32))
+  return jax.ffi.ffi_call("jaxllm_w8a16_tune", out)(x, w, scale)[1]
 
 
 def lowbit_supported() -> bool:

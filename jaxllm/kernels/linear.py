@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import tuning
 from jaxllm.kernels import ffi, select
 from jaxllm.quant import Q6K, Linear, LowBit, Mixed, MixedAt
 
@@ -108,5 +109,7 @@ def linear(x: jax.Array, lin: Linear | LowBit | Q6K | Mixed | MixedAt, layer: in
     matmul = ffi.lowbit_matmul if isinstance(lin, LowBit) else ffi.q6k_matmul
     return matmul(x, lin, layer)
   if lin.quantized and m <= max_m():
-    return ffi.w8a16_matmul(x, lin, layer)
+    k = x.shape[-1]
+    measured = x.dtype == jnp.bfloat16 and lin.scale.shape[-1] * tuning.GROUP == k   # the tensor-core kernel's
+    return ffi.w8a16_matmul(x, lin, layer, mma=tuning.choice(lin.w.shape[-2], k, m) if measured else -1)
   return linear_reference(x, lin, layer)
