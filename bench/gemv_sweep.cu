@@ -29,8 +29,6 @@
 
 #include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
-#include "w8a16_mma_bulk.cuh"
-#include "w8a16_mma_ring.cuh"
 #include "w8a16_mma_staged.cuh"
 #include "w8a16_wgmma.cuh"
 
@@ -254,24 +252,6 @@ Config MakeStaged(int m) {
   return TensorCores(buf, m, w::mma_staged::Launch<MT, RT, NW, KS, U>);
 }
 
-// The candidate with a per-warp cp.async ring (bench/w8a16_mma_ring.cuh): RT 16-row tiles of w a warp, KS warps
-// splitting K, S slots a warp, x in the ring too (XR) or through L1.
-template <int MT, int RT, int KS, int S, bool XR>
-Config MakeRing(int m) {
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "mmaring_mt%d_rt%d_ks%d_s%d%s", MT, RT, KS, S, XR ? "_xr" : "");
-  return TensorCores(buf, m, w::mma_ring::Launch<MT, RT, KS, S, XR>);
-}
-
-// The candidate with Hopper's bulk copies (bench/w8a16_mma_bulk.cuh; sm_90a): RT 16-row tiles of w a warp, KS
-// warps splitting K, S stages of U chunks a warp, x bulk-copied too (XB) or through L1.
-template <int MT, int RT, int KS, int S, int U, bool XB>
-Config MakeBulk(int m) {
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "mmabulk_mt%d_rt%d_ks%d_s%d_u%d%s", MT, RT, KS, S, U, XB ? "_xb" : "");
-  return TensorCores(buf, m, w::mma_bulk::Launch<MT, RT, KS, S, U, XB>);
-}
-
 // The Hopper candidate (bench/w8a16_wgmma.cuh; built with -arch=sm_90a): wgmma with N rows of x a block, KS
 // groups of NW warpgroups, S ring slots.
 template <int N, int NW, int KS, int S, int U>
@@ -410,37 +390,6 @@ int main(int argc, char** argv) {
                    MakeMma<2, 1, 16, 4>(16), MakeMma<2, 1, 12, 4>(16), MakeMma<2, 2, 16, 2>(16),
                    MakeMma<8, 2, 16, 1>(64), MakeMma<8, 2, 2, 2>(64), MakeMma<8, 2, 1, 2>(64)})
     configs.push_back(c);
-  // Bulk copies at 8, 16, 32 and 64 rows, and at 13 and 50 (part-filled x tiles) on odd_n.
-  for (Config c : {MakeBulk<1, 1, 4, 4, 4, false>(8), MakeBulk<1, 2, 4, 3, 4, false>(8),
-                   MakeBulk<2, 1, 4, 4, 4, false>(16), MakeBulk<2, 1, 4, 3, 4, false>(16),
-                   MakeBulk<2, 1, 8, 4, 2, false>(16), MakeBulk<2, 2, 4, 3, 4, false>(16),
-                   MakeBulk<2, 2, 2, 4, 4, false>(16), MakeBulk<2, 2, 8, 3, 2, false>(16),
-                   MakeBulk<2, 1, 4, 4, 4, true>(16), MakeBulk<2, 2, 4, 3, 4, true>(16), MakeBulk<2, 1, 2, 6, 4, false>(16),
-                   MakeBulk<2, 2, 1, 6, 4, false>(16), MakeBulk<2, 1, 1, 8, 4, false>(16), MakeBulk<2, 1, 16, 3, 2, false>(16),
-                   MakeBulk<4, 1, 4, 4, 4, false>(32), MakeBulk<4, 2, 4, 3, 2, false>(32),
-                   MakeBulk<8, 1, 4, 4, 4, false>(64), MakeBulk<8, 2, 4, 3, 2, false>(64),
-                   MakeBulk<8, 2, 2, 4, 4, false>(64), MakeBulk<8, 1, 8, 3, 2, false>(64),
-                   MakeBulk<8, 2, 2, 3, 2, true>(64),
-                   MakeBulk<2, 2, 4, 3, 4, true>(13), MakeBulk<2, 1, 4, 4, 4, false>(13),
-                   MakeBulk<8, 2, 4, 3, 2, false>(50), MakeBulk<8, 1, 2, 3, 2, true>(50)})
-    configs.push_back(c);
-  // The per-warp ring at 8, 16, 32 and 64 rows, and at 13 and 50 (part-filled x tiles) on odd_n.
-  for (Config c : {MakeRing<1, 1, 4, 6, true>(8), MakeRing<1, 2, 2, 6, true>(8), MakeRing<1, 2, 4, 4, false>(8),
-                   MakeRing<1, 1, 8, 4, false>(8),
-                   MakeRing<2, 1, 4, 4, false>(16), MakeRing<2, 1, 4, 4, true>(16), MakeRing<2, 1, 4, 8, true>(16),
-                   MakeRing<2, 1, 8, 4, false>(16), MakeRing<2, 1, 8, 6, true>(16), MakeRing<2, 1, 2, 8, true>(16),
-                   MakeRing<2, 2, 4, 4, false>(16), MakeRing<2, 2, 4, 4, true>(16), MakeRing<2, 2, 2, 6, true>(16),
-                   MakeRing<2, 2, 1, 8, false>(16), MakeRing<2, 2, 1, 8, true>(16), MakeRing<2, 2, 8, 4, false>(16),
-                   MakeRing<2, 2, 8, 4, true>(16), MakeRing<2, 4, 1, 4, false>(16), MakeRing<2, 4, 1, 6, true>(16),
-                   MakeRing<2, 4, 2, 4, true>(16), MakeRing<2, 4, 4, 3, false>(16), MakeRing<2, 1, 16, 4, true>(16),
-                   MakeRing<4, 1, 4, 4, true>(32), MakeRing<4, 2, 4, 4, true>(32), MakeRing<4, 2, 2, 4, false>(32),
-                   MakeRing<4, 2, 8, 3, true>(32),
-                   MakeRing<8, 1, 4, 4, true>(64), MakeRing<8, 2, 2, 4, true>(64), MakeRing<8, 2, 4, 3, false>(64),
-                   MakeRing<8, 2, 4, 4, true>(64), MakeRing<8, 1, 8, 3, false>(64), MakeRing<8, 1, 4, 3, true>(64), MakeRing<8, 2, 2, 6, false>(64),
-                   MakeRing<8, 4, 2, 3, true>(64), MakeRing<8, 4, 1, 4, false>(64),
-                   MakeRing<2, 2, 4, 4, true>(13), MakeRing<2, 4, 1, 4, false>(13), MakeRing<8, 2, 4, 4, true>(50),
-                   MakeRing<8, 1, 8, 3, false>(50)})
-    configs.push_back(c);
   for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
                    MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),
                    MakeWg<32, 1, 1, 4, 2>(32), MakeWg<32, 1, 2, 4, 2>(32), MakeWg<32, 1, 1, 3, 1>(32),
@@ -506,7 +455,7 @@ int main(int argc, char** argv) {
         if (c.mt != m || !c.fits(sh.k)) continue;
         // odd_n checks the tensor-core kernels' edges only
         if (std::string(sh.name) == "odd_n" && c.name.find("mma") == std::string::npos) continue;
-        if ((c.name.rfind("wgmma", 0) == 0 || c.name.rfind("mmabulk", 0) == 0) && !wgmma_built) continue;
+        if (c.name.rfind("wgmma", 0) == 0 && !wgmma_built) continue;
         // The relative L2 error against the reference and the worst single output's error over the reference's
         // RMS (a few wrong rows can hide in the L2 sum); NaN (unwritten outputs) propagates to both.
         auto check = [&](double& err, double& worst) {
