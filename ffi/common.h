@@ -118,8 +118,8 @@ template <typename Binding>
 auto FinishW8A16(Binding b) {
   return std::move(b).template Ret<ffi::AnyBuffer>()   // y [M, N] x's dtype
       .template Attr<int64_t>("layer")        // which of the L stacked weights
-      .template Attr<int64_t>("mma");         // GPU, 5-64 rows of bf16 x: w8a16_mma.cuh's kCandidates index, -1 its
-                                              // rule (jaxllm.tuning; the CPU handler ignores it)
+      .template Attr<int64_t>("mma");         // GPU, 5 or more rows of bf16 x: w8a16_mma.cuh's kCandidates index, -1
+                                              // its rule (jaxllm.tuning; the CPU handler ignores it)
 }
 
 template <typename Ctx>

@@ -5,8 +5,9 @@
 // w [C, N, K] int8, scale [C, N, K / 64] f32; +inf for the configurations of another row bucket than M's. The
 // calls rotate over the copies (jaxllm.tuning makes them span more than the L2, so each call reads device memory,
 // as a step does); a call's time is (a CUDA graph of 2n calls - one of n) / n, the median of 5 replays, so launch
-// gaps and the graph's own cost cancel (bench/graph_timer.cuh's method). It runs on a stream of its own after
-// XLA's and synchronizes: not for command buffers, run once when a model loads.
+// gaps and the graph's own cost cancel (bench/graph_timer.cuh's method); +inf too for a configuration this GPU
+// cannot launch, or whose difference is not positive (noise). It runs on a stream of its own after XLA's and
+// synchronizes: not for command buffers, run once when a model loads (in jaxllm.tuning's child process).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -60,9 +61,9 @@ cudaError_t GraphUs(cudaStream_t st, const mma::Candidate& c, int calls, int cop
   if (cudaError_t e = cudaGraphLaunch(g.exec, st); e != cudaSuccess) return e;   // warm-up
   std::vector<float> times;
   for (int r = 0; r < 5; ++r) {
-    cudaEventRecord(ev.a, st);
-    cudaGraphLaunch(g.exec, st);
-    cudaEventRecord(ev.b, st);
+    if (cudaError_t e = cudaEventRecord(ev.a, st); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaGraphLaunch(g.exec, st); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaEventRecord(ev.b, st); e != cudaSuccess) return e;
     if (cudaError_t e = cudaEventSynchronize(ev.b); e != cudaSuccess) return e;
     float ms = 0.f;
     if (cudaError_t e = cudaEventElapsedTime(&ms, ev.a, ev.b); e != cudaSuccess) return e;
@@ -92,12 +93,18 @@ ffi::Error W8A16Tune(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   if (t->element_count() != size_t(mma::kCandidateCount))
     return ffi::Error::InvalidArgument("jaxllm_w8a16_tune: t must hold " + std::to_string(mma::kCandidateCount) +
                                        " times, got " + std::to_string(t->element_count()));
-  static cudaStream_t own = [] {
+  struct Stream {   // this call's own stream (on the current device), synchronized and freed on every return
     cudaStream_t s = nullptr;
-    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    return s;
-  }();
-  if (own == nullptr) return ffi::Error::Internal("jaxllm_w8a16_tune: no stream of its own");
+    ~Stream() {
+      if (s) {
+        cudaStreamSynchronize(s);
+        cudaStreamDestroy(s);
+      }
+    }
+  } own_stream;
+  if (cudaError_t e = cudaStreamCreateWithFlags(&own_stream.s, cudaStreamNonBlocking); e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jaxllm_w8a16_tune: no stream of its own: ") + cudaGetErrorString(e));
+  cudaStream_t own = own_stream.s;
   // After XLA's stream: the inputs are written there.
   Events ready;
   cudaError_t e = cudaEventCreateWithFlags(&ready.a, cudaEventDisableTiming);
@@ -112,12 +119,18 @@ ffi::Error W8A16Tune(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   for (int i = 0; i < mma::kCandidateCount && e == cudaSuccess; ++i) {
     const mma::Candidate& c = mma::kCandidates[i];
     if (c.rows != mma::Bucket(int(m))) continue;
-    // One call outside the capture first: a configuration's one-time opt-in to more shared memory.
-    e = c.launch(own, xp, wp, sp, yp, int(m), int(n), int(k));
+    // One call outside the capture first: a configuration's one-time opt-in to more shared memory. One this GPU
+    // cannot launch (more shared memory than it has: 128 KB blocks on a 99 KB sm_86/89) stays +inf, its error
+    // cleared; any other error ends the timing.
+    if (c.launch(own, xp, wp, sp, yp, int(m), int(n), int(k)) != cudaSuccess) {
+      cudaGetLastError();
+      e = cudaStreamSynchronize(own);
+      continue;
+    }
     float once = 0.f, twice = 0.f;
-    if (e == cudaSuccess) e = GraphUs(own, c, calls, int(copies), xp, wp, sp, yp, int(m), int(n), int(k), &once);
+    e = GraphUs(own, c, calls, int(copies), xp, wp, sp, yp, int(m), int(n), int(k), &once);
     if (e == cudaSuccess) e = GraphUs(own, c, 2 * calls, int(copies), xp, wp, sp, yp, int(m), int(n), int(k), &twice);
-    if (e == cudaSuccess) times[i] = std::max(twice - once, 0.f) / float(calls);
+    if (e == cudaSuccess && twice > once) times[i] = (twice - once) / float(calls);   // else noise: left +inf
   }
   if (e == cudaSuccess) e = cudaStreamSynchronize(own);
   if (e == cudaSuccess) e = cudaMemcpyAsync(t->typed_data(), times.data(), times.size() * sizeof(float),

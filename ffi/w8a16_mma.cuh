@@ -196,8 +196,8 @@ cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w,
 
 // The configurations a measured choice may name (jaxllm.tuning times them on the model's shapes when the engine
 // loads, bench/gemv_sweep.cu beside others): index -> launch. Every one is right for any M (its 8 MT rows of x
-// a block row); `rows` is the row bucket (8, 16, 32, 64: Bucket) it is timed at. Appending keeps the indexes of a
-// saved choice; changing one's meaning needs jaxllm.tuning's FORMAT raised.
+// a block row; they sum K in different orders); `rows` is the row bucket (8, 16, 32, 64: Bucket) it is timed at. A
+// saved choice holds for the extension build that timed it (jaxllm.tuning keys its file on the build's hash).
 using LaunchFn = cudaError_t (*)(cudaStream_t, const __nv_bfloat16*, const int8_t*, const float*, __nv_bfloat16*,
                                  int, int, int);
 struct Candidate {

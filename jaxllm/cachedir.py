@@ -45,8 +45,8 @@ _RISK = {
     "compiled executables": "run code as you (the executables kept there are unpickled and loaded as native code)",
     "JAX compilation cache": "run code as you (the executables kept there are loaded as native code)",
     "converted models": "choose what the model outputs (the weights kept there are used as they are)",
-    "kernel tuning": "make the GPU's matmuls slower (the kernel configuration named there is run; never a wrong "
-                     "result: each name is checked to be one of the kernel's configurations, all exact)",
+    "kernel tuning": "make the GPU's matmuls slower (the kernel configuration named there is run: each name is "
+                     "checked to be one of the kernel's configurations, all correct up to f32 summation order)",
 }
 _warned: set[tuple[str, str]] = set()
 _writing: set[str] = set()  # this process's own temporaries (hold_lock): never taken for a dead writer's

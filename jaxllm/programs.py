@@ -235,6 +235,7 @@ class Programs:
     # Sharded executables are not kept on disk (their key would have to name the devices of the mesh).
     self.cache_executables = cache_executables and self.tp is None
     self._tuned = False                        # jaxllm.tuning's choices made for the weights' shapes (_tune)
+    self._tuned_shapes: set = set()            # the W8A16 shapes (N, K) it asked for
 
   # ---- compilation ---------------------------------------------------------------------------
 
@@ -254,7 +255,7 @@ class Programs:
                                             jnp.dtype(self.cache_dtype).name, self.max_context,
                                             sorted(options.items()), fused.layers_call(),
                                             fused.cpu_fused(), select.ffi_ops(), candidates_kernel(),
-                                            tuning.fingerprint(),
+                                            tuning.fingerprint(self._tuned_shapes),
                                             jax.tree.structure(args),
                                             [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
       compiled = executables.load_executable(disk_key)
@@ -293,6 +294,7 @@ class Programs:
       return
     lins = jax.tree.leaves(self.weights, is_leaf=lambda a: isinstance(a, Linear))
     shapes = {lin.w.shape[-2:] for lin in lins if isinstance(lin, Linear) and lin.quantized and lin.w.dtype == jnp.int8}
+    self._tuned_shapes = shapes
     t0 = time.perf_counter()
     if tuning.ensure(shapes, jax.devices()[0].device_kind):
       self.compile_seconds += time.perf_counter() - t0

@@ -2,21 +2,24 @@
 
 For 5-64 rows of bf16 x the matmul runs ffi/w8a16_mma.cuh, whose configurations (tiles of x and of w a warp,
 warps splitting K, chunks in flight) are listed there as kCandidates, each for a row bucket (8, 16, 32 or 64
-rows). Which one is fastest depends on the shape and on the card: on the H100 the built-in rule, chosen on the
-H200, was 23% slower than the best on Qwen2.5-7B's LM head at 16 rows and 11-12% on the 8B and 14B gate/up
-(docs/results/2026-12-06-h100-autotune.md). With JAXLLM_AUTOTUNE=1, an engine's first program build times every
-configuration of every bucket on each of the model's W8A16 matmul shapes (N, K), on random weights spanning
-more than the L2, in a child process (`ensure`; the tune handler, ffi/tune_cuda.cu), and keeps the fastest;
-linear() then gives the matmul `choice(n, k, m)` (-1, the rule, for a shape not timed).
+rows). Which one is fastest depends on the shape and on the card: on the H200 the built-in rule was up to 28%
+slower than the best (the 7B and 8B LM heads at 16 rows, since made the rule there), and 7-18% on other shapes at
+32 and 64 rows (docs/results/2026-12-06-h100-autotune.md). With JAXLLM_AUTOTUNE=1, an engine's first program build
+times every configuration of every bucket on each of the model's W8A16 matmul shapes (N, K), on random weights
+spanning more than the L2, in a child process (`ensure`; the tune handler, ffi/tune_cuda.cu), and keeps the
+fastest; linear() then gives the matmul `choice(n, k, m)` (-1, the rule, for a shape not timed).
 
 Choices are kept in <cache>/tuning/ (jaxllm.cachedir), one JSON file a device kind, for the extension build
-that timed them: a later run on the same card reads them instead of timing again. The file is checked (every
-choice one of kCandidates, each right for any shape) and one that does not parse is timed again; whoever can
-write it could only make the matmuls slower, never wrong.
+that timed them: a later run on the same card reads them instead of timing again. The file is checked like the
+other caches (a regular file of the user's, in a private directory) and its content too (every choice one of
+kCandidates, each right for any shape; a file that does not parse is timed again): whoever can write it could
+make the matmuls slower, not wrong. The configurations sum K in different orders, so their outputs differ in the
+last bits: which one a card's timing picked decides those bits.
 
-Off by default: timed inside the serving process (as first written), the choices made its steps 1.6-5% faster
-than the rule in processes that read them, but the process that timed them ran 8-10% slower; the child process
-that now does the timing has not yet run on a GPU.
+Off by default: timed inside the serving process (as first written), the choices made its batch-16 steps 1.7-5.1%
+faster than the rule in processes that read them, but the process that timed them ran 8% slower than the rule at
+0.5B; the child process that now does the timing has not yet run on a GPU. One table a process: an engine on
+another kind of card replaces it.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import tempfile
@@ -34,16 +38,18 @@ from typing import Iterable
 
 import numpy as np
 
-from jaxllm.cachedir import cache_dir, private_dir, warn_once
+from jaxllm.cachedir import cache_dir, private_dir, remove_stale, warn_once, why_untrusted
 
 FORMAT = 1                    # the file's layout and the meaning of its indexes (w8a16_mma.cuh's kCandidates)
 BUCKETS = (8, 16, 32, 64)     # rows of x each configuration is timed at (w8a16_mma.cuh's Bucket)
 MIN_M, MAX_M = 5, 64          # rows of x the tensor-core kernel takes
 GROUP = 64                    # the kernel's scale group (jaxllm.quant.GROUP)
 SPAN_BYTES = 128 << 20        # weight copies timed in rotation: more than any GPU's L2 (50-60 MB on Hopper)
-MAX_COPIES = 64
+MAX_COPIES = 256              # (a 576 x 576 matmul: 85 MB)
+MAX_FILE_BYTES = 8 << 20
 CHILD_SECONDS = 240           # the timing process's limit (an 8B model's shapes took about 8 s in-process on an H200)
 
+_kind: list[str] = [""]                          # the device kind the table is for
 _choices: dict[tuple[int, int, int], int] = {}   # (N, K, bucket) -> index into kCandidates
 _times: dict[str, list] = {}                     # "N,K,bucket" -> each configuration's us (None: not of it)
 _loaded: set[str] = set()                        # the files read in this process
@@ -69,9 +75,12 @@ def choice(n: int, k: int, m: int) -> int:
   return _choices.get((int(n), int(k), bucket(m)), -1)
 
 
-def fingerprint() -> str:
-  """What the programs compiled now take from here (a part of jaxllm.executables' key)."""
-  return repr(sorted(_choices.items())) if enabled() else "off"
+def fingerprint(shapes: Iterable[tuple[int, int]]) -> str:
+  """What a program over these weight shapes (N, K) takes from here (a part of jaxllm.executables' key)."""
+  if not enabled():
+    return "off"
+  want = {(int(n), int(k)) for n, k in shapes}
+  return repr(sorted(item for item in _choices.items() if item[0][:2] in want))
 
 
 def _candidates() -> int:
@@ -104,27 +113,48 @@ def _valid(choices, count: int) -> dict[tuple[int, int, int], int] | None:
   out = {}
   for key, idx in choices.items():
     parts = key.split(",") if isinstance(key, str) else []
-    if (len(parts) != 3 or not all(p.isdigit() and len(p) < 10 for p in parts) or isinstance(idx, bool)
-        or not isinstance(idx, int) or not 0 <= idx < count or int(parts[2]) not in BUCKETS):
+    if len(parts) != 3 or not all(re.fullmatch(r"[1-9][0-9]{0,8}", p) for p in parts):
+      return None
+    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < count or int(parts[2]) not in BUCKETS:
       return None
     out[(int(parts[0]), int(parts[1]), int(parts[2]))] = idx
   return out
 
 
+def _load(path: Path) -> dict | None:
+  """The JSON object in path: None when missing; {} (warned once) when not the user's regular file in a private
+  directory, too large, or not a JSON object."""
+  if private_dir(path.parent, "kernel tuning") is None:
+    return {}
+  try:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+  except FileNotFoundError:
+    return None
+  except OSError as e:                                   # a link, or unreadable
+    warn_once("unreadable tuning", path, f"jaxllm: ignoring the kernel tuning file {path} ({e}); timing again")
+    return {}
+  with os.fdopen(fd, "rb") as f:
+    st = os.fstat(f.fileno())
+    why = why_untrusted(st) if stat.S_ISREG(st.st_mode) else "it is not a regular file"
+    if why is None and st.st_size > MAX_FILE_BYTES:
+      why = f"{st.st_size} bytes, more than {MAX_FILE_BYTES}"
+    try:
+      data = None if why else json.loads(f.read(MAX_FILE_BYTES))
+    except Exception as e:  # a damaged file: ValueError, RecursionError, UnicodeDecodeError
+      why = f"{type(e).__name__}: {str(e)[:100]}"
+  if why is None and not isinstance(data, dict):
+    why = "not a JSON object"
+  if why is not None:
+    warn_once("unreadable tuning", path, f"jaxllm: ignoring the kernel tuning file {path} ({why}); timing again")
+    return {}
+  return data
+
+
 def _read(path: Path, count: int) -> dict[tuple[int, int, int], int]:
   """The choices kept in path for this build, or {} (missing, another build, or malformed: warned once); their
   times go to _times."""
-  try:
-    with open(path, "rb") as f:
-      data = json.loads(f.read(1 << 20))
-  except FileNotFoundError:
-    return {}
-  except (OSError, ValueError) as e:
-    warn_once("unreadable tuning", path, f"jaxllm: ignoring the kernel tuning file {path} ({e}); timing again")
-    return {}
-  if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("candidates") != count:
-    return {}
-  if data.get("build") != _build_id():
+  data = _load(path) or {}
+  if data.get("format") != FORMAT or data.get("candidates") != count or data.get("build") != _build_id():
     return {}
   choices = _valid(data.get("choices"), count)
   if choices is None:
@@ -138,12 +168,16 @@ def _read(path: Path, count: int) -> dict[tuple[int, int, int], int]:
 
 
 def _write(path: Path) -> None:
-  """Saves this build's choices for the device (atomically; a cache that cannot be written is warned once)."""
+  """Saves this build's choices for the device, merged over what the file holds now (another process may have
+  timed other shapes meanwhile), atomically; a cache that cannot be written is warned of once."""
   d = private_dir(path.parent, "kernel tuning")
   if d is None:
     return
-  data = {"format": FORMAT, "build": _build_id(), "candidates": _candidates(),
-          "choices": {f"{n},{k},{b}": i for (n, k, b), i in sorted(_choices.items())},
+  remove_stale(d)
+  count = _candidates()
+  choices = {**_read(path, count), **_choices}
+  data = {"format": FORMAT, "build": _build_id(), "candidates": count,
+          "choices": {f"{n},{k},{b}": i for (n, k, b), i in sorted(choices.items())},
           "times_us": dict(sorted(_times.items()))}
   try:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=d)
@@ -187,6 +221,16 @@ def _record(n: int, k: int, t: np.ndarray) -> None:
       _times[f"{n},{k},{b}"] = [round(float(v), 3) if np.isfinite(v) else None for v in t[i]]
 
 
+def _use_kind(device_kind: str) -> None:
+  """The table for device_kind: another kind's choices (an engine on another card in this process) are dropped."""
+  if _kind[0] != device_kind:
+    _kind[0] = device_kind
+    _choices.clear()
+    _times.clear()
+    _loaded.clear()
+    _failed.clear()
+
+
 def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> int:
   """Choices for every (N, K) in shapes at every bucket: read from this device's file, the rest timed in a child
   process (`python -m jaxllm.tuning`, on the same first GPU, memory taken as needed: timing in the serving
@@ -198,6 +242,7 @@ def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> int:
   count = _candidates()
   if count == 0:
     return 0
+  _use_kind(device_kind)
   path = _file(device_kind)
   if str(path) not in _loaded:
     _loaded.add(str(path))
@@ -209,24 +254,30 @@ def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> int:
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
   cmd = [sys.executable, "-m", "jaxllm.tuning", device_kind, *(f"{n},{k}" for n, k in todo)]
+  got = None
   try:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_SECONDS)
-    why = None if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-500:]}"
-  except (OSError, subprocess.TimeoutExpired) as e:
+    why = f"exit {done.returncode}: {done.stderr.strip()[-500:]}" if done.returncode else None
+    lines = done.stdout.strip().splitlines()       # its choices, also those timed before a shape failed
+    got = _valid(json.loads(lines[-1]), count) if lines else None
+  except (OSError, ValueError, subprocess.TimeoutExpired) as e:
     why = str(e)
-  _choices.update(_read(path, count))
+  for key, idx in (got or {}).items():            # the child's own choices (the file may hold another's by now)
+    if key[:2] in todo:
+      _choices.setdefault(key, idx)
   missing = [(n, k) for n, k in todo if any((n, k, b) not in _choices for b in BUCKETS)]
   if missing:
     _failed.update(missing)
-    warnings.warn(f"jaxllm: timing the tensor-core matmul's configurations failed ({why or 'no choices saved'}); "
-                  f"{len(missing)} shape(s) run its built-in rule (JAXLLM_AUTOTUNE=0 skips the timing)",
+    warnings.warn(f"jaxllm: timing the tensor-core matmul's configurations failed ({why or 'no choices given'}); "
+                  f"{len(missing)} shape(s) run its built-in rule (unset JAXLLM_AUTOTUNE to skip the timing)",
                   RuntimeWarning, stacklevel=3)
   return len(todo)
 
 
 def _main(argv: list[str] | None = None) -> int:
-  """python -m jaxllm.tuning DEVICE_KIND N,K [N,K ...]: times each weight shape on this process's first GPU and
-  saves the choices to DEVICE_KIND's file (the child process of ensure)."""
+  """python -m jaxllm.tuning DEVICE_KIND N,K [N,K ...]: times each weight shape on this process's first GPU, saves
+  the choices to DEVICE_KIND's file after each shape, and prints them as one JSON line (the child process of
+  ensure). A shape whose timing fails is reported on stderr and left out (exit 1 when any failed)."""
   import argparse
   p = argparse.ArgumentParser(prog="python -m jaxllm.tuning", description=_main.__doc__)
   p.add_argument("device_kind")
@@ -235,15 +286,23 @@ def _main(argv: list[str] | None = None) -> int:
   shapes = []
   for text in args.shapes:
     parts = text.split(",")
-    if len(parts) != 2 or not all(v.isdigit() for v in parts) or int(parts[1]) % GROUP or "0" in (parts[0], parts[1]):
-      p.error(f"expected N,K with K a positive multiple of {GROUP}, got {text!r}")
+    if (len(parts) != 2 or not all(re.fullmatch(r"[0-9]{1,9}", v) for v in parts) or int(parts[0]) < 1
+        or int(parts[1]) < GROUP or int(parts[1]) % GROUP):
+      p.error(f"expected N,K with N >= 1 and K a positive multiple of {GROUP}, got {text!r}")
     shapes.append((int(parts[0]), int(parts[1])))
+  _use_kind(args.device_kind)
   path = _file(args.device_kind)
-  _choices.update(_read(path, _candidates()))
+  failed = 0
   for n, k in shapes:
-    _record(n, k, measure(n, k))
-  _write(path)
-  return 0
+    try:
+      _record(n, k, measure(n, k))
+    except Exception as e:  # one shape's failure (out of memory, a launch error) leaves the others timed
+      print(f"jaxllm.tuning: {n},{k}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+      failed += 1
+      continue
+    _write(path)
+  print(json.dumps({f"{n},{k},{b}": i for (n, k, b), i in sorted(_choices.items())}))
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

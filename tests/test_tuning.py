@@ -3,7 +3,10 @@
 The CPU tests check the kept file (what is read back, what is refused), the lookup and that the choice reaches
 the kernel's call; the GPU tests time real configurations and check that every configuration a choice can name
 is right (against the float64 reference, poisoned outputs)."""
+import contextlib
+import io
 import json
+import os
 import subprocess
 
 import jax
@@ -29,6 +32,7 @@ def fresh_cache(monkeypatch, tmp_path):
   monkeypatch.setattr(tuning, "_times", {})
   monkeypatch.setattr(tuning, "_loaded", set())
   monkeypatch.setattr(tuning, "_failed", set())
+  monkeypatch.setattr(tuning, "_kind", [""])
   return tmp_path
 
 
@@ -48,20 +52,26 @@ def _fake_child(calls, fail=None):
       raise subprocess.TimeoutExpired(cmd, timeout)
     if fail == "exit":
       return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: no GPU")
-    saved = dict(tuning._choices), dict(tuning._times)
+    saved = dict(tuning._choices), dict(tuning._times), list(tuning._kind), set(tuning._loaded)
     tuning._choices.clear()
     tuning._times.clear()
+    tuning._kind[0] = ""
     real = tuning.measure
     tuning.measure = _fake_measure(calls)
+    out = io.StringIO()
     try:
-      tuning._main(cmd[3:])
+      with contextlib.redirect_stdout(out):
+        code = tuning._main(cmd[3:])
     finally:
       tuning.measure = real
       tuning._choices.clear()
       tuning._choices.update(saved[0])
       tuning._times.clear()
       tuning._times.update(saved[1])
-    return subprocess.CompletedProcess(cmd, 0, "", "")
+      tuning._kind[:] = saved[2]
+      tuning._loaded.clear()
+      tuning._loaded.update(saved[3])
+    return subprocess.CompletedProcess(cmd, code, out.getvalue(), "")
   return run
 
 
@@ -84,7 +94,7 @@ def test_bucket_and_choice_bounds(fresh, monkeypatch):
   assert tuning.choice(100, 128, 4) == -1 and tuning.choice(100, 128, 65) == -1   # the GEMV kernels, XLA's dot
   assert tuning.choice(100, 128, 8) == -1                                         # another bucket: the rule
   monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
-  assert tuning.choice(100, 128, 13) == -1 and tuning.fingerprint() == "off"
+  assert tuning.choice(100, 128, 13) == -1 and tuning.fingerprint([(100, 128)]) == "off"
   monkeypatch.delenv("JAXLLM_AUTOTUNE")                                           # off by default
   assert tuning.choice(100, 128, 13) == -1 and not tuning.enabled()
 
@@ -105,9 +115,18 @@ def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
   monkeypatch.setattr(tuning, "_loaded", set())
   assert tuning.ensure([(100, 128), (64, 192)], "NVIDIA H100 80GB HBM3") == 0
   assert tuning._choices == expect and len(calls) == 2
-  # Another card times its own.
-  monkeypatch.setattr(tuning, "_choices", {})
+  # Another card times its own, and the first card's choices are not used for it.
   assert tuning.ensure([(100, 128)], "NVIDIA H200") == 1 and len(calls) == 3
+  assert {key[:2] for key in tuning._choices} == {(100, 128)}
+
+
+def test_fingerprint_names_the_choices_of_the_engines_shapes(fresh):
+  tuning._choices.update({(100, 128, 16): 1, (64, 192, 16): 2})
+  one = tuning.fingerprint([(100, 128)])
+  assert "(100, 128, 16), 1" in one and "64, 192" not in one
+  tuning._choices[(100, 128, 16)] = 3
+  assert tuning.fingerprint([(100, 128)]) != one
+  assert tuning.fingerprint([(100, 128)]) != tuning.fingerprint([])
 
 
 @pytest.mark.parametrize("mutate, warns", [
@@ -119,6 +138,8 @@ def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
     (lambda d: d["choices"].update({"100,128,12": 1}), True),        # not a bucket
     (lambda d: d["choices"].update({"100,-128,16": 1}), True),
     (lambda d: d.update(choices=[1, 2]), True),
+    (lambda d: d["choices"].update({"1\u00b2,128,16": 1}), True),   # a digit int() does not take
+    (lambda d: d["choices"].update({"0,128,16": 1}), True),
 ])
 def test_kept_file_is_checked(fresh, monkeypatch, mutate, warns):
   calls = []
@@ -141,13 +162,27 @@ def test_kept_file_is_checked(fresh, monkeypatch, mutate, warns):
   assert json.loads(path.read_text())["choices"]["100,128,16"] == (100 + 128 + 16) % 4
 
 
-def test_unparsable_file_is_timed_again(fresh, monkeypatch):
+@pytest.mark.parametrize("make", ["{not json", "[" * 100000, "[1, 2]", "fifo", "link", "group-writable"])
+def test_unusable_file_is_timed_again(fresh, monkeypatch, make):
+  """A file that does not parse, is too deep, is not an object, is not a regular file of the user's: warned of,
+  timed again, never an exception or a hang."""
   calls = []
   monkeypatch.setattr(tuning.subprocess, "run", _fake_child(calls))
   (fresh / "tuning").mkdir(mode=0o700)
-  (fresh / "tuning" / "gpu.json").write_text("{not json")
+  path = fresh / "tuning" / "gpu.json"
+  if make == "fifo":
+    os.mkfifo(path)
+  elif make == "link":
+    (fresh / "elsewhere.json").write_text("{}")
+    path.symlink_to(fresh / "elsewhere.json")
+  elif make == "group-writable":
+    path.write_text("{}")
+    path.chmod(0o664)
+  else:
+    path.write_text(make)
   with pytest.warns(RuntimeWarning, match="ignoring the kernel tuning file"):
     assert tuning.ensure([(100, 128)], "gpu") == 1
+  assert tuning.choice(100, 128, 16) == (100 + 128 + 16) % 4
 
 
 def test_off_times_nothing(fresh, monkeypatch):
@@ -189,6 +224,10 @@ def test_choice_reaches_the_kernel_call(fresh):
   assert attr(12) == 2 and attr(8) == -1 and attr(4) == -1 and attr(12, jnp.float32) == -1
   assert attr(12, call=lambda x: ffi.w8a16_matmul(x, lin, 0)) == -1            # called directly: the rule
   assert attr(12, call=lambda x: ffi.w8a16_matmul(x, lin, 0, mma=5)) == 5
+  # Under vmap the rows fold into M (3 x 12 = 36 here): the choice made for 12 rows gives way to the rule.
+  xs = jnp.zeros((3, 12, 128), jnp.bfloat16)
+  text = jax.jit(jax.vmap(lambda x: linear(x, lin, 0, kernels="ffi"))).lower(xs).as_text()
+  assert text.count("jaxllm_w8a16") == 1 and int(text.split("mma = ")[1].split(" ")[0]) == -1
   with pytest.raises(ValueError, match="mma must be -1"):
     ffi.w8a16_matmul(jnp.zeros((12, 128), jnp.bfloat16), lin, 0, mma=10 ** 6)
 
@@ -215,7 +254,7 @@ def test_measure_times_each_configuration_in_its_bucket(fresh_cache):
   t = tuning.measure(1152, 896)
   finite = np.isfinite(t)
   assert t.shape == (len(tuning.BUCKETS), ffi.tuning_count())
-  assert (finite.sum(axis=0) == 1).all(), "each configuration is timed at exactly one bucket"
+  assert (finite.sum(axis=0) <= 1).all(), "each configuration is timed at one bucket (+inf: noise, or not launchable)"
   assert (finite.sum(axis=1) >= 2).all() and (t[finite] > 0).all() and (t[finite] < 1e4).all(), t
   tuning.ensure([(1152, 896)], "test-card")   # in a child process, as an engine does
   for i, b in enumerate(tuning.BUCKETS):

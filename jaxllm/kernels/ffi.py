@@ -105,8 +105,9 @@ def _target(name: str, poison: jax.Array | None, n_args: int) -> tuple[str, dict
 
 @functools.lru_cache(maxsize=None)
 def _matmul_call(target: str, layer: int, attrs: tuple = ()):
-  """An FFI matmul (x [M, K] and stacked weight arrays, each [L, N, ...] -> [M, N]) for one layer index,
-  batched under vmap by folding into M; batched weights map sequentially."""
+  """An FFI matmul (x [M, K] and stacked weight arrays, each [L, N, ...] -> [M, N]) for one layer index and more
+  attributes ((name, value), ...), batched under vmap by folding into M (an `mma` choice then -1, the rule);
+  batched weights map sequentially."""
 
   @jax.custom_batching.custom_vmap
   def call(x, *w):
@@ -120,7 +121,9 @@ def _matmul_call(target: str, layer: int, attrs: tuple = ()):
       ws = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(w, in_batched[1:])]
       return jax.lax.map(lambda a: call(*a), (xs, *ws)), True
     m, k = x.shape[-2:]
-    return call(x.reshape(axis_size * m, k), *w).reshape(axis_size, m, w[0].shape[1]), True
+    # Rows folded into M: a configuration chosen for m rows may not suit axis_size * m, so the rule picks.
+    fold = _matmul_call(target, layer, tuple((a, np.int64(-1)) if a == "mma" else (a, v) for a, v in attrs))
+    return fold(x.reshape(axis_size * m, k), *w).reshape(axis_size, m, w[0].shape[1]), True
 
   return call
 
