@@ -90,6 +90,9 @@ class Engine(Programs):
       the step in the program) or "while" (one copy in a while loop). None (the default): "unrolled" where the
       GPU runs the fused step, "while" elsewhere (loop_for says which: K unrolled CPU steps compile for ~20 s
       instead of ~3, K unrolled unfused GPU steps for tens of seconds).
+    autotune: on the GPU, time the tensor-core matmul's configurations on the weights' W8A16 shapes once a card
+      (in a child process, kept in the cache) and run the fastest for each (jaxllm.tuning); None: the
+      JAXLLM_AUTOTUNE default (off).
     mesh: a one-axis mesh (jaxllm.parallel.make_mesh(N)) to run tensor parallel over its N devices: the
       weights are laid out over it (W8A16 or float), the KV cache split by KV head; None: one device.
   """
@@ -97,10 +100,10 @@ class Engine(Programs):
   def __init__(self, config: Config, weights: Weights, tokenizer: Tokenizer | None, max_context: int,
                kernels: str = "auto", graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
                cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None,
-               device_loop: str | None = None, mesh=None):
+               device_loop: str | None = None, mesh=None, autotune: bool | None = None):
     super().__init__(config, weights, max_context, kernels=kernels, graphs_on=graphs_on, dtype=dtype,
                      prefill_chunk=prefill_chunk, cache_executables=cache_executables, cache_dtype=cache_dtype,
-                     tokens_per_call=tokens_per_call, device_loop=device_loop, mesh=mesh)
+                     tokens_per_call=tokens_per_call, device_loop=device_loop, mesh=mesh, autotune=autotune)
     self.tokenizer = tokenizer
     self._cache: KVCache | None = None
     self._history: list[list[int]] | None = None   # per row: the tokens whose keys the cache holds

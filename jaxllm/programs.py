@@ -197,7 +197,7 @@ class Programs:
   def __init__(self, config: Config, weights: Weights, max_context: int, kernels: str = "auto",
                graphs_on: bool | None = None, dtype=None, prefill_chunk: int | None = None,
                cache_executables: bool = False, cache_dtype=None, tokens_per_call: int | None = None,
-               device_loop: str | None = None, mesh=None):
+               device_loop: str | None = None, mesh=None, autotune: bool | None = None):
     if not isinstance(max_context, int) or max_context < 2:
       raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
     if tokens_per_call is not None and (not isinstance(tokens_per_call, int) or isinstance(tokens_per_call, bool)
@@ -234,8 +234,9 @@ class Programs:
     self.built = {"loaded": 0, "compiled": 0, "saved": 0}
     # Sharded executables are not kept on disk (their key would have to name the devices of the mesh).
     self.cache_executables = cache_executables and self.tp is None
-    self._tuned = False                        # jaxllm.tuning's choices made for the weights' shapes (_tune)
-    self._tuned_shapes: set = set()            # the W8A16 shapes (N, K) it asked for
+    self.autotune = tuning.enabled() if autotune is None else bool(autotune)
+    self._tuned = False                        # _tune has run
+    self.mma_table: tuning.Table = {}          # its choices for the weights' shapes (jaxllm.tuning)
 
   # ---- compilation ---------------------------------------------------------------------------
 
@@ -255,7 +256,7 @@ class Programs:
                                             jnp.dtype(self.cache_dtype).name, self.max_context,
                                             sorted(options.items()), fused.layers_call(),
                                             fused.cpu_fused(), select.ffi_ops(), candidates_kernel(),
-                                            tuning.fingerprint(self._tuned_shapes),
+                                            sorted(self.mma_table.items()),
                                             jax.tree.structure(args),
                                             [(a.shape, str(a.dtype)) for a in jax.tree.leaves(args)])
       compiled = executables.load_executable(disk_key)
@@ -265,7 +266,8 @@ class Programs:
     batch = self._batch if self._batch is not None and self._batch.thread == threading.get_ident() else None
     if batch is not None and key in batch.keys:
       return None
-    lowered = _lower(fn, donate, options, args, self.tp)     # a tracing error is the program's, raised as it is
+    with tuning.use(self.mma_table):
+      lowered = _lower(fn, donate, options, args, self.tp)   # a tracing error is the program's, raised as it is
     if batch is not None:
       batch.add(key, disk_key, graphs_on, args, time.perf_counter() - t0, lowered, self.tp)
       return None
@@ -277,7 +279,8 @@ class Programs:
       if not graphs_on:
         raise
       self._drop_graphs(e)
-      compiled = _compile(fn, donate, self.compiler_options, args, self.tp)
+      with tuning.use(self.mma_table):
+        compiled = _compile(fn, donate, self.compiler_options, args, self.tp)
       disk_key = None                   # the options changed: this key no longer describes the executable
     if disk_key is not None:
       self.built["saved"] += executables.save_executable(disk_key, compiled)
@@ -290,14 +293,14 @@ class Programs:
     if self._tuned:
       return
     self._tuned = True
-    if self.tp is not None or self.kernels == "xla" or jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16:
+    if (not self.autotune or self.tp is not None or self.kernels == "xla" or jax.default_backend() != "gpu"
+        or self.dtype != jnp.bfloat16):
       return
     lins = jax.tree.leaves(self.weights, is_leaf=lambda a: isinstance(a, Linear))
     shapes = {lin.w.shape[-2:] for lin in lins if isinstance(lin, Linear) and lin.quantized and lin.w.dtype == jnp.int8}
-    self._tuned_shapes = shapes
     t0 = time.perf_counter()
-    if tuning.ensure(shapes, jax.devices()[0].device_kind):
-      self.compile_seconds += time.perf_counter() - t0
+    self.mma_table = tuning.ensure(shapes, jax.devices()[0].device_kind)
+    self.compile_seconds += time.perf_counter() - t0
 
   def _done(self, key: tuple, compiled, how: str, seconds: float) -> None:
     self.built[how] += 1

@@ -23,6 +23,8 @@ another kind of card replaces it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -49,16 +51,18 @@ MAX_COPIES = 256              # (a 576 x 576 matmul: 85 MB)
 MAX_FILE_BYTES = 8 << 20
 CHILD_SECONDS = 240           # the timing process's limit (an 8B model's shapes took about 8 s in-process on an H200)
 
-_kind: list[str] = [""]                          # the device kind the table is for
-_choices: dict[tuple[int, int, int], int] = {}   # (N, K, bucket) -> index into kCandidates
+Table = dict[tuple[int, int, int], int]          # (N, K, bucket) -> index into kCandidates
+_active: contextvars.ContextVar[Table | None] = contextvars.ContextVar("jaxllm_mma_table", default=None)
+_kind: list[str] = [""]                          # the device kind the choices known here are for
+_choices: Table = {}                             # every choice known in this process for that kind
 _times: dict[str, list] = {}                     # "N,K,bucket" -> each configuration's us (None: not of it)
 _loaded: set[str] = set()                        # the files read in this process
 _failed: set[tuple[int, int]] = set()            # (N, K) whose timing failed in this process: the rule
 
 
 def enabled() -> bool:
-  """Whether matmul shapes are timed and their choices used (JAXLLM_AUTOTUNE=1; off by default until the child
-  process that times them has run on a GPU)."""
+  """The default of Engine(autotune=None): JAXLLM_AUTOTUNE=1 (off otherwise, until the child process that times
+  the configurations has run on a GPU)."""
   return os.environ.get("JAXLLM_AUTOTUNE", "0") == "1"
 
 
@@ -68,19 +72,22 @@ def bucket(m: int) -> int:
 
 
 def choice(n: int, k: int, m: int) -> int:
-  """The configuration for x [m, k] @ w [n, k].T: its index in kCandidates, or -1 (the kernel's rule) when this
-  shape was not timed, m is outside 5-64 rows, or timing is off."""
-  if not enabled() or not MIN_M <= m <= MAX_M:
+  """The configuration for x [m, k] @ w [n, k].T in the table in use (`use`, around an engine's tracing): its
+  index in kCandidates, or -1 (the kernel's rule) outside one, for a shape it lacks, or m outside 5-64 rows."""
+  table = _active.get()
+  if table is None or not MIN_M <= m <= MAX_M:
     return -1
-  return _choices.get((int(n), int(k), bucket(m)), -1)
+  return table.get((int(n), int(k), bucket(m)), -1)
 
 
-def fingerprint(shapes: Iterable[tuple[int, int]]) -> str:
-  """What a program over these weight shapes (N, K) takes from here (a part of jaxllm.executables' key)."""
-  if not enabled():
-    return "off"
-  want = {(int(n), int(k)) for n, k in shapes}
-  return repr(sorted(item for item in _choices.items() if item[0][:2] in want))
+@contextlib.contextmanager
+def use(table: Table | None):
+  """The choices linear() gives the matmuls it traces inside this block (None: the rule everywhere)."""
+  token = _active.set(table)
+  try:
+    yield
+  finally:
+    _active.reset(token)
 
 
 def _candidates() -> int:
@@ -231,26 +238,29 @@ def _use_kind(device_kind: str) -> None:
     _failed.clear()
 
 
-def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> int:
+def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> Table:
   """Choices for every (N, K) in shapes at every bucket: read from this device's file, the rest timed in a child
   process (`python -m jaxllm.tuning`, on the same first GPU, memory taken as needed: timing in the serving
   process made its own steps slower afterwards, docs/results/2026-12-06-h100-autotune.md) that updates the file.
   Shapes the kernel does not take (K not a multiple of 64) are skipped; a child that fails or takes more than
-  CHILD_SECONDS is warned of, and its shapes run the rule. -> the shapes sent to a child."""
-  if not enabled():
-    return 0
+  CHILD_SECONDS is warned of, and its shapes run the rule. -> the choices for those shapes (a table for `use`)."""
   count = _candidates()
   if count == 0:
-    return 0
+    return {}
   _use_kind(device_kind)
   path = _file(device_kind)
   if str(path) not in _loaded:
     _loaded.add(str(path))
     _choices.update(_read(path, count))
-  todo = sorted({(int(n), int(k)) for n, k in shapes if k % GROUP == 0 and k > 0 and n > 0}
-                - _failed - {(n, k) for n, k, _ in _choices})
-  if not todo:
-    return 0
+  want = {(int(n), int(k)) for n, k in shapes if k % GROUP == 0 and k > 0 and n > 0}
+  todo = sorted(want - _failed - {(n, k) for n, k, _ in _choices})
+  if todo:
+    _time_in_child(todo, device_kind, count)
+  return {key: idx for key, idx in _choices.items() if key[:2] in want}
+
+
+def _time_in_child(todo: list[tuple[int, int]], device_kind: str, count: int) -> None:
+  """Runs `python -m jaxllm.tuning` for the shapes todo and takes the choices it prints."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
   cmd = [sys.executable, "-m", "jaxllm.tuning", device_kind, *(f"{n},{k}" for n, k in todo)]
@@ -269,9 +279,8 @@ def ensure(shapes: Iterable[tuple[int, int]], device_kind: str) -> int:
   if missing:
     _failed.update(missing)
     warnings.warn(f"jaxllm: timing the tensor-core matmul's configurations failed ({why or 'no choices given'}); "
-                  f"{len(missing)} shape(s) run its built-in rule (unset JAXLLM_AUTOTUNE to skip the timing)",
-                  RuntimeWarning, stacklevel=3)
-  return len(todo)
+                  f"{len(missing)} shape(s) run its built-in rule (Engine(autotune=False) skips the timing)",
+                  RuntimeWarning, stacklevel=4)
 
 
 def _main(argv: list[str] | None = None) -> int:

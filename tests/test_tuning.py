@@ -89,23 +89,27 @@ def _fake_measure(calls):
 
 def test_bucket_and_choice_bounds(fresh, monkeypatch):
   assert [tuning.bucket(m) for m in (5, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
-  tuning._choices[(100, 128, 16)] = 3
-  assert tuning.choice(100, 128, 13) == 3
-  assert tuning.choice(100, 128, 4) == -1 and tuning.choice(100, 128, 65) == -1   # the GEMV kernels, XLA's dot
-  assert tuning.choice(100, 128, 8) == -1                                         # another bucket: the rule
-  monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
-  assert tuning.choice(100, 128, 13) == -1 and tuning.fingerprint([(100, 128)]) == "off"
+  assert tuning.choice(100, 128, 13) == -1                                        # no table in use: the rule
+  with tuning.use({(100, 128, 16): 3}):
+    assert tuning.choice(100, 128, 13) == 3
+    assert tuning.choice(100, 128, 4) == -1 and tuning.choice(100, 128, 65) == -1  # the GEMV kernels, XLA's dot
+    assert tuning.choice(100, 128, 8) == -1                                       # another bucket: the rule
+    with tuning.use(None):
+      assert tuning.choice(100, 128, 13) == -1
+    assert tuning.choice(100, 128, 13) == 3
+  assert tuning.choice(100, 128, 13) == -1
+  assert tuning.enabled()
   monkeypatch.delenv("JAXLLM_AUTOTUNE")                                           # off by default
-  assert tuning.choice(100, 128, 13) == -1 and not tuning.enabled()
+  assert not tuning.enabled()
 
 
 def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
   calls = []
   monkeypatch.setattr(tuning.subprocess, "run", _fake_child(calls))
-  assert tuning.ensure([(100, 128), (100, 128), (64, 192), (10, 100)], "NVIDIA H100 80GB HBM3") == 2
+  table = tuning.ensure([(100, 128), (100, 128), (64, 192), (10, 100)], "NVIDIA H100 80GB HBM3")
   assert sorted(calls) == [(64, 192), (100, 128)]                 # K 100: not the kernel's (a multiple of 64)
   expect = {(n, k, b): (n + k + b) % 4 for n, k in calls for b in tuning.BUCKETS}
-  assert tuning._choices == expect
+  assert table == expect
   path = fresh / "tuning" / "NVIDIA_H100_80GB_HBM3.json"
   assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
   data = json.loads(path.read_text())
@@ -113,20 +117,11 @@ def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
   # A new process on the same card reads them back instead of timing.
   monkeypatch.setattr(tuning, "_choices", {})
   monkeypatch.setattr(tuning, "_loaded", set())
-  assert tuning.ensure([(100, 128), (64, 192)], "NVIDIA H100 80GB HBM3") == 0
-  assert tuning._choices == expect and len(calls) == 2
+  assert tuning.ensure([(100, 128), (64, 192)], "NVIDIA H100 80GB HBM3") == expect and len(calls) == 2
+  assert tuning.ensure([(64, 192)], "NVIDIA H100 80GB HBM3") == {key: v for key, v in expect.items() if key[0] == 64}
   # Another card times its own, and the first card's choices are not used for it.
-  assert tuning.ensure([(100, 128)], "NVIDIA H200") == 1 and len(calls) == 3
+  assert {key[:2] for key in tuning.ensure([(100, 128)], "NVIDIA H200")} == {(100, 128)} and len(calls) == 3
   assert {key[:2] for key in tuning._choices} == {(100, 128)}
-
-
-def test_fingerprint_names_the_choices_of_the_engines_shapes(fresh):
-  tuning._choices.update({(100, 128, 16): 1, (64, 192, 16): 2})
-  one = tuning.fingerprint([(100, 128)])
-  assert "(100, 128, 16), 1" in one and "64, 192" not in one
-  tuning._choices[(100, 128, 16)] = 3
-  assert tuning.fingerprint([(100, 128)]) != one
-  assert tuning.fingerprint([(100, 128)]) != tuning.fingerprint([])
 
 
 @pytest.mark.parametrize("mutate, warns", [
@@ -181,14 +176,19 @@ def test_unusable_file_is_timed_again(fresh, monkeypatch, make):
   else:
     path.write_text(make)
   with pytest.warns(RuntimeWarning, match="ignoring the kernel tuning file"):
-    assert tuning.ensure([(100, 128)], "gpu") == 1
-  assert tuning.choice(100, 128, 16) == (100 + 128 + 16) % 4
+    table = tuning.ensure([(100, 128)], "gpu")
+  assert table[(100, 128, 16)] == (100 + 128 + 16) % 4 and len(calls) == 1
 
 
-def test_off_times_nothing(fresh, monkeypatch):
-  monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
-  monkeypatch.setattr(tuning.subprocess, "run", lambda *a, **k: pytest.fail("timed with JAXLLM_AUTOTUNE=0"))
-  assert tuning.ensure([(100, 128)], "gpu") == 0
+def test_autotune_follows_the_argument_then_the_environment(fresh, monkeypatch):
+  from jaxllm.bench import load_model
+  from jaxllm.engine import Engine
+  config, weights, _, _ = load_model("synthetic:tiny", "w8a16", 0)
+  assert Engine(config, weights, None, max_context=16).autotune                   # fresh: JAXLLM_AUTOTUNE=1
+  assert not Engine(config, weights, None, max_context=16, autotune=False).autotune
+  monkeypatch.delenv("JAXLLM_AUTOTUNE")
+  assert not Engine(config, weights, None, max_context=16).autotune
+  assert Engine(config, weights, None, max_context=16, autotune=True).autotune
 
 
 @pytest.mark.parametrize("fail", ["exit", "timeout"])
@@ -196,10 +196,9 @@ def test_a_failed_child_warns_and_leaves_the_rule(fresh, monkeypatch, fail):
   calls = []
   monkeypatch.setattr(tuning.subprocess, "run", _fake_child(calls, fail))
   with pytest.warns(RuntimeWarning, match="run its built-in rule"):
-    assert tuning.ensure([(100, 128)], "gpu") == 1
-  assert tuning.choice(100, 128, 16) == -1
+    assert tuning.ensure([(100, 128)], "gpu") == {}
   monkeypatch.setattr(tuning.subprocess, "run", lambda *a, **k: pytest.fail("tried again in the same process"))
-  assert tuning.ensure([(100, 128)], "gpu") == 0
+  assert tuning.ensure([(100, 128)], "gpu") == {}
 
 
 def test_child_refuses_bad_shapes(fresh, capsys):
@@ -210,16 +209,27 @@ def test_child_refuses_bad_shapes(fresh, capsys):
 
 
 def test_choice_reaches_the_kernel_call(fresh):
-  """linear() gives the matmul the measured choice as its `mma` attribute (bf16, 5-64 rows), -1 elsewhere."""
+  """linear() gives the matmul the choice of the table in use as its `mma` attribute (bf16, 5-64 rows), -1 elsewhere
+  and outside a table."""
   rng = np.random.default_rng(0)
   q, s = quantize_int8(rng.standard_normal((1, 96, 128)).astype(np.float32))
   lin = Linear(w=jnp.asarray(q), scale=jnp.asarray(s))
-  tuning._choices[(96, 128, 16)] = 2
+  assert attr_of(lin, 12) == -1
+  with tuning.use({(96, 128, 16): 2}):
+    _attrs_under_a_table(lin)
 
-  def attr(m, dtype=jnp.bfloat16, call=lambda x: linear(x, lin, 0, kernels="ffi")):
-    x = jnp.zeros((m, 128), dtype)
-    text = jax.jit(call).lower(x).as_text()
-    return int(text.split("mma = ")[1].split(" ")[0])
+
+def attr_of(lin, m, dtype=jnp.bfloat16, call=None):
+  """The `mma` attribute of the one matmul call traced for x [m, 128]."""
+  call = call or (lambda x: linear(x, lin, 0, kernels="ffi"))
+  text = jax.jit(call).lower(jnp.zeros((m, 128), dtype)).as_text()
+  return int(text.split("mma = ")[1].split(" ")[0])
+
+
+def _attrs_under_a_table(lin):
+
+  def attr(m, dtype=jnp.bfloat16, call=None):
+    return attr_of(lin, m, dtype, call)
 
   assert attr(12) == 2 and attr(8) == -1 and attr(4) == -1 and attr(12, jnp.float32) == -1
   assert attr(12, call=lambda x: ffi.w8a16_matmul(x, lin, 0)) == -1            # called directly: the rule
@@ -237,7 +247,7 @@ def test_engine_times_only_on_the_gpu(fresh, monkeypatch):
   from jaxllm.bench import load_model
   from jaxllm.engine import Engine
   asked = []
-  monkeypatch.setattr(tuning, "ensure", lambda shapes, kind: asked.append(sorted(shapes)) or 0)
+  monkeypatch.setattr(tuning, "ensure", lambda shapes, kind: asked.append(sorted(shapes)) or {})
   config, weights, _, _ = load_model("synthetic:tiny", "w8a16", 0)
   eng = Engine(config, weights, None, max_context=64)
   eng.generate([1, 2, 3], 3)
@@ -256,9 +266,9 @@ def test_measure_times_each_configuration_in_its_bucket(fresh_cache):
   assert t.shape == (len(tuning.BUCKETS), ffi.tuning_count())
   assert (finite.sum(axis=0) <= 1).all(), "each configuration is timed at one bucket (+inf: noise, or not launchable)"
   assert (finite.sum(axis=1) >= 2).all() and (t[finite] > 0).all() and (t[finite] < 1e4).all(), t
-  tuning.ensure([(1152, 896)], "test-card")   # in a child process, as an engine does
+  table = tuning.ensure([(1152, 896)], "test-card")   # in a child process, as an engine does
   for i, b in enumerate(tuning.BUCKETS):
-    assert finite[i, tuning._choices[(1152, 896, b)]]
+    assert finite[i, table[(1152, 896, b)]]
 
 
 # (K, N): Qwen2.5-0.5B's q/k/v and down, N not a multiple of 16 (edge tiles), and a 7B-like O.
@@ -288,3 +298,22 @@ def test_every_configuration_matches_reference(k, n):
     got = np.asarray(got, np.float32)
     assert not np.isnan(got).any(), f"configuration {i}: unwritten outputs at M={m}"
     assert _rel(got, ref[:m]) < TOL[jnp.bfloat16], (i, m, _rel(got, ref[:m]))
+
+
+def test_the_kept_programs_key_names_the_engines_choices(fresh, monkeypatch):
+  """A compiled program kept on disk is keyed on the choices its engine traced with: another table, another key."""
+  from jaxllm import executables
+  from jaxllm.bench import load_model
+  from jaxllm.engine import Engine
+  config, weights, _, _ = load_model("synthetic:tiny", "w8a16", 0)
+  parts = []
+  real = executables.executable_key
+  monkeypatch.setattr(executables, "executable_key", lambda *p: parts.append(p) or real(*p))
+  keys = []
+  for table in ({}, {(config.d_model, config.q_dim, 16): 2}):
+    engine = Engine(config, weights, None, max_context=16, cache_executables=True, autotune=False)
+    engine.mma_table = table
+    engine.generate([1, 2, 3], 2)
+    assert sorted(table.items()) in parts[-1]
+    keys.append(real(*parts[-1]))
+  assert keys[0] != keys[1]
