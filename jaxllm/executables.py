@@ -50,6 +50,19 @@ def _extension_file() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def extension_hash() -> str:
+  """A hash of the extension module loaded ("" when it is not built)."""
+  ext = _extension_file()
+  if ext is None:
+    return ""
+  h = hashlib.sha256()
+  with open(ext, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 22), b""):
+      h.update(chunk)
+  return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
 def code_version() -> str:
   """A hash of jaxllm's own code (its Python files and the extension module loaded): compiled steps made
   by other code are never reused."""
@@ -58,12 +71,7 @@ def code_version() -> str:
   for path in sorted(root.rglob("*.py")):
     h.update(path.relative_to(root).as_posix().encode())
     h.update(path.read_bytes())
-  ext = _extension_file()
-  h.update(b"extension:")
-  if ext is not None:
-    with open(ext, "rb") as f:
-      for chunk in iter(lambda: f.read(1 << 22), b""):
-        h.update(chunk)
+  h.update(b"extension:" + extension_hash().encode())
   return h.hexdigest()[:16]
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import hashlib
 import json
 import os
 import re
@@ -96,17 +95,10 @@ def _candidates() -> int:
   return ffi.tuning_count()
 
 
-@functools.lru_cache(maxsize=None)
 def _build_id() -> str:
-  """A hash of the extension module loaded: choices are kept for the build that timed them."""
+  """The extension build the choices are kept for (the one that timed them)."""
   from jaxllm import executables
-  path = executables._extension_file()
-  h = hashlib.sha256()
-  if path is not None:
-    with open(path, "rb") as f:
-      for chunk in iter(lambda: f.read(1 << 22), b""):
-        h.update(chunk)
-  return h.hexdigest()[:16]
+  return executables.extension_hash()
 
 
 def _file(device_kind: str) -> Path:

@@ -317,3 +317,17 @@ def test_the_kept_programs_key_names_the_engines_choices(fresh, monkeypatch):
     assert sorted(table.items()) in parts[-1]
     keys.append(real(*parts[-1]))
   assert keys[0] != keys[1]
+
+
+def test_tune_binding_refuses_bad_input():
+  """The timing binding says what it expected: on the CPU it needs the GPU; on the GPU, shapes that agree."""
+  x = jnp.zeros((16, 128), jnp.bfloat16)
+  w = jnp.zeros((2, 32, 128), jnp.int8)
+  s = jnp.zeros((2, 32, 2), jnp.float32)
+  if not ON_GPU:
+    with pytest.raises(ValueError, match="needs the GPU"):
+      ffi.w8a16_tune(x, w, s)
+    return
+  for bad in ((x[:4], w, s), (x, w[:, :, :64], s), (x, w, s[:, :, :1]), (x.astype(jnp.float32), w, s)):
+    with pytest.raises(ValueError, match="expected x"):
+      ffi.w8a16_tune(*bad)

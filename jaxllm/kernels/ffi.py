@@ -189,6 +189,14 @@ def w8a16_tune(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
   rows) and the weight copies w [C, N, K] int8, scale [C, N, K / 64] f32, the calls rotating over the copies;
   -> [tuning_count()] f32, +inf for the configurations of another row bucket than M's."""
   _ensure_registered()
+  if jax.default_backend() != "gpu" or tuning_count() == 0:
+    raise ValueError("w8a16_tune times the CUDA tensor-core kernel: it needs the GPU and a build with CUDA")
+  if (x.ndim != 2 or x.dtype != jnp.bfloat16 or not 5 <= x.shape[0] <= 64 or x.shape[1] % 64 or w.ndim != 3
+      or w.dtype != jnp.int8 or w.shape[2] != x.shape[1] or scale.dtype != jnp.float32
+      or scale.shape != (*w.shape[:2], x.shape[1] // 64)):
+    raise ValueError(f"expected x [M, K] bf16 with 5-64 rows and K a multiple of 64, w [C, N, K] int8 and scale "
+                     f"[C, N, K / 64] f32; got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, "
+                     f"scale {scale.shape} {scale.dtype}")
   m, n = x.shape[0], w.shape[1]
   out = (jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((tuning_count(),), jnp.float32))
   return jax.ffi.ffi_call("jaxllm_w8a16_tune", out)(x, w, scale)[1]
