@@ -27,6 +27,8 @@
 
 #include <cstdint>
 
+#include "common.h"
+
 namespace jaxllm {
 namespace w8a16 {
 namespace mma {
@@ -224,12 +226,13 @@ inline int Bucket(int m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
 // few over 8 or 16; from 33 rows two 16-row tiles a warp (x's L1 reads per weight byte halved). The LM heads
 // (N >= 65536) at 9-16 rows: two 16-row tiles a warp, K over 2 warps, 23% faster than the rule above on the H100
 // (Qwen2.5-7B's head, bench/gemv_sweep.cu) and 7-28% on the H200 (the 0.5B, 7B and 8B heads, jaxllm.tuning's
-// timings): docs/results/2026-12-06-h100-autotune.md.
+// timings): docs/results/2026-12-06-h100-autotune.md (lab switch JAXLLM_MMA_HEAD=0: the rule before, for an A/B).
 inline cudaError_t Dispatch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                             __nv_bfloat16* y, int m, int n, int k, int choice = -1) {
   if (choice >= 0 && choice < kCandidateCount) return kCandidates[choice].launch(stream, x, w, scale, y, m, n, k);
   const int tiles = (n + 15) / 16;
-  const bool many = tiles >= 288, head = tiles >= 4096;
+  static const bool head_rule = LabFlag("JAXLLM_MMA_HEAD", true);
+  const bool many = tiles >= 288, head = tiles >= 4096 && head_rule;
   if (m <= 8)
     return many ? Launch<1, 1, 4, 4>(stream, x, w, scale, y, m, n, k) : Launch<1, 1, 16, 2>(stream, x, w, scale, y, m, n, k);
   if (m <= 16 && head) return Launch<2, 2, 2, 4>(stream, x, w, scale, y, m, n, k);
