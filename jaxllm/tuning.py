@@ -2,9 +2,9 @@
 
 For 5-64 rows of bf16 x the matmul runs ffi/w8a16_mma.cuh, whose configurations (tiles of x and of w a warp,
 warps splitting K, chunks in flight) are listed there as kCandidates, each for a row bucket (8, 16, 32 or 64
-rows). Which one is fastest depends on the shape and on the card: on the H200 the built-in rule was up to 28%
-slower than the best (the 7B and 8B LM heads at 16 rows, since made the rule there), and 7-18% on other shapes at
-32 and 64 rows (docs/results/2026-12-06-h100-autotune.md). With Engine(autotune=True) (or JAXLLM_AUTOTUNE=1), an
+rows). Which one is fastest depends on the shape and on the card: on the H200 the best took 28% less time than
+the built-in rule's on the 7B and 8B LM heads at 16 rows (since made the rule there) and 11-18% less on six other
+shape-and-bucket cases (docs/results/2026-12-06-h100-autotune.md). With Engine(autotune=True) (or JAXLLM_AUTOTUNE=1), an
 engine's first program build times every configuration of every bucket on each of the model's W8A16 matmul
 shapes (N, K), on random weights spanning more than the L2, in a child process (`ensure`; the tune handler,
 ffi/tune_cuda.cu), and keeps the fastest as the engine's table; while the engine traces (`use`), linear() gives
@@ -17,7 +17,7 @@ kCandidates, each right for any shape; a file that does not parse is timed again
 make the matmuls slower, not wrong. The configurations sum K in different orders, so their outputs differ in the
 last bits: which one a card's timing picked decides those bits.
 
-Off by default: timed inside the serving process (as first written), the choices made its batch-16 steps 1.7-5.1%
+Off by default: timed inside the serving process (as first written), the choices made its batch-16 steps 1.6-5.1%
 faster than the rule in processes that read them, but the process that timed them ran 8% slower than the rule at
 0.5B; the child process that now does the timing has not yet run on a GPU. This process keeps the choices known
 for one device kind: an engine on another kind of card makes it read (or time) that kind's instead.
