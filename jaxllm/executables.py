@@ -49,9 +49,9 @@ def _extension_file() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def extension_hash() -> str:
-  """A hash of the extension module loaded ("" when it is not built)."""
+  """A hash of the extension module loaded ("" when it is not built); read anew each call (code_version keeps
+  its own)."""
   ext = _extension_file()
   if ext is None:
     return ""
