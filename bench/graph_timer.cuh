@@ -1,6 +1,6 @@
-// Timing helpers of the raw-CUDA benches (gemv_sweep.cu, candidates_sweep.cu): calls captured into one
-// CUDA graph, replayed, timed by events; per call = the difference between 2n and n calls over n, so launch
-// gaps and the graph's own overhead cancel.
+// Timing helpers of the raw-CUDA benches (gemv_sweep.cu, candidates_sweep.cu; built with -I ffi): calls captured
+// into one CUDA graph, replayed, timed by events; per call = the difference between 2n and n calls over n, so
+// launch gaps and the graph's own overhead cancel (ffi/graph_timing.cuh, which the tuner uses too).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +11,8 @@
 #include <functional>
 #include <vector>
 
+#include "graph_timing.cuh"
+
 #define CHECK(call)                                                                                  \
   do {                                                                                               \
     cudaError_t e_ = (call);                                                                         \
@@ -20,39 +22,18 @@
     }                                                                                                \
   } while (0)
 
-// Median over `reps` replays of a graph of `calls` launches of fn(i) (i = call index).
+// Median over `reps` replays (after 3) of a graph of `calls` launches of fn(i) (i = call index; fn checks its own
+// launches): ffi/graph_timing.cuh's, exiting on an error.
 inline float GraphMedianUs(cudaStream_t st, int calls, const std::function<void(int)>& fn, int reps = 15) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < calls; ++i) fn(i);
-  CHECK(cudaStreamEndCapture(st, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, st));
-  std::vector<float> ts;
-  for (int r = 0; r < reps; ++r) {
-    CHECK(cudaEventRecord(a, st));
-    CHECK(cudaGraphLaunch(exec, st));
-    CHECK(cudaEventRecord(b, st));
-    CHECK(cudaEventSynchronize(b));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms * 1e3f);
-  }
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
+  float us = 0.f;
+  CHECK(jaxllm::GraphMedianUs(st, calls, [&](int i) { fn(i); return cudaSuccess; }, reps, 3,
+                              cudaStreamCaptureModeGlobal, &us));
+  return us;
 }
 
 // Per-call microseconds: (graph of 2n calls - graph of n calls) / n.
 inline float PerCallUs(cudaStream_t st, int n, const std::function<void(int)>& fn) {
-  const float t1 = GraphMedianUs(st, n, fn), t2 = GraphMedianUs(st, 2 * n, fn);
-  return (t2 - t1) / n;
+  float us = 0.f;
+  CHECK(jaxllm::PerCallUs(st, n, [&](int i) { fn(i); return cudaSuccess; }, 15, 3, cudaStreamCaptureModeGlobal, &us));
+  return us;
 }
-

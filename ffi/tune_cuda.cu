@@ -5,7 +5,7 @@
 // w [C, N, K] int8, scale [C, N, K / 64] f32; +inf for the configurations of another row bucket than M's. The
 // calls rotate over the copies (jaxllm.tuning makes them span more than the L2, so each call reads device memory,
 // as a step does); a call's time is (a CUDA graph of 2n calls - one of n) / n, the median of 5 replays, so launch
-// gaps and the graph's own cost cancel (bench/graph_timer.cuh's method); +inf too for a configuration this GPU
+// gaps and the graph's own cost cancel (graph_timing.cuh); +inf too for a configuration this GPU
 // cannot launch, or whose difference is not positive (noise). It runs on a stream of its own after XLA's and
 // synchronizes: not for command buffers, run once when a model loads (in jaxllm.tuning's child process).
 #include <cuda_bf16.h>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common.h"
+#include "graph_timing.cuh"
 #include "w8a16_mma.cuh"
 
 namespace jaxllm {
@@ -25,54 +26,12 @@ namespace {
 
 namespace mma = w8a16::mma;
 
-struct Graph {   // a captured graph and its executable, freed on scope exit
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ~Graph() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-  }
-};
-struct Events {
-  cudaEvent_t a = nullptr, b = nullptr;
-  ~Events() {
+struct Event {   // freed on scope exit
+  cudaEvent_t a = nullptr;
+  ~Event() {
     if (a) cudaEventDestroy(a);
-    if (b) cudaEventDestroy(b);
   }
 };
-
-// Median microseconds of 5 replays of a graph of `calls` launches of candidate `c`, call i on copy i % copies.
-cudaError_t GraphUs(cudaStream_t st, const mma::Candidate& c, int calls, int copies, const __nv_bfloat16* x,
-                    const int8_t* w, const float* scale, __nv_bfloat16* y, int m, int n, int k, float* us) {
-  Graph g;
-  if (cudaError_t e = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal); e != cudaSuccess) return e;
-  cudaError_t launched = cudaSuccess;
-  for (int i = 0; i < calls && launched == cudaSuccess; ++i) {
-    const size_t j = size_t(i % copies);
-    launched = c.launch(st, x, w + j * size_t(n) * k, scale + j * size_t(n) * (k / mma::kChunk), y, m, n, k);
-  }
-  const cudaError_t ended = cudaStreamEndCapture(st, &g.graph);
-  if (launched != cudaSuccess) return launched;
-  if (ended != cudaSuccess) return ended;
-  if (cudaError_t e = cudaGraphInstantiate(&g.exec, g.graph, 0); e != cudaSuccess) return e;
-  Events ev;
-  if (cudaError_t e = cudaEventCreate(&ev.a); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaEventCreate(&ev.b); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaGraphLaunch(g.exec, st); e != cudaSuccess) return e;   // warm-up
-  std::vector<float> times;
-  for (int r = 0; r < 5; ++r) {
-    if (cudaError_t e = cudaEventRecord(ev.a, st); e != cudaSuccess) return e;
-    if (cudaError_t e = cudaGraphLaunch(g.exec, st); e != cudaSuccess) return e;
-    if (cudaError_t e = cudaEventRecord(ev.b, st); e != cudaSuccess) return e;
-    if (cudaError_t e = cudaEventSynchronize(ev.b); e != cudaSuccess) return e;
-    float ms = 0.f;
-    if (cudaError_t e = cudaEventElapsedTime(&ms, ev.a, ev.b); e != cudaSuccess) return e;
-    times.push_back(ms * 1e3f);
-  }
-  std::sort(times.begin(), times.end());
-  *us = times[times.size() / 2];
-  return cudaSuccess;
-}
 
 ffi::Error W8A16Tune(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> t) {
@@ -106,7 +65,7 @@ ffi::Error W8A16Tune(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
     return ffi::Error::Internal(std::string("jaxllm_w8a16_tune: no stream of its own: ") + cudaGetErrorString(e));
   cudaStream_t own = own_stream.s;
   // After XLA's stream: the inputs are written there.
-  Events ready;
+  Event ready;
   cudaError_t e = cudaEventCreateWithFlags(&ready.a, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventRecord(ready.a, stream);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(own, ready.a, 0);
@@ -127,10 +86,15 @@ ffi::Error W8A16Tune(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
       e = cudaStreamSynchronize(own);
       continue;
     }
-    float once = 0.f, twice = 0.f;
-    e = GraphUs(own, c, calls, int(copies), xp, wp, sp, yp, int(m), int(n), int(k), &once);
-    if (e == cudaSuccess) e = GraphUs(own, c, 2 * calls, int(copies), xp, wp, sp, yp, int(m), int(n), int(k), &twice);
-    if (e == cudaSuccess && twice > once) times[i] = (twice - once) / float(calls);   // else noise: left +inf
+    // Call j on weight copy j % copies; 5 replays after 1.
+    const auto launch = [&](int j) {
+      const size_t copy = size_t(j % copies);
+      return c.launch(own, xp, wp + copy * size_t(n) * k, sp + copy * size_t(n) * (k / mma::kChunk), yp, int(m),
+                      int(n), int(k));
+    };
+    float us = 0.f;
+    e = PerCallUs(own, calls, launch, 5, 1, cudaStreamCaptureModeThreadLocal, &us);
+    if (e == cudaSuccess && us > 0.f) times[i] = us;   // else noise: left +inf
   }
   if (e == cudaSuccess) e = cudaStreamSynchronize(own);
   if (e == cudaSuccess) e = cudaMemcpyAsync(t->typed_data(), times.data(), times.size() * sizeof(float),
