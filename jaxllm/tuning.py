@@ -41,11 +41,11 @@ from typing import Iterable
 import numpy as np
 
 from jaxllm.cachedir import cache_dir, private_dir, remove_stale, warn_once, why_untrusted
+from jaxllm.quant import GROUP   # the tensor-core kernel's scale group
 
 FORMAT = 1                    # the file's layout and the meaning of its indexes (w8a16_mma.cuh's kCandidates)
 BUCKETS = (8, 16, 32, 64)     # rows of x each configuration is timed at (w8a16_mma.cuh's Bucket)
 MIN_M, MAX_M = 5, 64          # rows of x the tensor-core kernel takes
-GROUP = 64                    # the kernel's scale group (jaxllm.quant.GROUP)
 SPAN_BYTES = 128 << 20        # weight copies timed in rotation: more than any GPU's L2 (50-60 MB on Hopper)
 MAX_COPIES = 256              # (a 576 x 576 matmul: 85 MB)
 MAX_FILE_BYTES = 8 << 20
