@@ -29,6 +29,7 @@
 
 #include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
+#include "w8a16_mma_occ.cuh"
 #include "w8a16_mma_staged.cuh"
 #include "w8a16_wgmma.cuh"
 
@@ -243,6 +244,15 @@ Config MakeMma(int m) {
   return TensorCores(buf, m, w::mma::Launch<MT, RT, KS, U>);
 }
 
+// The candidate with x read a tile at a time, MINB blocks an SM, and optionally the grid x-tile first
+// (bench/w8a16_mma_occ.cuh).
+template <int MT, int RT, int KS, int U, int MINB, bool SWAP = false>
+Config MakeOcc(int m) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "occ_mt%d_rt%d_ks%d_u%d_b%d%s", MT, RT, KS, U, MINB, SWAP ? "_swap" : "");
+  return TensorCores(buf, m, w::mma_occ::Launch<MT, RT, KS, U, MINB, SWAP>);
+}
+
 // The candidate with x staged once per block (bench/w8a16_mma_staged.cuh): KS groups of NW warps, RT 16-row tiles
 // of w a warp, slabs of U chunks.
 template <int MT, int RT, int NW, int KS, int U>
@@ -389,6 +399,15 @@ int main(int argc, char** argv) {
                    MakeMma<2, 1, 1, 4>(16), MakeMma<2, 1, 1, 8>(16), MakeMma<2, 2, 1, 4>(16), MakeMma<2, 2, 2, 4>(16),
                    MakeMma<2, 1, 16, 4>(16), MakeMma<2, 1, 12, 4>(16), MakeMma<2, 2, 16, 2>(16),
                    MakeMma<8, 2, 16, 1>(64), MakeMma<8, 2, 2, 2>(64), MakeMma<8, 2, 1, 2>(64)})
+    configs.push_back(c);
+  // x a tile at a time, register caps for more blocks an SM, 64 rows as x-tile-first 32-row blocks
+  // (bench/w8a16_mma_occ.cuh; docs/results/2026-12-06-h100-mma-profile.md's "What follows").
+  for (Config c : {MakeOcc<8, 2, 4, 2, 1>(64), MakeOcc<8, 2, 4, 1, 3>(64), MakeOcc<8, 2, 8, 1, 1>(64),
+                   MakeOcc<8, 1, 4, 2, 4>(64), MakeOcc<8, 1, 8, 2, 2>(64), MakeOcc<8, 2, 2, 1, 3>(64),
+                   MakeOcc<4, 1, 4, 4, 1, true>(64), MakeOcc<4, 2, 8, 2, 1, true>(64), MakeOcc<4, 1, 8, 4, 1, true>(64),
+                   MakeOcc<2, 2, 2, 4, 1, true>(64), MakeOcc<2, 1, 4, 4, 1, true>(64),
+                   MakeOcc<2, 2, 2, 4, 1>(16), MakeOcc<2, 2, 2, 4, 2>(16), MakeOcc<2, 1, 4, 4, 1>(16),
+                   MakeOcc<8, 2, 4, 1, 3>(50), MakeOcc<4, 1, 4, 4, 1, true>(50)})
     configs.push_back(c);
   for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
                    MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),
