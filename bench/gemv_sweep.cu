@@ -246,11 +246,11 @@ Config MakeMma(int m) {
 
 // The candidate with x read a tile at a time, MINB blocks an SM, and optionally the grid x-tile first
 // (bench/w8a16_mma_occ.cuh).
-template <int MT, int RT, int KS, int U, int MINB, bool SWAP = false>
+template <int MT, int RT, int KS, int U, int MINB, bool SWAP = false, int NW = 1>
 Config MakeOcc(int m) {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "occ_mt%d_rt%d_ks%d_u%d_b%d%s", MT, RT, KS, U, MINB, SWAP ? "_swap" : "");
-  return TensorCores(buf, m, w::mma_occ::Launch<MT, RT, KS, U, MINB, SWAP>);
+  std::snprintf(buf, sizeof buf, "occ_mt%d_rt%d_ks%d_u%d_b%d%s_nw%d", MT, RT, KS, U, MINB, SWAP ? "_swap" : "", NW);
+  return TensorCores(buf, m, w::mma_occ::Launch<MT, RT, KS, U, MINB, SWAP, NW>);
 }
 
 // The candidate with x staged once per block (bench/w8a16_mma_staged.cuh): KS groups of NW warps, RT 16-row tiles
@@ -407,7 +407,14 @@ int main(int argc, char** argv) {
                    MakeOcc<4, 1, 4, 4, 1, true>(64), MakeOcc<4, 2, 8, 2, 1, true>(64), MakeOcc<4, 1, 8, 4, 1, true>(64),
                    MakeOcc<2, 2, 2, 4, 1, true>(64), MakeOcc<2, 1, 4, 4, 1, true>(64),
                    MakeOcc<2, 2, 2, 4, 1>(16), MakeOcc<2, 2, 2, 4, 2>(16), MakeOcc<2, 1, 4, 4, 1>(16),
-                   MakeOcc<8, 2, 4, 1, 3>(50), MakeOcc<4, 1, 4, 4, 1, true>(50)})
+                   MakeOcc<8, 2, 4, 1, 3>(50), MakeOcc<4, 1, 4, 4, 1, true>(50),
+                   // NW warps sharing x through L1
+                   MakeOcc<8, 2, 2, 1, 3, false, 2>(64), MakeOcc<8, 2, 2, 2, 1, false, 2>(64),
+                   MakeOcc<8, 2, 4, 1, 1, false, 2>(64), MakeOcc<8, 2, 1, 1, 3, false, 4>(64),
+                   MakeOcc<8, 2, 2, 1, 2, false, 4>(64), MakeOcc<8, 2, 1, 2, 1, false, 4>(64),
+                   MakeOcc<8, 1, 2, 2, 2, false, 4>(64), MakeOcc<8, 2, 4, 1, 2, false, 2>(64),
+                   MakeOcc<2, 2, 2, 4, 1, false, 2>(16), MakeOcc<2, 1, 2, 4, 1, false, 4>(16),
+                   MakeOcc<8, 2, 2, 1, 3, false, 2>(50), MakeOcc<2, 2, 2, 4, 1, false, 2>(13)})
     configs.push_back(c);
   for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
                    MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),

@@ -7,7 +7,11 @@
 //   - __launch_bounds__ asks for MINB blocks an SM, so the compiler caps the registers to fit them;
 //   - SWAP orders the grid x-tile first: the blocks of one slab of w for the 8 MT-row tiles of x run side by
 //     side, so with MT < 8 at 64 rows w is read from device memory about once and from L2 for the other tiles
-//     (ffi/w8a16_mma.cuh's order runs every slab for x's first tile, then again for the next).
+//     (ffi/w8a16_mma.cuh's order runs every slab for x's first tile, then again for the next);
+//   - NW warps of a block own different 16 RT-row slabs of w over the same K range (KS such groups split K),
+//     so they read the same x, which L1 then serves once for all of them: x's traffic from L2 per weight byte
+//     falls by NW (at 64 rows ffi/w8a16_mma.cuh's blocks read 8 / RT bytes of x per weight byte, from L2
+//     where x outgrows L1: 2.4 MB for the 7B down projection).
 #pragma once
 
 #include "w8a16_mma.cuh"
@@ -21,17 +25,18 @@ using mma::kChunk;
 using mma::LoadWeights;
 using mma::Mma;
 
-// One block: rows [16 RT tile, +16 RT) of w, rows [8 MT xtile, +8 MT) of x.
+// One block: rows [16 RT NW tile, +16 RT NW) of w, rows [8 MT xtile, +8 MT) of x.
 // x [M, K] bf16, w [N, K] int8, scale [N, K / 64] f32, y [M, N] bf16. K % 64 == 0.
-template <int MT, int RT, int KS, int U, int MINB, bool SWAP>
-__global__ void __launch_bounds__(KS * 32, MINB) Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w,
+template <int MT, int RT, int KS, int U, int MINB, bool SWAP, int NW>
+__global__ void __launch_bounds__(KS * NW * 32, MINB) Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w,
                                                   const float* __restrict__ scale, __nv_bfloat16* __restrict__ y,
                                                   int m, int n, int k) {
-  extern __shared__ float partial[];                     // [KS][8 MT][16 RT]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  constexpr int BR = 16 * RT * NW;                       // rows of w a block
+  extern __shared__ float partial[];                     // [KS][8 MT][BR]
+  const int warp = threadIdx.x / 32, group = warp / NW, member = warp % NW, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int tile = SWAP ? blockIdx.y : blockIdx.x, xtile = SWAP ? blockIdx.x : blockIdx.y;
-  const int chunks = k / kChunk, row0 = tile * 16 * RT, xrow0 = xtile * 8 * MT;
-  const int begin = warp * chunks / KS, end = (warp + 1) * chunks / KS;
+  const int chunks = k / kChunk, block0 = tile * BR, row0 = block0 + member * 16 * RT, xrow0 = xtile * 8 * MT;
+  const int begin = group * chunks / KS, end = (group + 1) * chunks / KS;
 
   // This thread's rows of w (g and g + 8 of each 16-row tile; a row past N reads row N - 1, never written)
   // and of x (g of each 8-row tile; a row past M contributes zeros).
@@ -110,7 +115,7 @@ __global__ void __launch_bounds__(KS * 32, MINB) Kernel(const __nv_bfloat16* __r
   }
 
   // The fragment: d0, d1 at (row g, x rows 2c, 2c + 1), d2, d3 at (row g + 8, the same x rows).
-  float* mine = partial + size_t(warp) * 8 * MT * 16 * RT;
+  float* mine = partial + size_t(group) * 8 * MT * BR + member * 16 * RT;
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -118,32 +123,32 @@ __global__ void __launch_bounds__(KS * 32, MINB) Kernel(const __nv_bfloat16* __r
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int wr = 16 * r + g + 8 * (i / 2), xr = 8 * t + 2 * c + i % 2;
-        mine[xr * 16 * RT + wr] = acc[r][t][i];
+        mine[xr * BR + wr] = acc[r][t][i];
       }
   __syncthreads();
-  for (int o = threadIdx.x; o < 8 * MT * 16 * RT; o += KS * 32) {
-    const int xr = o / (16 * RT), wr = o % (16 * RT), row = row0 + wr, xm = xrow0 + xr;
+  for (int o = threadIdx.x; o < 8 * MT * BR; o += KS * NW * 32) {
+    const int xr = o / BR, wr = o % BR, row = block0 + wr, xm = xrow0 + xr;
     if (row >= n || xm >= m) continue;
     float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * 8 * MT * 16 * RT + o];
+    for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * 8 * MT * BR + o];
     y[size_t(xm) * n + row] = __float2bfloat16(sum);
   }
 }
 
-template <int MT, int RT, int KS, int U, int MINB, bool SWAP>
+template <int MT, int RT, int KS, int U, int MINB, bool SWAP, int NW = 1>
 cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                    __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = Kernel<MT, RT, KS, U, MINB, SWAP>;
-  constexpr size_t smem = mma::SmemBytes(MT, RT, KS);
+  auto kernel = Kernel<MT, RT, KS, U, MINB, SWAP, NW>;
+  constexpr size_t smem = mma::SmemBytes(MT, RT * NW, KS);
   if constexpr (smem > (48 << 10)) {   // the opt-in to more dynamic shared memory, once
     static const cudaError_t opted =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (opted != cudaSuccess) return opted;
   }
-  const unsigned tiles = (n + 16 * RT - 1) / (16 * RT), xtiles = (m + 8 * MT - 1) / (8 * MT);
+  const unsigned tiles = (n + 16 * RT * NW - 1) / (16 * RT * NW), xtiles = (m + 8 * MT - 1) / (8 * MT);
   const dim3 grid = SWAP ? dim3(xtiles, tiles) : dim3(tiles, xtiles);
-  kernel<<<grid, KS * 32, smem, stream>>>(x, w, scale, y, m, n, k);
+  kernel<<<grid, KS * NW * 32, smem, stream>>>(x, w, scale, y, m, n, k);
   return cudaGetLastError();
 }
 

@@ -12,7 +12,7 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 170 python3 -m pytest -q -p no:cachep
 stamp "tests/test_tuning.py rc $?"
 tail -3 $R/tests.log
 wait $SWEEP_BUILD; stamp "sweep build rc $?"; cp /tmp/gs_build.log $R/
-GEMV_MS=16,50,64 timeout 120 /tmp/gs $R/sweep.jsonl gate_up_7b,down_7b,qkv_7b,o_7b,odd_n,gate_up,gate_up_14b \
+GEMV_MS=13,16,50,64 timeout 150 /tmp/gs $R/sweep.jsonl gate_up_7b,down_7b,qkv_7b,o_7b,odd_n,gate_up,gate_up_14b \
   > $R/sweep.log 2>&1
 stamp "sweep rc $?"
 grep -c WRONG $R/sweep.log
