@@ -12,9 +12,11 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 170 python3 -m pytest -q -p no:cachep
 stamp "tests/test_tuning.py rc $?"
 tail -3 $R/tests.log
 wait $SWEEP_BUILD; stamp "sweep build rc $?"; cp /tmp/gs_build.log $R/
-GEMV_MS=13,16,50,64 timeout 150 /tmp/gs $R/sweep.jsonl gate_up_7b,down_7b,qkv_7b,o_7b,odd_n,gate_up,gate_up_14b \
-  > $R/sweep.log 2>&1
+GEMV_MS=64,16 timeout 130 /tmp/gs $R/sweep.jsonl gate_up_7b,down_7b,qkv_7b,o_7b,gate_up,gate_up_14b > $R/sweep.log 2>&1
 stamp "sweep rc $?"
+GEMV_MS=13,50,64 timeout 40 /tmp/gs $R/sweep_edges.jsonl odd_n > $R/sweep_edges.log 2>&1
+stamp "sweep edges rc $?"
+grep -c WRONG $R/sweep_edges.log
 grep -c WRONG $R/sweep.log
 export JAXLLM_CACHE=/tmp/autotune-cache
 B="python3 -m jaxllm.bench --loop pipelined --repeat 3 --prompt-len 128 --decode-len 128 --kernels auto --out $R/ab.jsonl"
