@@ -29,7 +29,6 @@
 
 #include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
-#include "w8a16_mma_occ.cuh"
 #include "w8a16_mma_staged.cuh"
 #include "w8a16_wgmma.cuh"
 
@@ -236,21 +235,13 @@ Config TensorCores(const char* name, int m, TensorCoreLaunch launch) {
 }
 
 // The tensor-core kernel (w8a16_mma.cuh) timed at M rows: MT tiles of 8 rows of x, RT 16-row tiles of w a warp, KS
-// warps splitting K, U chunks in flight.
-template <int MT, int RT, int KS, int U>
+// groups of NW warps splitting K, U chunks in flight, x a tile at a time (XT).
+template <int MT, int RT, int KS, int U, int NW = 1, bool XT = false>
 Config MakeMma(int m) {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "mma_mt%d_rt%d_ks%d_u%d", MT, RT, KS, U);
-  return TensorCores(buf, m, w::mma::Launch<MT, RT, KS, U>);
-}
-
-// The candidate with x read a tile at a time, MINB blocks an SM, and optionally the grid x-tile first
-// (bench/w8a16_mma_occ.cuh).
-template <int MT, int RT, int KS, int U, int MINB, bool SWAP = false, int NW = 1>
-Config MakeOcc(int m) {
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "occ_mt%d_rt%d_ks%d_u%d_b%d%s_nw%d", MT, RT, KS, U, MINB, SWAP ? "_swap" : "", NW);
-  return TensorCores(buf, m, w::mma_occ::Launch<MT, RT, KS, U, MINB, SWAP, NW>);
+  std::snprintf(buf, sizeof buf, "mma_mt%d_rt%d_ks%d_u%d%s%s", MT, RT, KS, U,
+                NW > 1 ? ("_nw" + std::to_string(NW)).c_str() : "", XT ? "_xt" : "");
+  return TensorCores(buf, m, w::mma::Launch<MT, RT, KS, U, NW, XT>);
 }
 
 // The candidate with x staged once per block (bench/w8a16_mma_staged.cuh): KS groups of NW warps, RT 16-row tiles
@@ -400,21 +391,12 @@ int main(int argc, char** argv) {
                    MakeMma<2, 1, 16, 4>(16), MakeMma<2, 1, 12, 4>(16), MakeMma<2, 2, 16, 2>(16),
                    MakeMma<8, 2, 16, 1>(64), MakeMma<8, 2, 2, 2>(64), MakeMma<8, 2, 1, 2>(64)})
     configs.push_back(c);
-  // x a tile at a time, register caps for more blocks an SM, 64 rows as x-tile-first 32-row blocks
-  // (bench/w8a16_mma_occ.cuh; docs/results/2026-12-06-h100-mma-profile.md's "What follows").
-  for (Config c : {MakeOcc<8, 2, 4, 2, 1>(64), MakeOcc<8, 2, 4, 1, 3>(64), MakeOcc<8, 2, 8, 1, 1>(64),
-                   MakeOcc<8, 1, 4, 2, 4>(64), MakeOcc<8, 1, 8, 2, 2>(64), MakeOcc<8, 2, 2, 1, 3>(64),
-                   MakeOcc<4, 1, 4, 4, 1, true>(64), MakeOcc<4, 2, 8, 2, 1, true>(64), MakeOcc<4, 1, 8, 4, 1, true>(64),
-                   MakeOcc<2, 2, 2, 4, 1, true>(64), MakeOcc<2, 1, 4, 4, 1, true>(64),
-                   MakeOcc<2, 2, 2, 4, 1>(16), MakeOcc<2, 2, 2, 4, 2>(16), MakeOcc<2, 1, 4, 4, 1>(16),
-                   MakeOcc<8, 2, 4, 1, 3>(50), MakeOcc<4, 1, 4, 4, 1, true>(50),
-                   // NW warps sharing x through L1
-                   MakeOcc<8, 2, 2, 1, 3, false, 2>(64), MakeOcc<8, 2, 2, 2, 1, false, 2>(64),
-                   MakeOcc<8, 2, 4, 1, 1, false, 2>(64), MakeOcc<8, 2, 1, 1, 3, false, 4>(64),
-                   MakeOcc<8, 2, 2, 1, 2, false, 4>(64), MakeOcc<8, 2, 1, 2, 1, false, 4>(64),
-                   MakeOcc<8, 1, 2, 2, 2, false, 4>(64), MakeOcc<8, 2, 4, 1, 2, false, 2>(64),
-                   MakeOcc<2, 2, 2, 4, 1, false, 2>(16), MakeOcc<2, 1, 2, 4, 1, false, 4>(16),
-                   MakeOcc<8, 2, 2, 1, 3, false, 2>(50), MakeOcc<2, 2, 2, 4, 1, false, 2>(13)})
+  // x a tile at a time (XT), NW warps a K range sharing x through L1 (w8a16_mma.cuh's kCandidates at 64 rows; an
+  // x-tile-first grid and register caps were swept beside them at 80125e4:
+  // docs/results/2026-12-06-h100-autotune-default.md)
+  for (Config c : {MakeMma<8, 2, 4, 1, 2, true>(64), MakeMma<8, 2, 2, 1, 1, true>(64), MakeMma<8, 2, 8, 1, 1, true>(64),
+                   MakeMma<8, 2, 2, 2, 2, true>(64), MakeMma<8, 2, 1, 2, 4, true>(64), MakeMma<2, 2, 2, 4, 2, true>(16),
+                   MakeMma<8, 2, 4, 1, 2, true>(50), MakeMma<2, 2, 2, 4, 2, true>(13)})
     configs.push_back(c);
   for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
                    MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),

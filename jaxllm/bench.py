@@ -259,6 +259,7 @@ def run(args) -> list[dict]:
       peak = _peak_memory()                  # before the bandwidth probe below allocates its own buffer
       rec = {"schema_version": SCHEMA_VERSION, "label": args.label, "model": args.model, "synthetic": synthetic,
              "arch": config.arch, "quant": quant, "kernels": engine.kernels, "tp": args.tp,
+             "autotune": engine.autotune, "mma_choices": len(engine.mma_table),
              "graphs_requested": engine.graphs_requested, "graph_state": state,
              "compiler_options": engine.compiler_options, "loop": loop, "batch": args.batch,
              "prompt_len": args.prompt_len, "decode_len": args.decode_len, "max_context": max_context,

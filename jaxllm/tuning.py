@@ -1,13 +1,13 @@
-"""Which tensor-core configuration the GPU's W8A16 matmul runs for each shape: measured on this GPU (opt-in).
+"""Which tensor-core configuration the GPU's W8A16 matmul runs for each shape: measured on this GPU.
 
 For 5-64 rows of bf16 x the matmul runs ffi/w8a16_mma.cuh, whose configurations (tiles of x and of w a warp,
 warps splitting K, chunks in flight) are listed there as kCandidates, each for a row bucket (8, 16, 32 or 64
 rows). Which one is fastest depends on the shape and on the card: on the H200 the best took 28% less time than
 the built-in rule's on the 7B and 8B LM heads at 16 rows (since made the rule there) and 11-18% less on six other
-shape-and-bucket cases (docs/results/2026-12-06-h100-autotune.md). With Engine(autotune=True) (or JAXLLM_AUTOTUNE=1), an
-engine's first program build times every configuration of every bucket on each of the model's W8A16 matmul
-shapes (N, K), on random weights spanning more than the L2, in a child process (`ensure`; the tune handler,
-ffi/tune_cuda.cu), and keeps the fastest as the engine's table; while the engine traces (`use`), linear() gives
+shape-and-bucket cases (docs/results/2026-12-06-h100-autotune.md). Unless Engine(autotune=False) (or
+JAXLLM_AUTOTUNE=0) turns it off, an engine's first program build times every configuration of every bucket on
+each of the model's W8A16 matmul shapes (N, K), on random weights spanning more than the L2, in a child process
+(`ensure`; the tune handler, ffi/tune_cuda.cu), and keeps the fastest as the engine's table; while the engine traces (`use`), linear() gives
 each matmul `choice(n, k, m)` (-1, the rule, for a shape not timed and outside an engine's tracing).
 
 Choices are kept in <cache>/tuning/ (jaxllm.cachedir), one JSON file a device kind, for the extension build
@@ -17,10 +17,12 @@ kCandidates, each right for any shape; a file that does not parse is timed again
 make the matmuls slower, not wrong. The configurations sum K in different orders, so their outputs differ in the
 last bits: which one a card's timing picked decides those bits.
 
-Off by default: timed inside the serving process (as first written), the choices made its batch-16 steps 1.6-5.1%
-faster than the rule in processes that read them, but the process that timed them ran 8% slower than the rule at
-0.5B; the child process that now does the timing has not yet run on a GPU. This process keeps the choices known
-for one device kind: an engine on another kind of card makes it read (or time) that kind's instead.
+On by default since the child process ran on the GPU: on an H100 at batch 16 the steps took 6.1% less time at
+7B and 3.3% less at 0.5B than the rule's, the process whose child timed them included
+(docs/results/2026-12-06-h100-autotune-default.md; timed inside the serving process, as first written, that
+process ran 8% slower, cause not found). The first engine of a model on a card waits for the child (about 9 s at
+7B on an H100); later runs read the file. This process keeps the choices known for one device kind: an engine on
+another kind of card makes it read (or time) that kind's instead.
 """
 from __future__ import annotations
 
@@ -61,9 +63,8 @@ _failed: set[tuple[int, int]] = set()            # (N, K) whose timing failed in
 
 
 def enabled() -> bool:
-  """The default of Engine(autotune=None): JAXLLM_AUTOTUNE=1 (off otherwise, until the child process that times
-  the configurations has run on a GPU)."""
-  return os.environ.get("JAXLLM_AUTOTUNE", "0") == "1"
+  """The default of Engine(autotune=None): on, unless JAXLLM_AUTOTUNE=0."""
+  return os.environ.get("JAXLLM_AUTOTUNE", "1") != "0"
 
 
 def bucket(m: int) -> int:

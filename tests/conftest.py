@@ -83,12 +83,17 @@ def pytest_sessionstart(session):
   so demo models are downloaded once per session. JAXLLM_TEST_CACHE names a directory to use instead (kept,
   to reuse the downloads across sessions; the tests clear the converted models and executables in it).
   A second temporary directory is shared by the test processes (xdist's workers inherit its variable), removed
-  at the end: JAX's compilation cache and the locks of `alone` tests."""
+  at the end: JAX's compilation cache and the locks of `alone` tests. The engines' autotune is off unless
+  JAXLLM_AUTOTUNE says otherwise."""
   kept = os.environ.get("JAXLLM_TEST_CACHE")
   root = os.path.abspath(kept) if kept else tempfile.mkdtemp(prefix="jaxllm-test-cache-")
   session.config.stash[_CACHE_ROOT] = "" if kept else root
   os.environ["JAXLLM_CACHE"] = root
   os.environ["XDG_CACHE_HOME"] = os.path.join(root, "xdg")
+  # The engines' autotune (on by default) off, unless a test turns it on (tests/test_tuning.py) or the run asks
+  # for it: on the GPU each test process would time the configurations in a child while other workers share the
+  # card, which adds time and picks on noise (a table picks among configurations that are all right).
+  os.environ.setdefault("JAXLLM_AUTOTUNE", "0")
   shared = os.environ.get(_SHARED_VAR)
   if not shared:
     shared = tempfile.mkdtemp(prefix="jaxllm-test-shared-")

@@ -11,7 +11,7 @@ FIELDS = {"schema_version", "label", "model", "synthetic", "arch", "quant", "ker
           "tpot_token_ms_p50", "tpot_token_ms_p90", "calls_timed", "decode_tok_s",
           "decode_tok_s_total", "step_ms_burst", "weight_bytes_per_token", "weight_gb_s", "byte_floor_ms",
           "copy_gb_s", "peak_memory_bytes", "peak_rss_bytes", "weights_bytes", "cache_bytes", "prefill_chunk",
-          "env"}
+          "env", "autotune", "mma_choices"}
 
 
 def test_bench_smoke_schema(tmp_path, monkeypatch):

@@ -99,7 +99,9 @@ def test_bucket_and_choice_bounds(fresh, monkeypatch):
     assert tuning.choice(100, 128, 13) == 3
   assert tuning.choice(100, 128, 13) == -1
   assert tuning.enabled()
-  monkeypatch.delenv("JAXLLM_AUTOTUNE")                                           # off by default
+  monkeypatch.delenv("JAXLLM_AUTOTUNE")                                           # on by default
+  assert tuning.enabled()
+  monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
   assert not tuning.enabled()
 
 
@@ -186,9 +188,11 @@ def test_autotune_follows_the_argument_then_the_environment(fresh, monkeypatch):
   config, weights, _, _ = load_model("synthetic:tiny", "w8a16", 0)
   assert Engine(config, weights, None, max_context=16).autotune                   # fresh: JAXLLM_AUTOTUNE=1
   assert not Engine(config, weights, None, max_context=16, autotune=False).autotune
-  monkeypatch.delenv("JAXLLM_AUTOTUNE")
+  monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
   assert not Engine(config, weights, None, max_context=16).autotune
   assert Engine(config, weights, None, max_context=16, autotune=True).autotune
+  monkeypatch.delenv("JAXLLM_AUTOTUNE")
+  assert Engine(config, weights, None, max_context=16).autotune                   # the default
 
 
 @pytest.mark.parametrize("fail", ["exit", "timeout"])
