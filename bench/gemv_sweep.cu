@@ -29,6 +29,7 @@
 
 #include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
+#include "w8a16_mma_splitk.cuh"
 #include "w8a16_mma_staged.cuh"
 #include "w8a16_wgmma.cuh"
 
@@ -244,6 +245,14 @@ Config MakeMma(int m) {
   return TensorCores(buf, m, w::mma::Launch<MT, RT, KS, U, NW, XT>);
 }
 
+// The candidate with K split over S blocks and NW warps a block sharing x (bench/w8a16_mma_splitk.cuh).
+template <int MT, int RT, int NW, int S, int U>
+Config MakeSplit(int m) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "mmasplit_mt%d_rt%d_nw%d_s%d_u%d", MT, RT, NW, S, U);
+  return TensorCores(buf, m, w::mma_splitk::Launch<MT, RT, NW, S, U>);
+}
+
 // The candidate with x staged once per block (bench/w8a16_mma_staged.cuh): KS groups of NW warps, RT 16-row tiles
 // of w a warp, slabs of U chunks.
 template <int MT, int RT, int NW, int KS, int U>
@@ -397,6 +406,13 @@ int main(int argc, char** argv) {
   for (Config c : {MakeMma<8, 2, 4, 1, 2, true>(64), MakeMma<8, 2, 2, 1, 1, true>(64), MakeMma<8, 2, 8, 1, 1, true>(64),
                    MakeMma<8, 2, 2, 2, 2, true>(64), MakeMma<8, 2, 1, 2, 4, true>(64), MakeMma<2, 2, 2, 4, 2, true>(16),
                    MakeMma<8, 2, 4, 1, 2, true>(50), MakeMma<2, 2, 2, 4, 2, true>(13)})
+    configs.push_back(c);
+  // K split over blocks, x shared by NW warps (bench/w8a16_mma_splitk.cuh)
+  for (Config c : {MakeSplit<8, 2, 2, 4, 1>(64), MakeSplit<8, 2, 4, 8, 1>(64), MakeSplit<8, 2, 4, 16, 1>(64),
+                   MakeSplit<8, 2, 2, 8, 1>(64), MakeSplit<8, 1, 4, 8, 2>(64), MakeSplit<8, 2, 8, 16, 1>(64),
+                   MakeSplit<8, 2, 4, 4, 2>(64), MakeSplit<8, 2, 4, 2, 1>(64), MakeSplit<8, 1, 8, 8, 2>(64),
+                   MakeSplit<2, 2, 4, 8, 2>(16), MakeSplit<2, 1, 4, 8, 4>(16), MakeSplit<2, 2, 2, 4, 2>(16),
+                   MakeSplit<2, 1, 8, 8, 4>(16), MakeSplit<8, 2, 4, 8, 1>(50), MakeSplit<2, 2, 4, 8, 2>(13)})
     configs.push_back(c);
   for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
                    MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 2026-12-06 pm, call 2: the three XT/NW configurations in w8a16_mma.cuh's kCandidates on the GPU (their
-# tests and a sweep), then the autotune (on by default now) against the rule in paired processes at 7B b64 and
+# tests and a sweep, with the split-K candidate bench/w8a16_mma_splitk.cuh beside them), then the autotune (on by default now) against the rule in paired processes at 7B b64 and
 # b16 and 0.5B b64, each pair on a fresh tuning cache's first timing.
 set -u
 export DEADLINE=${DEADLINE:-575}
@@ -13,9 +13,11 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 200 python3 -m pytest -q -p no:cachep
 stamp "tests rc $?"
 tail -3 $R/tests.log
 wait $SWEEP_BUILD; stamp "sweep build rc $?"
-GEMV_MS=64 timeout 60 /tmp/gs $R/sweep.jsonl gate_up_7b,down_7b,qkv_7b,o_7b,gate_up_8b,down_8b,gate_up,down \
+GEMV_MS=64,16 timeout 100 /tmp/gs $R/sweep.jsonl down_7b,o_7b,qkv_7b,gate_up_7b,down_8b,down,gate_up \
   > $R/sweep.log 2>&1
 stamp "sweep rc $?"; grep -c WRONG $R/sweep.log
+GEMV_MS=13,50,64 timeout 30 /tmp/gs $R/sweep_edges.jsonl odd_n > $R/sweep_edges.log 2>&1
+stamp "sweep edges rc $?"; grep -c WRONG $R/sweep_edges.log
 export JAXLLM_CACHE=/tmp/autotune-cache
 B="python3 -m jaxllm.bench --loop pipelined --repeat 3 --prompt-len 128 --decode-len 128 --kernels auto --out $R/ab.jsonl"
 pair() {  # preset batch: JAXLLM_AUTOTUNE=1, 0, 1, 0, each its own process
@@ -41,7 +43,7 @@ import json, sys
 best = {}
 for line in open(sys.argv[1]):
   r = json.loads(line)
-  if r.get("matmul") and r["config"].startswith("mma_"):
+  if r.get("matmul") and r["config"].startswith("mma"):
     best.setdefault((r["shape"], r["m"]), []).append((r["us"], r["config"], r["ok"]))
 for key, v in sorted(best.items()):
   v.sort()
