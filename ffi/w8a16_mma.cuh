@@ -22,7 +22,10 @@
 // flight (L1 bypassed, 256-byte L2 prefetch); the groups' partial tiles meet in shared memory and the block
 // writes y. XT converts a chunk's weights for all RT tiles first and then reads x one 8-row tile at a time
 // (8 registers, not 8 MT; at 64 rows the plain order holds all of x's tiles, docs/results/
-// 2026-12-06-h100-mma-profile.md). The order of the sums is the same either way.
+// 2026-12-06-h100-mma-profile.md). The order of the sums is the same either way. MINB > 0 is __launch_bounds__'
+// minimum of blocks an SM (0: none given). It changes ptxas's choices even where it caps nothing: the XT
+// configurations below took 174-252 registers without it and 226 with theirs, and were 1.5-1.6x slower
+// without it on the H100's 7B down and gate/up (docs/results/2026-12-06-h100-autotune-default.md).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -77,8 +80,8 @@ constexpr size_t SmemBytes(int mt, int rt, int ks, int nw = 1) {
 
 // One block: rows [16 RT NW blockIdx.x, +16 RT NW) of w, rows [8 MT blockIdx.y, +8 MT) of x.
 // x [M, K] bf16, w [N, K] int8, scale [N, K / 64] f32, y [M, N] bf16. K % 64 == 0.
-template <int MT, int RT, int KS, int U, int NW, bool XT>
-__global__ void __launch_bounds__(KS * NW * 32)
+template <int MT, int RT, int KS, int U, int NW, bool XT, int MINB>
+__global__ void __launch_bounds__(KS * NW * 32, MINB)
     Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w, const float* __restrict__ scale,
            __nv_bfloat16* __restrict__ y, int m, int n, int k) {
   constexpr int BR = 16 * RT * NW;                       // rows of w a block
@@ -224,10 +227,10 @@ __global__ void __launch_bounds__(KS * NW * 32)
   }
 }
 
-template <int MT, int RT, int KS, int U, int NW = 1, bool XT = false>
+template <int MT, int RT, int KS, int U, int NW = 1, bool XT = false, int MINB = 0>
 cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                    __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = Kernel<MT, RT, KS, U, NW, XT>;
+  auto kernel = Kernel<MT, RT, KS, U, NW, XT, MINB>;
   constexpr size_t smem = SmemBytes(MT, RT, KS, NW);
   if constexpr (smem > (48 << 10)) {   // the opt-in to more dynamic shared memory, once
     static const cudaError_t opted =
@@ -258,8 +261,8 @@ inline constexpr Candidate kCandidates[] = {
     {32, Launch<4, 1, 1, 4>},  {32, Launch<4, 2, 2, 2>},
     {64, Launch<8, 2, 4, 2>},  {64, Launch<8, 2, 8, 1>},  {64, Launch<8, 2, 2, 2>},  {64, Launch<8, 2, 1, 2>},
     {64, Launch<8, 1, 8, 2>},  {64, Launch<8, 2, 16, 1>},
-    // x a tile at a time (XT), with two warps a K range (NW 2) or one
-    {64, Launch<8, 2, 4, 1, 2, true>}, {64, Launch<8, 2, 2, 1, 1, true>}, {64, Launch<8, 2, 8, 1, 1, true>},
+    // x a tile at a time (XT), with two warps a K range (NW 2) or one, the minimum of blocks an SM they were timed at
+    {64, Launch<8, 2, 4, 1, 2, true, 1>}, {64, Launch<8, 2, 2, 1, 1, true, 3>}, {64, Launch<8, 2, 8, 1, 1, true, 1>},
 };
 inline constexpr int kCandidateCount = int(sizeof(kCandidates) / sizeof(kCandidates[0]));
 inline int Bucket(int m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }
