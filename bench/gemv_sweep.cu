@@ -29,7 +29,6 @@
 
 #include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
-#include "w8a16_mma_splitk.cuh"
 #include "w8a16_mma_staged.cuh"
 #include "w8a16_wgmma.cuh"
 
@@ -236,21 +235,15 @@ Config TensorCores(const char* name, int m, TensorCoreLaunch launch) {
 }
 
 // The tensor-core kernel (w8a16_mma.cuh) timed at M rows: MT tiles of 8 rows of x, RT 16-row tiles of w a warp, KS
-// groups of NW warps splitting K, U chunks in flight, x a tile at a time (XT).
-template <int MT, int RT, int KS, int U, int NW = 1, bool XT = false>
+// groups of NW warps splitting K, U chunks in flight, x a tile at a time (XT), MINB blocks an SM asked of ptxas (0: not
+// asked).
+template <int MT, int RT, int KS, int U, int NW = 1, bool XT = false, int MINB = 0>
 Config MakeMma(int m) {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "mma_mt%d_rt%d_ks%d_u%d%s%s", MT, RT, KS, U,
-                NW > 1 ? ("_nw" + std::to_string(NW)).c_str() : "", XT ? "_xt" : "");
-  return TensorCores(buf, m, w::mma::Launch<MT, RT, KS, U, NW, XT>);
-}
-
-// The candidate with K split over S blocks and NW warps a block sharing x (bench/w8a16_mma_splitk.cuh).
-template <int MT, int RT, int NW, int S, int U>
-Config MakeSplit(int m) {
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "mmasplit_mt%d_rt%d_nw%d_s%d_u%d", MT, RT, NW, S, U);
-  return TensorCores(buf, m, w::mma_splitk::Launch<MT, RT, NW, S, U>);
+  std::snprintf(buf, sizeof buf, "mma_mt%d_rt%d_ks%d_u%d%s%s%s", MT, RT, KS, U,
+                NW > 1 ? ("_nw" + std::to_string(NW)).c_str() : "", XT ? "_xt" : "",
+                MINB > 0 ? ("_b" + std::to_string(MINB)).c_str() : "");
+  return TensorCores(buf, m, w::mma::Launch<MT, RT, KS, U, NW, XT, MINB>);
 }
 
 // The candidate with x staged once per block (bench/w8a16_mma_staged.cuh): KS groups of NW warps, RT 16-row tiles
@@ -403,16 +396,10 @@ int main(int argc, char** argv) {
   // x a tile at a time (XT), NW warps a K range sharing x through L1 (w8a16_mma.cuh's kCandidates at 64 rows; an
   // x-tile-first grid and register caps were swept beside them at 80125e4:
   // docs/results/2026-12-06-h100-autotune-default.md)
-  for (Config c : {MakeMma<8, 2, 4, 1, 2, true>(64), MakeMma<8, 2, 2, 1, 1, true>(64), MakeMma<8, 2, 8, 1, 1, true>(64),
-                   MakeMma<8, 2, 2, 2, 2, true>(64), MakeMma<8, 2, 1, 2, 4, true>(64), MakeMma<2, 2, 2, 4, 2, true>(16),
-                   MakeMma<8, 2, 4, 1, 2, true>(50), MakeMma<2, 2, 2, 4, 2, true>(13)})
-    configs.push_back(c);
-  // K split over blocks, x shared by NW warps (bench/w8a16_mma_splitk.cuh)
-  for (Config c : {MakeSplit<8, 2, 2, 4, 1>(64), MakeSplit<8, 2, 4, 8, 1>(64), MakeSplit<8, 2, 4, 16, 1>(64),
-                   MakeSplit<8, 2, 2, 8, 1>(64), MakeSplit<8, 1, 4, 8, 2>(64), MakeSplit<8, 2, 8, 16, 1>(64),
-                   MakeSplit<8, 2, 4, 4, 2>(64), MakeSplit<8, 2, 4, 2, 1>(64), MakeSplit<8, 1, 8, 8, 2>(64),
-                   MakeSplit<2, 2, 4, 8, 2>(16), MakeSplit<2, 1, 4, 8, 4>(16), MakeSplit<2, 2, 2, 4, 2>(16),
-                   MakeSplit<2, 1, 8, 8, 4>(16), MakeSplit<8, 2, 4, 8, 1>(50), MakeSplit<2, 2, 4, 8, 2>(13)})
+  for (Config c : {MakeMma<8, 2, 4, 1, 2, true, 1>(64), MakeMma<8, 2, 2, 1, 1, true, 3>(64),
+                   MakeMma<8, 2, 8, 1, 1, true, 1>(64), MakeMma<8, 2, 4, 1, 2, true>(64), MakeMma<8, 2, 8, 1, 1, true>(64),
+                   MakeMma<8, 2, 2, 2, 2, true, 1>(64), MakeMma<2, 2, 2, 4, 2, true, 1>(16),
+                   MakeMma<8, 2, 4, 1, 2, true, 1>(50), MakeMma<8, 2, 2, 1, 1, true, 3>(50), MakeMma<2, 2, 2, 4, 2, true, 1>(13)})
     configs.push_back(c);
   for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
                    MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),
