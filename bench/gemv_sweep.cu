@@ -235,15 +235,12 @@ Config TensorCores(const char* name, int m, TensorCoreLaunch launch) {
 }
 
 // The tensor-core kernel (w8a16_mma.cuh) timed at M rows: MT tiles of 8 rows of x, RT 16-row tiles of w a warp, KS
-// groups of NW warps splitting K, U chunks in flight, x a tile at a time (XT), MINB blocks an SM asked of ptxas (0: not
-// asked).
-template <int MT, int RT, int KS, int U, int NW = 1, bool XT = false, int MINB = 0>
+// warps splitting K, U chunks in flight.
+template <int MT, int RT, int KS, int U>
 Config MakeMma(int m) {
   char buf[96];
-  std::snprintf(buf, sizeof buf, "mma_mt%d_rt%d_ks%d_u%d%s%s%s", MT, RT, KS, U,
-                NW > 1 ? ("_nw" + std::to_string(NW)).c_str() : "", XT ? "_xt" : "",
-                MINB > 0 ? ("_b" + std::to_string(MINB)).c_str() : "");
-  return TensorCores(buf, m, w::mma::Launch<MT, RT, KS, U, NW, XT, MINB>);
+  std::snprintf(buf, sizeof buf, "mma_mt%d_rt%d_ks%d_u%d", MT, RT, KS, U);
+  return TensorCores(buf, m, w::mma::Launch<MT, RT, KS, U>);
 }
 
 // The candidate with x staged once per block (bench/w8a16_mma_staged.cuh): KS groups of NW warps, RT 16-row tiles
@@ -392,14 +389,6 @@ int main(int argc, char** argv) {
                    MakeMma<2, 1, 1, 4>(16), MakeMma<2, 1, 1, 8>(16), MakeMma<2, 2, 1, 4>(16), MakeMma<2, 2, 2, 4>(16),
                    MakeMma<2, 1, 16, 4>(16), MakeMma<2, 1, 12, 4>(16), MakeMma<2, 2, 16, 2>(16),
                    MakeMma<8, 2, 16, 1>(64), MakeMma<8, 2, 2, 2>(64), MakeMma<8, 2, 1, 2>(64)})
-    configs.push_back(c);
-  // x a tile at a time (XT), NW warps a K range sharing x through L1 (w8a16_mma.cuh's kCandidates at 64 rows; an
-  // x-tile-first grid and register caps were swept beside them at 80125e4:
-  // docs/results/2026-12-06-h100-autotune-default.md)
-  for (Config c : {MakeMma<8, 2, 4, 1, 2, true, 1>(64), MakeMma<8, 2, 2, 1, 1, true, 3>(64),
-                   MakeMma<8, 2, 8, 1, 1, true, 1>(64), MakeMma<8, 2, 4, 1, 2, true>(64), MakeMma<8, 2, 8, 1, 1, true>(64),
-                   MakeMma<8, 2, 2, 2, 2, true, 1>(64), MakeMma<2, 2, 2, 4, 2, true, 1>(16),
-                   MakeMma<8, 2, 4, 1, 2, true, 1>(50), MakeMma<8, 2, 2, 1, 1, true, 3>(50), MakeMma<2, 2, 2, 4, 2, true, 1>(13)})
     configs.push_back(c);
   for (Config c : {MakeWg<16, 1, 1, 4, 2>(16), MakeWg<16, 1, 2, 4, 2>(16), MakeWg<16, 1, 1, 3, 1>(16),
                    MakeWg<16, 1, 4, 3, 2>(16), MakeWg<16, 1, 1, 3, 2>(16), MakeWg<16, 1, 2, 3, 1>(16),

@@ -16,16 +16,10 @@
 // the B fragment (columns of x^T): a dot product does not care about the order of its terms, and x's four
 // bf16 of a step are then two consecutive 32-bit words of the thread's 32-byte load of x.
 //
-// Work split: a block of KS groups of NW warps owns 16 * RT * NW rows of w; group i takes the i-th of KS
-// contiguous ranges of the chunks (split K), and its NW warps 16 * RT rows each, over the same range, so they
-// read the same x (through L1, which serves it once for all of them); each warp keeps U chunks' weight loads in
-// flight (L1 bypassed, 256-byte L2 prefetch); the groups' partial tiles meet in shared memory and the block
-// writes y. XT converts a chunk's weights for all RT tiles first and then reads x one 8-row tile at a time
-// (8 registers, not 8 MT; at 64 rows the plain order holds all of x's tiles, docs/results/
-// 2026-12-06-h100-mma-profile.md). The order of the sums is the same either way. MINB > 0 is __launch_bounds__'
-// minimum of blocks an SM (0: none given). It changes ptxas's choices even where it caps nothing: the XT
-// configurations below took 174-252 registers without it and 226 with theirs, and were 1.5-1.6x slower
-// without it on the H100's 7B down and gate/up (docs/results/2026-12-06-h100-autotune-default.md).
+// Work split: a block of KS warps owns 16 * RT rows of w; warp i takes the i-th of KS contiguous ranges of
+// the chunks (split K), keeping U chunks' weight loads in flight (L1 bypassed, 256-byte L2 prefetch); the
+// warps' partial tiles meet in shared memory and the block writes y. x (reused by every block) is read
+// through L1.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -73,24 +67,19 @@ __device__ __forceinline__ uint4 LoadWeights(const int8_t* p) {
   return v;
 }
 
-// Shared memory of a block: the KS groups' partial [8 MT, 16 RT NW] tiles in f32.
-constexpr size_t SmemBytes(int mt, int rt, int ks, int nw = 1) {
-  return size_t(ks) * 16 * rt * nw * 8 * mt * sizeof(float);
-}
+// Shared memory of a block: the KS warps' partial [16 RT, 8 MT] tiles in f32.
+constexpr size_t SmemBytes(int mt, int rt, int ks) { return size_t(ks) * 16 * rt * 8 * mt * sizeof(float); }
 
-// One block: rows [16 RT NW blockIdx.x, +16 RT NW) of w, rows [8 MT blockIdx.y, +8 MT) of x.
+// One block: rows [16 RT blockIdx.x, +16 RT) of w, rows [8 MT blockIdx.y, +8 MT) of x.
 // x [M, K] bf16, w [N, K] int8, scale [N, K / 64] f32, y [M, N] bf16. K % 64 == 0.
-template <int MT, int RT, int KS, int U, int NW, bool XT, int MINB>
-__global__ void __launch_bounds__(KS * NW * 32, MINB)
-    Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w, const float* __restrict__ scale,
-           __nv_bfloat16* __restrict__ y, int m, int n, int k) {
-  constexpr int BR = 16 * RT * NW;                       // rows of w a block
-  extern __shared__ float partial[];                     // [KS][8 MT][BR]
-  const int warp = threadIdx.x / 32, group = warp / NW, member = warp % NW, lane = threadIdx.x % 32, g = lane / 4,
-            c = lane % 4;
-  const int chunks = k / kChunk, block0 = blockIdx.x * BR, row0 = block0 + member * 16 * RT,
-            xrow0 = blockIdx.y * 8 * MT;
-  const int begin = group * chunks / KS, end = (group + 1) * chunks / KS;
+template <int MT, int RT, int KS, int U>
+__global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w,
+                                                  const float* __restrict__ scale, __nv_bfloat16* __restrict__ y,
+                                                  int m, int n, int k) {
+  extern __shared__ float partial[];                     // [KS][8 MT][16 RT]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int chunks = k / kChunk, row0 = blockIdx.x * 16 * RT, xrow0 = blockIdx.y * 8 * MT;
+  const int begin = warp * chunks / KS, end = (warp + 1) * chunks / KS;
 
   // This thread's rows of w (g and g + 8 of each 16-row tile; a row past N reads row N - 1, never written)
   // and of x (g of each 8-row tile; a row past M contributes zeros).
@@ -134,79 +123,44 @@ __global__ void __launch_bounds__(KS * NW * 32, MINB)
           wq[u][r][h] = live ? LoadWeights(wrow[r][h] + size_t(base + u) * kChunk) : make_uint4(0, 0, 0, 0);
           sc[u][r][h] = live ? __ldg(srow[r][h] + base + u) : 0.f;
         }
-    if constexpr (XT) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (base + u >= end) break;
-        uint32_t a[RT][4][4];                                // [tile r][step j] the A fragment
+    for (int u = 0; u < U; ++u) {
+      if (base + u >= end) break;
+      uint4 xv[MT][2];                                     // 16 bf16 of x per tile: words 2j, 2j+1 are step j's
 #pragma unroll
-        for (int r = 0; r < RT; ++r) {
-          const uint32_t q0[4] = {wq[u][r][0].x, wq[u][r][0].y, wq[u][r][0].z, wq[u][r][0].w};
-          const uint32_t q1[4] = {wq[u][r][1].x, wq[u][r][1].y, wq[u][r][1].z, wq[u][r][1].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            Int8x4ToBf16(q0[j], a[r][j][0], a[r][j][2]);
-            Int8x4ToBf16(q1[j], a[r][j][1], a[r][j][3]);
-          }
-        }
-#pragma unroll
-        for (int t = 0; t < MT; ++t) {
-          const uint4* p = reinterpret_cast<const uint4*>(xrow[t] + size_t(base + u) * kChunk);
-          const uint4 x0 = xlive[t] ? __ldg(p) : make_uint4(0, 0, 0, 0);
-          const uint4 x1 = xlive[t] ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
-          const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-          for (int r = 0; r < RT; ++r) {
-            float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) Mma(part, a[r][j], xw[2 * j], xw[2 * j + 1], part);
-            acc[r][t][0] += part[0] * sc[u][r][0];
-            acc[r][t][1] += part[1] * sc[u][r][0];
-            acc[r][t][2] += part[2] * sc[u][r][1];
-            acc[r][t][3] += part[3] * sc[u][r][1];
-          }
-        }
+      for (int t = 0; t < MT; ++t) {
+        const uint4* p = reinterpret_cast<const uint4*>(xrow[t] + size_t(base + u) * kChunk);
+        xv[t][0] = xlive[t] ? __ldg(p) : make_uint4(0, 0, 0, 0);
+        xv[t][1] = xlive[t] ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
       }
-    } else {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (base + u >= end) break;
-        uint4 xv[MT][2];                                     // 16 bf16 of x per tile: words 2j, 2j+1 are step j's
+      for (int r = 0; r < RT; ++r) {
+        uint32_t a[4][4];                                  // [step j] the A fragment
+        const uint32_t q0[4] = {wq[u][r][0].x, wq[u][r][0].y, wq[u][r][0].z, wq[u][r][0].w};
+        const uint32_t q1[4] = {wq[u][r][1].x, wq[u][r][1].y, wq[u][r][1].z, wq[u][r][1].w};
 #pragma unroll
-        for (int t = 0; t < MT; ++t) {
-          const uint4* p = reinterpret_cast<const uint4*>(xrow[t] + size_t(base + u) * kChunk);
-          xv[t][0] = xlive[t] ? __ldg(p) : make_uint4(0, 0, 0, 0);
-          xv[t][1] = xlive[t] ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
+        for (int j = 0; j < 4; ++j) {
+          Int8x4ToBf16(q0[j], a[j][0], a[j][2]);           // row g: inputs 4j, 4j+1 | 4j+2, 4j+3
+          Int8x4ToBf16(q1[j], a[j][1], a[j][3]);           // row g + 8
         }
 #pragma unroll
-        for (int r = 0; r < RT; ++r) {
-          uint32_t a[4][4];                                  // [step j] the A fragment
-          const uint32_t q0[4] = {wq[u][r][0].x, wq[u][r][0].y, wq[u][r][0].z, wq[u][r][0].w};
-          const uint32_t q1[4] = {wq[u][r][1].x, wq[u][r][1].y, wq[u][r][1].z, wq[u][r][1].w};
+        for (int t = 0; t < MT; ++t) {
+          const uint32_t xw[8] = {xv[t][0].x, xv[t][0].y, xv[t][0].z, xv[t][0].w,
+                                  xv[t][1].x, xv[t][1].y, xv[t][1].z, xv[t][1].w};
+          float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            Int8x4ToBf16(q0[j], a[j][0], a[j][2]);           // row g: inputs 4j, 4j+1 | 4j+2, 4j+3
-            Int8x4ToBf16(q1[j], a[j][1], a[j][3]);           // row g + 8
-          }
-#pragma unroll
-          for (int t = 0; t < MT; ++t) {
-            const uint32_t xw[8] = {xv[t][0].x, xv[t][0].y, xv[t][0].z, xv[t][0].w,
-                                    xv[t][1].x, xv[t][1].y, xv[t][1].z, xv[t][1].w};
-            float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) Mma(part, a[j], xw[2 * j], xw[2 * j + 1], part);
-            acc[r][t][0] += part[0] * sc[u][r][0];           // rows g (d0, d1) and g + 8 (d2, d3)
-            acc[r][t][1] += part[1] * sc[u][r][0];
-            acc[r][t][2] += part[2] * sc[u][r][1];
-            acc[r][t][3] += part[3] * sc[u][r][1];
-          }
+          for (int j = 0; j < 4; ++j) Mma(part, a[j], xw[2 * j], xw[2 * j + 1], part);
+          acc[r][t][0] += part[0] * sc[u][r][0];           // rows g (d0, d1) and g + 8 (d2, d3)
+          acc[r][t][1] += part[1] * sc[u][r][0];
+          acc[r][t][2] += part[2] * sc[u][r][1];
+          acc[r][t][3] += part[3] * sc[u][r][1];
         }
       }
     }
   }
 
   // The fragment: d0, d1 at (row g, x rows 2c, 2c + 1), d2, d3 at (row g + 8, the same x rows).
-  float* mine = partial + size_t(group) * 8 * MT * BR + member * 16 * RT;
+  float* mine = partial + size_t(warp) * 8 * MT * 16 * RT;
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -214,31 +168,31 @@ __global__ void __launch_bounds__(KS * NW * 32, MINB)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int wr = 16 * r + g + 8 * (i / 2), xr = 8 * t + 2 * c + i % 2;
-        mine[xr * BR + wr] = acc[r][t][i];
+        mine[xr * 16 * RT + wr] = acc[r][t][i];
       }
   __syncthreads();
-  for (int o = threadIdx.x; o < 8 * MT * BR; o += KS * NW * 32) {
-    const int xr = o / BR, wr = o % BR, row = block0 + wr, xm = xrow0 + xr;
+  for (int o = threadIdx.x; o < 8 * MT * 16 * RT; o += KS * 32) {
+    const int xr = o / (16 * RT), wr = o % (16 * RT), row = row0 + wr, xm = xrow0 + xr;
     if (row >= n || xm >= m) continue;
     float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * 8 * MT * BR + o];
+    for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * 8 * MT * 16 * RT + o];
     y[size_t(xm) * n + row] = __float2bfloat16(sum);
   }
 }
 
-template <int MT, int RT, int KS, int U, int NW = 1, bool XT = false, int MINB = 0>
+template <int MT, int RT, int KS, int U>
 cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                    __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = Kernel<MT, RT, KS, U, NW, XT, MINB>;
-  constexpr size_t smem = SmemBytes(MT, RT, KS, NW);
+  auto kernel = Kernel<MT, RT, KS, U>;
+  constexpr size_t smem = SmemBytes(MT, RT, KS);
   if constexpr (smem > (48 << 10)) {   // the opt-in to more dynamic shared memory, once
     static const cudaError_t opted =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (opted != cudaSuccess) return opted;
   }
-  const dim3 grid((n + 16 * RT * NW - 1) / (16 * RT * NW), (m + 8 * MT - 1) / (8 * MT));
-  kernel<<<grid, KS * NW * 32, smem, stream>>>(x, w, scale, y, m, n, k);
+  const dim3 grid((n + 16 * RT - 1) / (16 * RT), (m + 8 * MT - 1) / (8 * MT));
+  kernel<<<grid, KS * 32, smem, stream>>>(x, w, scale, y, m, n, k);
   return cudaGetLastError();
 }
 
@@ -261,8 +215,6 @@ inline constexpr Candidate kCandidates[] = {
     {32, Launch<4, 1, 1, 4>},  {32, Launch<4, 2, 2, 2>},
     {64, Launch<8, 2, 4, 2>},  {64, Launch<8, 2, 8, 1>},  {64, Launch<8, 2, 2, 2>},  {64, Launch<8, 2, 1, 2>},
     {64, Launch<8, 1, 8, 2>},  {64, Launch<8, 2, 16, 1>},
-    // x a tile at a time (XT), with two warps a K range (NW 2) or one, the minimum of blocks an SM they were timed at
-    {64, Launch<8, 2, 4, 1, 2, true, 1>}, {64, Launch<8, 2, 2, 1, 1, true, 3>}, {64, Launch<8, 2, 8, 1, 1, true, 1>},
 };
 inline constexpr int kCandidateCount = int(sizeof(kCandidates) / sizeof(kCandidates[0]));
 inline int Bucket(int m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }

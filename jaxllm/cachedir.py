@@ -81,6 +81,10 @@ def executables_dir() -> Path:
   return cache_dir() / "executables"
 
 
+def tuning_dir() -> Path:
+  return cache_dir() / "tuning"
+
+
 def make_private_dir(path: Path) -> None:
   """Creates path and any missing directories above it, each 0700 (an existing one is left as it is);
   raises OSError when that is not possible."""

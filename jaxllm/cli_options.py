@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-compile-cache", action="store_true",
                  help="do not keep compiled steps on disk (same as JAXLLM_COMPILE_CACHE=0)")
   p.add_argument("--clear-cache", action="store_true",
-                 help="remove cached conversions and compiled steps (downloaded models stay), then exit")
+                 help="remove cached conversions, compiled steps and kernel tuning (downloaded models stay), then exit")
   p.add_argument("--version", action="version", version=f"jaxllm {VERSION}")
   return p
 

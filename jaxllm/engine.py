@@ -91,8 +91,8 @@ class Engine(Programs):
       GPU runs the fused step, "while" elsewhere (loop_for says which: K unrolled CPU steps compile for ~20 s
       instead of ~3, K unrolled unfused GPU steps for tens of seconds).
     autotune: on the GPU, time the tensor-core matmul's configurations on the weights' W8A16 shapes once a card
-      (in a child process, kept in the cache) and run the fastest for each (jaxllm.tuning); None: the
-      JAXLLM_AUTOTUNE default (off).
+      (in a child process, kept in the cache) and run the fastest for each at 5-32 rows (jaxllm.tuning); None:
+      the JAXLLM_AUTOTUNE default (on; 0 turns it off).
     mesh: a one-axis mesh (jaxllm.parallel.make_mesh(N)) to run tensor parallel over its N devices: the
       weights are laid out over it (W8A16 or float), the KV cache split by KV head; None: one device.
   """

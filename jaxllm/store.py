@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.cachedir import _LOCK, compile_dir, executables_dir, hold_lock, models_dir, private_dir, release_lock, \
-    remove_stale, warn_once
+    remove_stale, tuning_dir, warn_once
 from jaxllm.config import Config
 
 FORMAT = 4          # bump when what convert() writes changes (4: Q4_K as LowBit, Mixed stacks)
@@ -160,9 +160,9 @@ def load(key: str) -> tuple[Config, dict, dict[str, np.ndarray]] | None:
 
 
 def clear() -> list[str]:
-  """Removes the converted models and the compiled executables; returns what was removed."""
+  """Removes the converted models, the compiled executables and the kernel tuning; returns what was removed."""
   removed = []
-  for d in (models_dir(), compile_dir(), executables_dir()):
+  for d in (models_dir(), compile_dir(), executables_dir(), tuning_dir()):
     if d.exists():
       shutil.rmtree(d)
       removed.append(str(d))

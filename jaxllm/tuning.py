@@ -5,10 +5,16 @@ warps splitting K, chunks in flight) are listed there as kCandidates, each for a
 rows). Which one is fastest depends on the shape and on the card: on the H200 the best took 28% less time than
 the built-in rule's on the 7B and 8B LM heads at 16 rows (since made the rule there) and 11-18% less on six other
 shape-and-bucket cases (docs/results/2026-12-06-h100-autotune.md). Unless Engine(autotune=False) (or
-JAXLLM_AUTOTUNE=0) turns it off, an engine's first program build times every configuration of every bucket on
-each of the model's W8A16 matmul shapes (N, K), on random weights spanning more than the L2, in a child process
-(`ensure`; the tune handler, ffi/tune_cuda.cu), and keeps the fastest as the engine's table; while the engine traces (`use`), linear() gives
-each matmul `choice(n, k, m)` (-1, the rule, for a shape not timed and outside an engine's tracing).
+JAXLLM_AUTOTUNE=0) turns it off, an engine's first program build times every configuration of the 8-, 16- and
+32-row buckets (BUCKETS) on each of the model's W8A16 matmul shapes (N, K), on random weights spanning more than
+the L2, in a child process (`ensure`; the tune handler, ffi/tune_cuda.cu), and keeps the fastest as the engine's
+table; while the engine traces (`use`), linear() gives each matmul `choice(n, k, m)` (-1, the rule, for a shape
+not timed, 33-64 rows, and outside an engine's tracing).
+
+33-64 rows run the rule: there the tuner's timing disagreed with the sweep's (the 7B gate/up's Launch<8, 2, 8, 1>
+108 us in the tuner, 119-120 in bench/gemv_sweep.cu, against 114 for the rule's in both), and on an H100 the 7B
+step at batch 64 took 1.3% more time with its choices than with the rule
+(docs/results/2026-12-06-h100-autotune-default.md).
 
 Choices are kept in <cache>/tuning/ (jaxllm.cachedir), one JSON file a device kind, for the extension build
 that timed them: a later run on the same card reads them instead of timing again. The file is checked like the
@@ -17,7 +23,7 @@ kCandidates, each right for any shape; a file that does not parse is timed again
 make the matmuls slower, not wrong. The configurations sum K in different orders, so their outputs differ in the
 last bits: which one a card's timing picked decides those bits.
 
-On by default since the child process ran on the GPU: on an H100 at batch 16 the steps took 6.1% less time at
+On by default since the child process ran on the GPU: on an H100 at batch 16 the steps took 6.0% less time at
 7B and 3.3% less at 0.5B than the rule's, the process whose child timed them included
 (docs/results/2026-12-06-h100-autotune-default.md; timed inside the serving process, as first written, that
 process ran 8% slower, cause not found). The first engine of a model on a card waits for the child (about 9 s at
@@ -42,12 +48,12 @@ from typing import Iterable
 
 import numpy as np
 
-from jaxllm.cachedir import cache_dir, private_dir, remove_stale, warn_once, why_untrusted
+from jaxllm.cachedir import private_dir, remove_stale, tuning_dir, warn_once, why_untrusted
 from jaxllm.quant import GROUP   # the tensor-core kernel's scale group
 
-FORMAT = 1                    # the file's layout and the meaning of its indexes (w8a16_mma.cuh's kCandidates)
-BUCKETS = (8, 16, 32, 64)     # rows of x each configuration is timed at (w8a16_mma.cuh's Bucket)
-MIN_M, MAX_M = 5, 64          # rows of x the tensor-core kernel takes
+FORMAT = 2                    # the file's layout, its buckets, and its indexes' meaning (w8a16_mma.cuh's kCandidates)
+BUCKETS = (8, 16, 32)         # the row buckets timed and used (w8a16_mma.cuh's Bucket; its 64 runs the rule, below)
+MIN_M = 5                     # rows of x from which the tensor-core kernel runs (kMinM)
 SPAN_BYTES = 128 << 20        # weight copies timed in rotation: more than any GPU's L2 (50-60 MB on Hopper)
 MAX_COPIES = 256              # (a 576 x 576 matmul: 85 MB)
 MAX_FILE_BYTES = 8 << 20
@@ -63,20 +69,23 @@ _failed: set[tuple[int, int]] = set()            # (N, K) whose timing failed in
 
 
 def enabled() -> bool:
-  """The default of Engine(autotune=None): on, unless JAXLLM_AUTOTUNE=0."""
-  return os.environ.get("JAXLLM_AUTOTUNE", "1") != "0"
+  """The default of Engine(autotune=None): on, unless JAXLLM_AUTOTUNE is 0, false or off."""
+  value = os.environ.get("JAXLLM_AUTOTUNE", "1").strip().lower()
+  if value not in ("0", "1", "false", "true", "off", "on", ""):
+    raise ValueError(f"JAXLLM_AUTOTUNE must be 0 or 1, got {os.environ['JAXLLM_AUTOTUNE']!r}")
+  return value not in ("0", "false", "off")
 
 
-def bucket(m: int) -> int:
-  """The row bucket of m rows of x (w8a16_mma.cuh's Bucket)."""
-  return next(b for b in BUCKETS if m <= b) if m <= BUCKETS[-1] else BUCKETS[-1]
+def bucket(m: int) -> int | None:
+  """The row bucket of m rows of x (w8a16_mma.cuh's Bucket), None past the last one timed."""
+  return next((b for b in BUCKETS if m <= b), None)
 
 
 def choice(n: int, k: int, m: int) -> int:
   """The configuration for x [m, k] @ w [n, k].T in the table in use (`use`, around an engine's tracing): its
-  index in kCandidates, or -1 (the kernel's rule) outside one, for a shape it lacks, or m outside 5-64 rows."""
+  index in kCandidates, or -1 (the kernel's rule) outside one, for a shape it lacks, or m outside 5-32 rows."""
   table = _active.get()
-  if table is None or not MIN_M <= m <= MAX_M:
+  if table is None or not MIN_M <= m <= BUCKETS[-1]:
     return -1
   return table.get((int(n), int(k), bucket(m)), -1)
 
@@ -104,7 +113,7 @@ def _build_id() -> str:
 
 def _file(device_kind: str) -> Path:
   name = re.sub(r"[^A-Za-z0-9._-]+", "_", device_kind).strip("._") or "gpu"
-  return cache_dir() / "tuning" / f"{name}.json"
+  return tuning_dir() / f"{name}.json"
 
 
 def _valid(choices, count: int) -> dict[tuple[int, int, int], int] | None:

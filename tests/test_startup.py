@@ -111,8 +111,11 @@ def test_clear_cache(tmp_path, capsys):
   path = write_tiny_model(tmp_path / "m.gguf", "llama")
   jaxllm.load(path, progress=False)
   assert any(cachedir.models_dir().iterdir())
+  cachedir.tuning_dir().mkdir(parents=True)
+  (cachedir.tuning_dir() / "GPU.json").write_text("{}")
   assert cli_main(["--clear-cache"]) == 0
   assert not cachedir.models_dir().exists() and "removed" in capsys.readouterr().err
+  assert not cachedir.tuning_dir().exists()
 
 
 def test_cli_stages_quiet_and_json(tmp_path, capsys):

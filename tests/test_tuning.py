@@ -88,12 +88,13 @@ def _fake_measure(calls):
 
 
 def test_bucket_and_choice_bounds(fresh, monkeypatch):
-  assert [tuning.bucket(m) for m in (5, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+  assert [tuning.bucket(m) for m in (5, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, None, None]
   assert tuning.choice(100, 128, 13) == -1                                        # no table in use: the rule
-  with tuning.use({(100, 128, 16): 3}):
-    assert tuning.choice(100, 128, 13) == 3
+  with tuning.use({(100, 128, 16): 3, (100, 128, 32): 5, (100, 128, 64): 2}):
+    assert tuning.choice(100, 128, 13) == 3 and tuning.choice(100, 128, 32) == 5
     assert tuning.choice(100, 128, 4) == -1 and tuning.choice(100, 128, 65) == -1  # the GEMV kernels, XLA's dot
     assert tuning.choice(100, 128, 8) == -1                                       # another bucket: the rule
+    assert tuning.choice(100, 128, 33) == -1 and tuning.choice(100, 128, 64) == -1  # 33-64 rows: the rule
     with tuning.use(None):
       assert tuning.choice(100, 128, 13) == -1
     assert tuning.choice(100, 128, 13) == 3
@@ -101,8 +102,15 @@ def test_bucket_and_choice_bounds(fresh, monkeypatch):
   assert tuning.enabled()
   monkeypatch.delenv("JAXLLM_AUTOTUNE")                                           # on by default
   assert tuning.enabled()
-  monkeypatch.setenv("JAXLLM_AUTOTUNE", "0")
-  assert not tuning.enabled()
+  for off in ("0", "false", "OFF"):
+    monkeypatch.setenv("JAXLLM_AUTOTUNE", off)
+    assert not tuning.enabled()
+  for on in ("1", "true", " on", ""):
+    monkeypatch.setenv("JAXLLM_AUTOTUNE", on)
+    assert tuning.enabled()
+  monkeypatch.setenv("JAXLLM_AUTOTUNE", "no")
+  with pytest.raises(ValueError, match="JAXLLM_AUTOTUNE must be 0 or 1, got 'no'"):
+    tuning.enabled()
 
 
 def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
@@ -133,6 +141,7 @@ def test_ensure_times_once_and_keeps_choices_per_card(fresh, monkeypatch):
     (lambda d: d["choices"].update({"100,128,16": 8}), True),        # not one of the 8 configurations
     (lambda d: d["choices"].update({"100,128,16": True}), True),
     (lambda d: d["choices"].update({"100,128,12": 1}), True),        # not a bucket
+    (lambda d: d["choices"].update({"100,128,64": 1}), True),        # not a bucket timed
     (lambda d: d["choices"].update({"100,-128,16": 1}), True),
     (lambda d: d.update(choices=[1, 2]), True),
     (lambda d: d["choices"].update({"1\u00b2,128,16": 1}), True),   # a digit int() does not take
