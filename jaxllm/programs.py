@@ -237,6 +237,7 @@ class Programs:
     self.autotune = tuning.enabled() if autotune is None else bool(autotune)
     self._tuned = False                        # _tune has run
     self.mma_table: tuning.Table = {}          # its choices for the weights' shapes (jaxllm.tuning)
+    self.tune_seconds = 0.0                    # what getting them took (timing in a child, or reading the file)
 
   # ---- compilation ---------------------------------------------------------------------------
 
@@ -300,7 +301,8 @@ class Programs:
     shapes = {lin.w.shape[-2:] for lin in lins if isinstance(lin, Linear) and lin.quantized and lin.w.dtype == jnp.int8}
     t0 = time.perf_counter()
     self.mma_table = tuning.ensure(shapes, jax.devices()[0].device_kind)
-    self.compile_seconds += time.perf_counter() - t0
+    self.tune_seconds = time.perf_counter() - t0
+    self.compile_seconds += self.tune_seconds
 
   def _done(self, key: tuple, compiled, how: str, seconds: float) -> None:
     self.built[how] += 1

@@ -58,9 +58,18 @@ class Stages:
                 leave=False, file=self.stream)
 
 
-def compile_line(built: dict, cache_on: bool) -> str:
+def compile_line(built: dict, cache_on: bool, tune_seconds: float = 0.0) -> str:
   """The compile stage's line (a format string for Stages.stage, `s` its seconds) from what an Engine built
-  (Programs.built: executables loaded from the disk cache, compiled, saved to it): says which happened."""
+  (Programs.built: executables loaded from the disk cache, compiled, saved to it): says which happened, and
+  the GPU matmul's autotune when it timed (Programs.tune_seconds, from half a second: once a card)."""
+  line = _built_line(built, cache_on)
+  if tune_seconds >= 0.5:
+    line += (f" (with {tune_seconds:.1f} s timing the matmul kernels on this GPU, once: kept in the cache; "
+             "JAXLLM_AUTOTUNE=0 skips it)")
+  return line
+
+
+def _built_line(built: dict, cache_on: bool) -> str:
   loaded, compiled, saved = built["loaded"], built["compiled"], built["saved"]
   if not compiled:
     return "loaded compiled steps and warmed up in {s:.2f} s" if loaded else "warmed up in {s:.2f} s"

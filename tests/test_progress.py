@@ -145,3 +145,8 @@ def test_compile_line_names_each_case(own_compiles):
   assert said(compiled=2, loaded=1, saved=2) == "compiled 2 steps, loaded 1, and warmed up in 1.23 s, saved for the next run"
   assert said(compiled=3) == "compiled and warmed up in 1.23 s, not saved"
   assert said(compiled=3, saved=1) == "compiled and warmed up in 1.23 s, 1 of 3 saved for the next run"
+  built = {"loaded": 3, "compiled": 0, "saved": 0}
+  assert compile_line(built, True, 0.2) == compile_line(built, True)            # the tuning file read: not said
+  assert compile_line(built, True, 9.04).format(s=12.0) == (
+      "loaded compiled steps and warmed up in 12.00 s (with 9.0 s timing the matmul kernels on this GPU, once: "
+      "kept in the cache; JAXLLM_AUTOTUNE=0 skips it)")
