@@ -16,6 +16,7 @@ import tempfile
 
 import jax
 
+from jaxllm import switches
 from jaxllm.executables import jax_cache_off
 
 ENV_VAR = "JAXLLM_CUDA_GRAPHS"
@@ -26,10 +27,7 @@ def graphs_requested(no_graphs: bool = False) -> bool:
   """Whether command buffers are wanted: on unless JAXLLM_CUDA_GRAPHS=0 or no_graphs."""
   if no_graphs:
     return False
-  value = os.environ.get(ENV_VAR, "1").strip().lower()
-  if value not in ("0", "1", "false", "true", "off", "on", ""):
-    raise ValueError(f"{ENV_VAR} must be 0 or 1, got {os.environ[ENV_VAR]!r}")
-  return value not in ("0", "false", "off")
+  return switches.on(ENV_VAR)
 
 
 def user_xla_flag() -> str | None:

@@ -48,6 +48,7 @@ from typing import Iterable
 
 import numpy as np
 
+from jaxllm import switches
 from jaxllm.cachedir import private_dir, remove_stale, tuning_dir, warn_once, why_untrusted
 from jaxllm.quant import GROUP   # the tensor-core kernel's scale group
 
@@ -70,10 +71,7 @@ _failed: set[tuple[int, int]] = set()            # (N, K) whose timing failed in
 
 def enabled() -> bool:
   """The default of Engine(autotune=None): on, unless JAXLLM_AUTOTUNE is 0, false or off."""
-  value = os.environ.get("JAXLLM_AUTOTUNE", "1").strip().lower()
-  if value not in ("0", "1", "false", "true", "off", "on", ""):
-    raise ValueError(f"JAXLLM_AUTOTUNE must be 0 or 1, got {os.environ['JAXLLM_AUTOTUNE']!r}")
-  return value not in ("0", "false", "off")
+  return switches.on("JAXLLM_AUTOTUNE")
 
 
 def bucket(m: int) -> int | None:
