@@ -96,6 +96,18 @@ def roles(events: list[tuple[int, int, str]]) -> list[str]:
   return out
 
 
+def mma_roles(names: list[str], tokens: int) -> dict[int, str]:
+  """The batched step's tensor-core matmuls by their place in a step (index -> role): each step launches them
+  in the same order, every layer's q/k/v, O, gate/up and down, then the LM head, so the i-th of a step's n
+  is layer i // 4's LAYER_ROLES[i % 4], the last the head. Empty unless they come a whole number of times a
+  step, 4 a layer and one more."""
+  where = [i for i, n in enumerate(names) if n.endswith("mma::Kernel")]
+  per = len(where) // tokens if tokens else 0
+  if not where or per * tokens != len(where) or per % 4 != 1:
+    return {}
+  return {i: "mma " + ("head" if j % per == per - 1 else LAYER_ROLES[j % per % 4]) for j, i in enumerate(where)}
+
+
 def summarize(events, tokens: int) -> dict:
   shares = critical_shares(events)
   span = events[-1][1] - events[0][0] if events else 0
@@ -105,9 +117,12 @@ def summarize(events, tokens: int) -> dict:
     for j, v in enumerate((1, share, idle, dur)):
       row[j] += v
   rows = sorted(per.items(), key=lambda kv: -kv[1][1])
-  by_role = collections.defaultdict(lambda: [0, 0, 0])
-  for role, (_, share, idle, _) in zip(roles(events), shares):
-    for j, v in enumerate((1, share, idle)):
+  by_role = collections.defaultdict(lambda: [0, 0, 0, 0])
+  role_of = roles(events)
+  for i, role in mma_roles([short_name(n) for _, _, n in events], tokens).items():
+    role_of[i] = role
+  for role, (_, share, idle, dur) in zip(role_of, shares):
+    for j, v in enumerate((1, share, idle, dur)):
       by_role[role][j] += v
   return {"tokens": tokens, "events": len(events), "span_us_per_token": span / tokens / 1e3,
           "idle_us_per_token": sum(i for _, _, i, _ in shares) / tokens / 1e3,
@@ -115,8 +130,8 @@ def summarize(events, tokens: int) -> dict:
                     "idle_us_per_token": i / tokens / 1e3, "mean_duration_us": d / c / 1e3}
                    for n, (c, s, i, d) in rows],
           "roles": [{"role": r, "per_token": c / tokens, "share_us_per_token": s / tokens / 1e3,
-                     "idle_us_per_token": i / tokens / 1e3}
-                    for r, (c, s, i) in sorted(by_role.items(), key=lambda kv: -kv[1][1])]}
+                     "idle_us_per_token": i / tokens / 1e3, "mean_duration_us": d / c / 1e3}
+                    for r, (c, s, i, d) in sorted(by_role.items(), key=lambda kv: -kv[1][1])]}
 
 
 def profile(engine, batch: int, prompt: list[int], tokens: int, trace_dir: str) -> dict | None:
@@ -150,9 +165,10 @@ def show(summary: dict) -> None:
   for r in summary["rows"]:
     print(f"{r['kernel']:60s} {r['per_token']:7.2f} {r['share_us_per_token']:14.2f} {r['idle_us_per_token']:13.2f} "
           f"{r['mean_duration_us']:12.2f}")
-  print(f"\n{'role':40s} {'/step':>7s} {'share us/step':>14s} {'idle us/step':>13s}")
+  print(f"\n{'role':40s} {'/step':>7s} {'share us/step':>14s} {'idle us/step':>13s} {'mean dur us':>12s}")
   for r in summary["roles"]:
-    print(f"{r['role']:40s} {r['per_token']:7.2f} {r['share_us_per_token']:14.2f} {r['idle_us_per_token']:13.2f}")
+    print(f"{r['role']:40s} {r['per_token']:7.2f} {r['share_us_per_token']:14.2f} {r['idle_us_per_token']:13.2f} "
+          f"{r['mean_duration_us']:12.2f}")
   print(f"span {summary['span_us_per_token']:.2f} us a step over {summary['tokens']} steps of {summary['batch']} "
         f"rows, of which idle {summary['idle_us_per_token']:.2f}")
 

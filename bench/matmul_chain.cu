@@ -1,0 +1,192 @@
+// The decode step's W8A16 matmuls as the step runs them, without XLA: every layer's q/k/v, O, gate/up and down, then
+// the LM head, each through w8a16::Dispatch (the engine's rule: GEMV kernels at M <= 4, tensor cores above) on
+// stacked [L, N, K] weights, back to back in one CUDA graph. Beside it, the same launches with the weights of only
+// two layers (a small working set), each shape alone (its L launches in a row, as bench/gemv_sweep.cu times
+// it), and a read-only kernel in place of every matmul (the bytes at the copy rate, under the same launches).
+// Which of these the chain's time follows says whether the step's matmuls lose time to their neighbours, to
+// the working set, or in themselves.
+//
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I $(python3 -c "import jax; \
+//     print(jax.ffi.include_dir())") bench/matmul_chain.cu -o /tmp/matmul_chain
+//   /tmp/matmul_chain out.jsonl 7b,0.5b 1,16,64
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "graph_timer.cuh"
+#include "w8a16_cuda.cuh"
+
+using bf16 = __nv_bfloat16;
+namespace w = jaxllm::w8a16;
+
+__device__ uint32_t Hash(uint64_t i, uint32_t seed) {
+  uint64_t z = i * 0x9e3779b97f4a7c15ull + seed;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return uint32_t(z ^ (z >> 31));
+}
+__global__ void FillInt8(int8_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = int8_t(Hash(i, seed) % 255 - 127);
+}
+__global__ void FillScale(float* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = 1e-3f + 1e-2f * (Hash(i, seed) % 1000) / 1000.f;
+}
+__global__ void FillBf16(bf16* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16(-1.f + 2.f * (Hash(i, seed) % 65536) / 65536.f);
+}
+
+// Reads n16 16-byte pieces (the weights) and n_s f32 (their scales) once, 4 pieces in flight a thread, with the
+// matmul's load (L1 bypassed, L2 prefetch hint); writes nothing unless the bytes hash to a constant.
+__global__ void __launch_bounds__(256) ReadOnce(const uint4* __restrict__ p, size_t n16, const float* __restrict__ s,
+                                                size_t ns, uint32_t* sink) {
+  constexpr int U = 4;
+  uint32_t acc = 0;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n16; i += stride * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = i + u * stride < n16 ? w::LoadW<true>(p + i + u * stride) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < ns; i += stride) acc ^= __float_as_uint(__ldg(s + i));
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+struct Model {
+  const char* name;
+  int d, qkv, ff, vocab, layers;
+};
+constexpr Model kModels[] = {
+    {"7b", 3584, 4608, 18944, 151936, 28},     // Qwen2.5-7B
+    {"0.5b", 896, 1152, 4864, 151936, 24},     // Qwen2.5-0.5B
+};
+
+struct Weight {   // [L, N, K] int8 and [L, N, K / 64] f32
+  int n, k, layers;
+  int8_t* q;
+  float* s;
+  size_t bytes() const { return size_t(n) * k; }
+  size_t groups() const { return size_t(k) / 64; }
+};
+
+Weight Alloc(int n, int k, int layers, uint32_t seed, cudaStream_t st) {
+  Weight wt{n, k, layers, nullptr, nullptr};
+  CHECK(cudaMalloc(&wt.q, wt.bytes() * layers));
+  CHECK(cudaMalloc(&wt.s, size_t(n) * wt.groups() * 4 * layers));
+  FillInt8<<<2048, 256, 0, st>>>(wt.q, wt.bytes() * layers, seed);
+  FillScale<<<1024, 256, 0, st>>>(wt.s, size_t(n) * wt.groups() * layers, seed + 1);
+  CHECK(cudaGetLastError());
+  return wt;
+}
+
+int main(int argc, char** argv) {
+  FILE* out = argc > 1 ? std::fopen(argv[1], "a") : nullptr;
+  const std::string models = argc > 2 ? std::string(",") + argv[2] + "," : ",7b,";
+  std::vector<int> ms = {1, 16, 64};
+  if (argc > 3) {
+    ms.clear();
+    for (const char* p = argv[3]; *p;) {
+      ms.push_back(std::atoi(p));
+      while (*p && *p != ',') ++p;
+      if (*p) ++p;
+    }
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  cudaStream_t st;
+  CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  int sms = 0, per_sm = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ReadOnce, 256, 0));
+  for (const Model& md : kModels) {
+    if (models.find(std::string(",") + md.name + ",") == std::string::npos) continue;
+    const int L = md.layers;
+    Weight qkv = Alloc(md.qkv, md.d, L, 11, st), o = Alloc(md.d, md.d, L, 13, st),
+           gu = Alloc(2 * md.ff, md.d, L, 17, st), down = Alloc(md.d, md.ff, L, 19, st),
+           head = Alloc(md.vocab, md.d, 1, 23, st);
+    const int kMaxM = 64;
+    bf16 *xd, *xf, *y;
+    uint32_t* sink;
+    CHECK(cudaMalloc(&xd, size_t(kMaxM) * md.d * 2));
+    CHECK(cudaMalloc(&xf, size_t(kMaxM) * md.ff * 2));
+    CHECK(cudaMalloc(&y, size_t(kMaxM) * md.vocab * 2));
+    CHECK(cudaMalloc(&sink, 4));
+    FillBf16<<<64, 256, 0, st>>>(xd, size_t(kMaxM) * md.d, 5);
+    FillBf16<<<64, 256, 0, st>>>(xf, size_t(kMaxM) * md.ff, 7);
+    CHECK(cudaStreamSynchronize(st));
+    const double total = double(L) * (qkv.bytes() + o.bytes() + gu.bytes() + down.bytes()) + head.bytes();
+    const double total_s = total / 64 * 4;
+    std::printf("\n%s: %d layers, %.3f GB int8 + %.3f GB scales\n", md.name, L, total / 1e9, total_s / 1e9);
+
+    for (int m : ms) {
+      // One matmul: w's layer `layer` (x from xd, or xf when K is the feed-forward width), or its read-only stand-in.
+      auto matmul = [&](const Weight& wt, int layer, bool read_only) {
+        const int8_t* q = wt.q + wt.bytes() * layer;
+        const float* s = wt.s + size_t(wt.n) * wt.groups() * layer;
+        if (read_only) {
+          ReadOnce<<<sms * per_sm, 256, 0, st>>>(reinterpret_cast<const uint4*>(q), wt.bytes() / 16, s,
+                                                  size_t(wt.n) * wt.groups(), sink);
+          CHECK(cudaGetLastError());
+          return;
+        }
+        const jaxllm::MatmulShape sh{m, wt.n, wt.k, int64_t(wt.groups()), 64, 0};
+        CHECK(w::Dispatch<bf16>(st, sh, wt.k == md.ff ? xf : xd, q, s, y));
+      };
+      // One step: every layer's four matmuls, layer l reading layer (l % span)'s weights, then the head.
+      auto step = [&](int span, bool read_only) {
+        for (int l = 0; l < L; ++l) {
+          matmul(qkv, l % span, read_only);
+          matmul(o, l % span, read_only);
+          matmul(gu, l % span, read_only);
+          matmul(down, l % span, read_only);
+        }
+        matmul(head, 0, read_only);
+      };
+      auto report = [&](const char* what, double us) {
+        std::printf("  M=%-3d %-40s %9.1f us  %6.0f GB/s\n", m, what, us, (total + total_s) / us / 1e3);
+        if (out) {
+          std::fprintf(out, "{\"model\": \"%s\", \"m\": %d, \"what\": \"%s\", \"us\": %.2f, \"bytes\": %.0f, \"gpu\": \"%s\"}\n",
+                       md.name, m, what, us, total + total_s, prop.name);
+          std::fflush(out);
+        }
+      };
+      report("chain, every layer its own weights", PerCallUs(st, 2, [&](int) { step(L, false); }));
+      report("chain, two layers' weights", PerCallUs(st, 2, [&](int) { step(2, false); }));
+      report("read-only chain, every layer its own", PerCallUs(st, 2, [&](int) { step(L, true); }));
+      // Each shape alone: its L launches in a row (rotating over every layer's weights, or over two), per call x L.
+      double alone = 0, alone2 = 0;
+      for (const Weight* wt : {&qkv, &o, &gu, &down}) {
+        const float a = PerCallUs(st, L, [&](int i) { matmul(*wt, i % L, false); });
+        const float b = PerCallUs(st, L, [&](int i) { matmul(*wt, i % 2, false); });
+        std::printf("    %5d x %-5d alone: %.2f us a call (every layer), %.2f (two layers)\n", wt->n, wt->k, a, b);
+        if (out)
+          std::fprintf(out, "{\"model\": \"%s\", \"m\": %d, \"what\": \"alone\", \"n\": %d, \"k\": %d, \"us\": %.3f, "
+                       "\"us_two_layers\": %.3f, \"gpu\": \"%s\"}\n", md.name, m, wt->n, wt->k, a, b, prop.name);
+        alone += double(a) * L;
+        alone2 += double(b) * L;
+      }
+      const float h = PerCallUs(st, 4, [&](int) { matmul(head, 0, false); });
+      report("each shape alone (every layer), summed", alone + h);
+      report("each shape alone (two layers), summed", alone2 + h);
+    }
+    for (Weight* wt : {&qkv, &o, &gu, &down, &head}) {
+      CHECK(cudaFree(wt->q));
+      CHECK(cudaFree(wt->s));
+    }
+    CHECK(cudaFree(xd));
+    CHECK(cudaFree(xf));
+    CHECK(cudaFree(y));
+    CHECK(cudaFree(sink));
+  }
+  if (out) std::fclose(out);
+  return 0;
+}
