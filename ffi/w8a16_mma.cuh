@@ -72,7 +72,7 @@ constexpr size_t SmemBytes(int mt, int rt, int ks) { return size_t(ks) * 16 * rt
 
 // One block: rows [16 RT blockIdx.x, +16 RT) of w, rows [8 MT blockIdx.y, +8 MT) of x.
 // x [M, K] bf16, w [N, K] int8, scale [N, K / 64] f32, y [M, N] bf16. K % 64 == 0.
-template <int MT, int RT, int KS, int U>
+template <int MT, int RT, int KS, int U, bool TILED = false>
 __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w,
                                                   const float* __restrict__ scale, __nv_bfloat16* __restrict__ y,
                                                   int m, int n, int k) {
@@ -90,7 +90,10 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = min(row0 + 16 * r + 8 * h + g, n - 1);
-      wrow[r][h] = w + size_t(row) * k + 16 * c;
+      if constexpr (TILED)   // [N / 16, K / 64, 32 lanes, 2 halves, 16 bytes] (n % 16 == 0; a tile past N reads the last)
+        wrow[r][h] = w + (size_t(min(blockIdx.x * RT + r, n / 16 - 1)) * chunks * 32 + lane) * 32 + 16 * h;
+      else
+        wrow[r][h] = w + size_t(row) * k + 16 * c;
       srow[r][h] = scale + size_t(row) * chunks;
     }
   const __nv_bfloat16* xrow[MT];
@@ -120,7 +123,7 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const bool live = base + u < end;
-          wq[u][r][h] = live ? LoadWeights(wrow[r][h] + size_t(base + u) * kChunk) : make_uint4(0, 0, 0, 0);
+          wq[u][r][h] = live ? LoadWeights(wrow[r][h] + size_t(base + u) * (TILED ? 32 * 32 : kChunk)) : make_uint4(0, 0, 0, 0);
           sc[u][r][h] = live ? __ldg(srow[r][h] + base + u) : 0.f;
         }
 #pragma unroll
@@ -181,10 +184,10 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
   }
 }
 
-template <int MT, int RT, int KS, int U>
+template <int MT, int RT, int KS, int U, bool TILED = false>
 cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                    __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = Kernel<MT, RT, KS, U>;
+  auto kernel = Kernel<MT, RT, KS, U, TILED>;
   constexpr size_t smem = SmemBytes(MT, RT, KS);
   if constexpr (smem > (48 << 10)) {   // the opt-in to more dynamic shared memory, once
     static const cudaError_t opted =
