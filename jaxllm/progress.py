@@ -62,11 +62,16 @@ def compile_line(built: dict, cache_on: bool, tune_seconds: float = 0.0) -> str:
   """The compile stage's line (a format string for Stages.stage, `s` its seconds) from what an Engine built
   (Programs.built: executables loaded from the disk cache, compiled, saved to it): says which happened, and
   the GPU matmul's autotune when it timed (Programs.tune_seconds, from half a second: once a card)."""
-  line = _built_line(built, cache_on)
-  if tune_seconds >= 0.5:
-    line += (f" (with {tune_seconds:.1f} s timing the matmul kernels on this GPU, once: kept in the cache; "
-             "JAXLLM_AUTOTUNE=0 skips it)")
-  return line
+  return _built_line(built, cache_on) + tune_note(tune_seconds)
+
+
+def tune_note(tune_seconds: float) -> str:
+  """What a start-up line adds when the GPU matmul's autotune timed (from half a second; reading its file is
+  quicker): "" otherwise."""
+  if tune_seconds < 0.5:
+    return ""
+  return (f" (with {tune_seconds:.1f} s timing the matmul kernels on this GPU, once: kept in the cache; "
+          "JAXLLM_AUTOTUNE=0 skips it)")
 
 
 def _built_line(built: dict, cache_on: bool) -> str:

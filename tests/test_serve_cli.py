@@ -112,3 +112,23 @@ def test_bad_arguments_and_a_broken_model_exit_1(tmp_path):
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 1 and "Traceback" not in err, err
   assert f"[jaxllm] error: --chat-template: {str(template)!r}: " in err and "TemplateSyntaxError" in err, err
+
+
+def test_startup_says_when_the_matmul_autotune_timed(tmp_path, monkeypatch, capsys):
+  """The compile stage's line names the GPU autotune's timing, as generate's does (the timing itself needs a GPU:
+  here Programs._tune is made to report 9.04 s; its file read, under half a second, is not mentioned)."""
+  from jaxllm.programs import Programs
+  from jaxllm.serve.cli import build_parser, make_loader
+  path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
+  args = build_parser().parse_args([path, "--max-batch", "1", "--max-context", "64", "--prefill-chunk", "16",
+                                    "--no-compile-cache"])
+  args.template = None                       # what main() reads from --chat-template (none given)
+  for seconds, note in ((9.04, " (with 9.0 s timing the matmul kernels on this GPU, once: kept in the cache; "
+                                "JAXLLM_AUTOTUNE=0 skips it)\n"), (0.2, " s\n")):
+    def timed(self, seconds=seconds):
+      self._tuned, self.tune_seconds = True, seconds
+    monkeypatch.setattr(Programs, "_tune", timed)
+    scheduler = make_loader(args, path)()
+    scheduler.stop()
+    line = next(l for l in capsys.readouterr().err.splitlines(keepends=True) if l.startswith("[jaxllm] compile 1 slots: "))
+    assert line.endswith(note), line

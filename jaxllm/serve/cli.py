@@ -89,7 +89,7 @@ def make_loader(args, model: str):
     from jaxllm.engine import Engine
     from jaxllm.load import load as load_model
     from jaxllm.parallel import make_mesh
-    from jaxllm.progress import Stages
+    from jaxllm.progress import Stages, tune_note
     from jaxllm.serve.scheduler import Scheduler
     stages = Stages(quiet=args.quiet)
     config, weights, tok = load_model(model, quant=resolve_quant(args.quant, tensor_parallel=args.tp != 1),
@@ -107,11 +107,12 @@ def make_loader(args, model: str):
                     graphs_on=False if args.no_graphs else None, prefill_chunk=args.prefill_chunk,
                     cache_executables=not args.no_compile_cache and executables.compile_cache_enabled(),
                     tokens_per_call=args.tokens_per_call, mesh=make_mesh(args.tp) if args.tp != 1 else None)
-    with stages.stage(f"compile {args.max_batch} slots"):
+    with stages.stage(f"compile {args.max_batch} slots") as info:
       scheduler = Scheduler(engine, slots=args.max_batch, max_waiting=args.max_waiting,
                             prefix_reuse=not args.no_prefix_reuse, wide_top_k=args.wide_top_k,
                             admit_group=args.admit_group)
       scheduler.start()
+      info["note"] = tune_note(engine.tune_seconds).strip(" ()")
     scheduler.metrics.ready()
     if not args.quiet:
       print(f"[jaxllm] serving {model} on http://{args.host}:{args.port} ({args.max_batch} slots of {context} "
