@@ -3,7 +3,9 @@
 // of rows K bytes apart. This times, on the 7B matmuls at 16 and 64 rows:
 //   - the kernel on the engine's row-major [N, K] weights (the dispatch's configurations);
 //   - the same kernel on the same weights repacked so that a warp's load is 1 KB in one piece (TILED: [N / 16,
-//     K / 64, 32 lanes, 2 halves, 16 bytes]), its output checked equal to the row-major one bit for bit;
+//     K / 64, 32 lanes, 2 halves, 16 bytes]);
+//   - either, with x's loads issued a chunk ahead of their use (XPF), every variant's output checked equal to the
+//     row-major kernel's bit for bit;
 //   - loads only, in the kernel's pattern on either layout, and a plain contiguous read of the same bytes.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I bench -I $(python3 -c "import jax; \
@@ -165,28 +167,35 @@ int main(int argc, char** argv) {
       const dim3 grid((sh.n + 16 * RT - 1) / (16 * RT));
       for (bool tiled : {false, true}) {
         const int8_t* w = tiled ? qt : q;
-        const float us = time([&](int j) {
-          return tiled ? mma::Launch<MT, RT, KS, U, true>(st, x, w + wbytes * j, s + sh.n * groups * j,
-                                                           y + size_t(64) * sh.n * j, m, sh.n, sh.k)
-                       : mma::Launch<MT, RT, KS, U, false>(st, x, w + wbytes * j, s + sh.n * groups * j,
-                                                            y + size_t(64) * sh.n * j, m, sh.n, sh.k);
-        });
+        for (bool xpf : {false, true}) {
+          const float us = time([&](int j) {
+            const int8_t* wj = w + wbytes * j;
+            const float* sj = s + sh.n * groups * j;
+            bf16* yj = y + size_t(64) * sh.n * j;
+            if (tiled) return xpf ? mma::Launch<MT, RT, KS, U, true, true>(st, x, wj, sj, yj, m, sh.n, sh.k)
+                                  : mma::Launch<MT, RT, KS, U, true, false>(st, x, wj, sj, yj, m, sh.n, sh.k);
+            return xpf ? mma::Launch<MT, RT, KS, U, false, true>(st, x, wj, sj, yj, m, sh.n, sh.k)
+                       : mma::Launch<MT, RT, KS, U, false, false>(st, x, wj, sj, yj, m, sh.n, sh.k);
+          });
+          // copy 0 against the row-major kernel without XPF: the same bits (the same sums in the same order)
+          CHECK((mma::Launch<MT, RT, KS, U, false, false>(st, x, q, s, y, m, sh.n, sh.k)));
+          if (tiled) CHECK((xpf ? mma::Launch<MT, RT, KS, U, true, true>(st, x, qt, s, y2, m, sh.n, sh.k)
+                                : mma::Launch<MT, RT, KS, U, true, false>(st, x, qt, s, y2, m, sh.n, sh.k)));
+          else CHECK((xpf ? mma::Launch<MT, RT, KS, U, false, true>(st, x, q, s, y2, m, sh.n, sh.k)
+                          : mma::Launch<MT, RT, KS, U, false, false>(st, x, q, s, y2, m, sh.n, sh.k)));
+          std::vector<uint16_t> a(size_t(m) * sh.n), b(a.size());
+          CHECK(cudaMemcpyAsync(a.data(), y, a.size() * 2, cudaMemcpyDeviceToHost, st));
+          CHECK(cudaMemcpyAsync(b.data(), y2, b.size() * 2, cudaMemcpyDeviceToHost, st));
+          CHECK(cudaStreamSynchronize(st));
+          const bool same = std::memcmp(a.data(), b.data(), a.size() * 2) == 0;
+          report(m, name + (tiled ? " tiled" : " row-major") + (xpf ? " xpf" : ""), us,
+                 same ? ", \"same_bits\": true" : ", \"same_bits\": false");
+        }
         const float lo = time([&](int j) {
           if (tiled) LoadsOnly<RT, KS, U, true><<<grid, KS * 32, 0, st>>>(w + wbytes * j, sh.n, sh.k, sink);
           else LoadsOnly<RT, KS, U, false><<<grid, KS * 32, 0, st>>>(w + wbytes * j, sh.n, sh.k, sink);
           return cudaGetLastError();
         });
-        const char* extra = "";
-        if (tiled) {   // copy 0 through both layouts: the same bits
-          CHECK((mma::Launch<MT, RT, KS, U, false>(st, x, q, s, y, m, sh.n, sh.k)));
-          CHECK((mma::Launch<MT, RT, KS, U, true>(st, x, qt, s, y2, m, sh.n, sh.k)));
-          std::vector<uint16_t> a(size_t(m) * sh.n), b(a.size());
-          CHECK(cudaMemcpyAsync(a.data(), y, a.size() * 2, cudaMemcpyDeviceToHost, st));
-          CHECK(cudaMemcpyAsync(b.data(), y2, b.size() * 2, cudaMemcpyDeviceToHost, st));
-          CHECK(cudaStreamSynchronize(st));
-          extra = std::memcmp(a.data(), b.data(), a.size() * 2) == 0 ? ", \"same_bits\": true" : ", \"same_bits\": false";
-        }
-        report(m, name + (tiled ? " tiled" : " row-major"), us, extra);
         report(m, name + (tiled ? " tiled, loads only" : " row-major, loads only"), lo);
       }
     };

@@ -72,7 +72,7 @@ constexpr size_t SmemBytes(int mt, int rt, int ks) { return size_t(ks) * 16 * rt
 
 // One block: rows [16 RT blockIdx.x, +16 RT) of w, rows [8 MT blockIdx.y, +8 MT) of x.
 // x [M, K] bf16, w [N, K] int8, scale [N, K / 64] f32, y [M, N] bf16. K % 64 == 0.
-template <int MT, int RT, int KS, int U, bool TILED = false>
+template <int MT, int RT, int KS, int U, bool TILED = false, bool XPF = false>
 __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w,
                                                   const float* __restrict__ scale, __nv_bfloat16* __restrict__ y,
                                                   int m, int n, int k) {
@@ -113,6 +113,21 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.f;
 
+  // x's 16 bf16 of chunk q per tile: words 2j, 2j + 1 are step j's. XPF: loaded a chunk ahead of their use (xn),
+  // so that their L1/L2 latency overlaps the chunk before.
+  auto load_x = [&](int q, uint4 (&dst)[MT][2]) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const uint4* p = reinterpret_cast<const uint4*>(xrow[t] + size_t(q) * kChunk);
+      dst[t][0] = xlive[t] ? __ldg(p) : make_uint4(0, 0, 0, 0);
+      dst[t][1] = xlive[t] ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  uint4 xn[MT][2];
+  if constexpr (XPF) {
+    if (begin < end) load_x(begin, xn);
+  }
+
   for (int base = begin; base < end; base += U) {
     uint4 wq[U][RT][2];
     float sc[U][RT][2];
@@ -129,12 +144,13 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + u >= end) break;
-      uint4 xv[MT][2];                                     // 16 bf16 of x per tile: words 2j, 2j+1 are step j's
+      uint4 xv[MT][2];
+      if constexpr (XPF) {
 #pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const uint4* p = reinterpret_cast<const uint4*>(xrow[t] + size_t(base + u) * kChunk);
-        xv[t][0] = xlive[t] ? __ldg(p) : make_uint4(0, 0, 0, 0);
-        xv[t][1] = xlive[t] ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
+        for (int t = 0; t < MT; ++t) xv[t][0] = xn[t][0], xv[t][1] = xn[t][1];
+        if (base + u + 1 < end) load_x(base + u + 1, xn);
+      } else {
+        load_x(base + u, xv);
       }
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
@@ -184,10 +200,10 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
   }
 }
 
-template <int MT, int RT, int KS, int U, bool TILED = false>
+template <int MT, int RT, int KS, int U, bool TILED = false, bool XPF = false>
 cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                    __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = Kernel<MT, RT, KS, U, TILED>;
+  auto kernel = Kernel<MT, RT, KS, U, TILED, XPF>;
   constexpr size_t smem = SmemBytes(MT, RT, KS);
   if constexpr (smem > (48 << 10)) {   // the opt-in to more dynamic shared memory, once
     static const cudaError_t opted =
