@@ -64,7 +64,8 @@ def _write_cache(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Ar
 
 def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache, start: jax.Array,
           writes: jax.Array, angles: jax.Array, *, kernels: str,
-          cache_layer: int | jax.Array | None = None, reduce=None) -> tuple[jax.Array, KVCache]:
+          cache_layer: int | jax.Array | None = None, reduce=None,
+          fused_attention: bool = False) -> tuple[jax.Array, KVCache]:
   """Transformer block i.
 
   Args:
@@ -77,6 +78,9 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
       forward(layers="scan")); default i.
     reduce: applied to the O and down projections' outputs [B, T, D] f32 before they join the residual: a
       psum over the shards under tensor parallelism (jaxllm.parallel); None: as they are.
+    fused_attention: decode only (T = 1, i the cache layer): the bias, q/k norm, RoPE, cache append and
+      attention as two fused kernels (fused.qkv_epilogue, fused.decode_attention_merged) instead of XLA's ops
+      and the decode-attention kernel; forward decides (fused.attention_block_reason).
   Returns:
     x [B, T, D] and the cache with this layer's new keys/values written.
   """
@@ -86,6 +90,14 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
   b, t, _ = x.shape
   h = rms_norm(x, weights.attn_norm[i], c.rms_eps).astype(dtype)
   qkv = linear(h, weights.wqkv, i, kernels=kernels)              # [B, T, H*Dh + 2*G*Dh]
+  if fused_attention:
+    q, k, v, counters = fused.qkv_epilogue(
+        qkv[:, 0], weights.bqkv, weights.q_norm, weights.k_norm, rope_inv_freq(c, weights.rope_freqs), i, start,
+        writes[:, 0], cache.k, cache.v, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, neox=c.rope_style == "neox",
+        pos_scale=rope_position_scale(c), eps=c.rms_eps)                                   # q [B, H, Dh]
+    cache = dataclasses.replace(cache, k=k, v=v)
+    attn = fused.decode_attention_merged(q, k, v, i, start + 1, counters)                  # [B, H, Dh]
+    return _layer_rest(config, weights, i, x, attn[:, None], dtype, kernels, reduce), cache
   if weights.bqkv is not None:
     qkv = (qkv.astype(jnp.float32) + weights.bqkv[i]).astype(dtype)
   q, k, v = jnp.split(qkv, [c.q_dim, c.q_dim + c.kv_dim], axis=-1)
@@ -105,13 +117,21 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
     attn = decode_attention(q[:, 0], kl, vl, 0, start + 1, kernels=kernels)[:, None]
   else:
     attn = prefill_attention(q, cache.k, cache.v, li, start, kernels=kernels)
+  return _layer_rest(config, weights, i, x, attn, dtype, kernels, reduce), cache
+
+
+def _layer_rest(config: Config, weights: Weights, i: int, x: jax.Array, attn: jax.Array, dtype, kernels: str,
+                reduce) -> jax.Array:
+  """layer() after the attention: attn [B, T, H, Dh] -> x [B, T, D] f32 through O, the residual and the MLP
+  (matmul inputs in dtype)."""
+  c = config
+  b, t, _ = x.shape
   reduce = reduce or (lambda y: y)
   x = x + reduce(linear(attn.reshape(b, t, c.q_dim), weights.wo, i, kernels=kernels).astype(jnp.float32))
   h = rms_norm(x, weights.ffn_norm[i], c.rms_eps).astype(dtype)
   gate, up = jnp.split(linear(h, weights.w_gate_up, i, kernels=kernels), 2, axis=-1)
   act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
-  x = x + reduce(linear(act, weights.w_down, i, kernels=kernels).astype(jnp.float32))
-  return x, cache
+  return x + reduce(linear(act, weights.w_down, i, kernels=kernels).astype(jnp.float32))
 
 
 # How forward runs the layers by default, per backend: "scan" on the CPU, "unrolled" elsewhere.
@@ -177,8 +197,12 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
     (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), _layer_slices(weights))
     cache = dataclasses.replace(cache, k=k, v=v)
   else:
+    # Decode with the FFI kernels: the attention block as two fused kernels where they take the model.
+    fused_attention = (kernels == "ffi" and tokens.shape[1] == 1 and "fused" in select.ffi_ops()
+                       and fused.attention_block_reason(config, cache) is None)
     for i in range(config.n_layers):
-      x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels, reduce=reduce)
+      x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels, reduce=reduce,
+                       fused_attention=fused_attention)
   return rms_norm(x, weights.out_norm, config.rms_eps), cache
 
 

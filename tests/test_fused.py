@@ -392,6 +392,56 @@ def test_fused_step_logits_match_unfused(name):
     assert _rel(cache_f.k, cache_u.k) < tol and _rel(cache_f.v, cache_u.v) < tol, t
 
 
+@pytest.mark.parametrize("name", SYNTHETIC_STEP)
+def test_batched_step_attention_block_matches_unfused(name):
+  """The step model.forward runs at batch > 1 (the GPU's fused step takes batch 1): with kernels "ffi" its
+  attention block is one QKV epilogue and one merged attention a layer (none with "ffi-unfused"). Teacher-forced,
+  12 steps of a batch of 5 (the GPU's tensor-core matmul range) from different positions, one row inactive
+  for a while: the hidden states and caches agree with "ffi-unfused" to the activation dtype's rounding."""
+  from jaxllm.model import forward
+  config, weights = _synthetic(name)
+  batch = 5
+  cache_f = cache_u = _cache(config, batch)
+  dtype = cache_f.compute_dtype
+  tol = TOL[jnp.dtype(dtype).type] if jnp.dtype(dtype) == jnp.bfloat16 else 1e-4
+  steps = {k: jax.jit(lambda w, c, t, p, a, k=k: forward(config, w, c, t[:, None], p, a[:, None], kernels=k,
+                                                         layers="unrolled"))
+           for k in ("ffi", "ffi-unfused")}
+  rng = np.random.default_rng(4)
+  tokens = jnp.zeros((batch,), jnp.int32)
+  spec = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (tokens, tokens, tokens.astype(bool))]
+  for kernels, n in (("ffi", config.n_layers), ("ffi-unfused", 0)):
+    text = steps[kernels].lower(weights, cache_f, *spec).as_text()
+    assert text.count("@jaxllm_qkv_epilogue(") == n and text.count("@jaxllm_decode_attention_merged(") == n
+  for t in range(12):
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, batch), jnp.int32)
+    pos = jnp.asarray([t, t + 3, t + 17, max(0, t - 4), 2 * t], jnp.int32)
+    active = jnp.asarray([True, True, True, t >= 4, True])
+    hf, cache_f = steps["ffi"](weights, cache_f, tokens, pos, active)
+    hu, cache_u = steps["ffi-unfused"](weights, cache_u, tokens, pos, active)
+    assert np.isfinite(np.asarray(hf)).all()
+    assert _rel(hf, hu) < tol, (t, _rel(hf, hu))
+    assert _rel(cache_f.k, cache_u.k) < tol and _rel(cache_f.v, cache_u.v) < tol, t
+  assert not np.asarray(cache_f.k[:, 3, :, 8:] != 0).any()    # the inactive row wrote nothing past its position
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_batched_engine_tokens_match_unfused(name):
+  """A batch of 16 through the engine (GPU: the tensor-core matmuls and the fused attention block): greedy and
+  penalized greedy, prompts of different lengths; every row's tokens on "ffi" are "ffi-unfused"'s argmax or a near
+  tie (agree.same_or_near_tie)."""
+  from jaxllm.engine import Engine
+  from jaxllm.sampling import SamplingParams
+  config, weights = _synthetic(name)
+  prompts = [[1 + i, 5, 9, 3, 4][: 2 + i % 4] for i in range(16)]
+  engines = {k: Engine(config, weights, None, max_context=48, kernels=k) for k in ("ffi", "ffi-unfused")}
+  for params in (SamplingParams(), SamplingParams(repeat_penalty=1.3)):
+    ids = {k: [r.ids for r in e.generate_batch(prompts, 16, params, ignore_eos=True)] for k, e in engines.items()}
+    for p, got, want in zip(prompts, ids["ffi"], ids["ffi-unfused"]):
+      same_or_near_tie(engines["ffi-unfused"], p, got, want, params=params)
+
+
 @pytest.mark.parametrize("name", SYNTHETIC)
 def test_fused_engine_tokens_match_unfused_and_xla(name):
   """Greedy and penalized greedy, two prompts of different lengths: the same tokens on the fused, unfused FFI

@@ -276,6 +276,27 @@ def cpu_fused() -> bool:
   return lab.switch("JAXLLM_FUSED_CPU") == "1"
 
 
+def attention_block_reason(config, cache) -> str | None:
+  """None when the unfused decode step's attention block (qkv bias, q/k norm, RoPE, the cache append, the
+  attention) can run as qkv_epilogue + decode_attention_merged on the default backend: the step model.forward runs
+  where the fused one does not (batch > GPU_FUSED_BATCH on the GPU), with kernels "ffi". Else why not."""
+  reason = ffi.unavailable_reason()
+  if reason is not None:
+    return reason
+  if cache.k.dtype != cache.compute_dtype:
+    return "the fused QKV epilogue writes the cache in the activation dtype"
+  if config.head_dim % 2 or config.head_dim > 256:
+    return f"head dim {config.head_dim}"
+  if jax.default_backend() == "gpu":
+    if jnp.dtype(cache.compute_dtype) != jnp.bfloat16:
+      return "the CUDA fused kernels are built for bf16 activations"
+    if not ffi.attention_supported(config.head_dim, config.n_heads, config.n_kv_heads):
+      return "the attention geometry"
+  elif not cpu_fused():
+    return "the CPU runs the unfused step unless JAXLLM_FUSED_CPU=1 (the fusions do not pay there yet)"
+  return None
+
+
 def fused_decode_reason(config, weights, cache, batch: int) -> str | None:
   """None when the fused decode step can run for this model, cache and batch on the default backend (with
   the FFI kernels registered); else why not (then the unfused FFI path runs)."""
