@@ -197,8 +197,9 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
     (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), _layer_slices(weights))
     cache = dataclasses.replace(cache, k=k, v=v)
   else:
-    # Decode with the FFI kernels: the attention block as two fused kernels where they take the model.
-    fused_attention = (kernels == "ffi" and tokens.shape[1] == 1 and "fused" in select.ffi_ops()
+    # Decode with the FFI kernels on one device: the attention block as two fused kernels where they take the
+    # model (a shard under tensor parallelism, reduce given, keeps XLA's ops).
+    fused_attention = (kernels == "ffi" and tokens.shape[1] == 1 and reduce is None and "fused" in select.ffi_ops()
                        and fused.attention_block_reason(config, cache) is None)
     for i in range(config.n_layers):
       x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels, reduce=reduce,
