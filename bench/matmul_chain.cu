@@ -4,7 +4,9 @@
 // two layers (a small working set), each shape alone (its L launches in a row, as bench/gemv_sweep.cu times
 // it), and a read-only kernel in place of every matmul (the bytes at the copy rate, under the same launches).
 // Which of these the chain's time follows says whether the step's matmuls lose time to their neighbours, to
-// the working set, or in themselves.
+// the working set, or in themselves. At 16 and 64 rows also the chain with each tensor-core matmul a
+// programmatic dependent of the one before (its first weight loads before its wait): what overlapping the
+// kernels' edges would give.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I $(python3 -c "import jax; \
 //     print(jax.ffi.include_dir())") bench/matmul_chain.cu -o /tmp/matmul_chain
@@ -58,6 +60,22 @@ __global__ void __launch_bounds__(256) ReadOnce(const uint4* __restrict__ p, siz
   }
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < ns; i += stride) acc ^= __float_as_uint(__ldg(s + i));
   if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+// mma::Dispatch's rule at 9-16 and 33-64 rows (ffi/w8a16_mma.cuh), each matmul launched as a programmatic
+// dependent of the one before when PDL: its blocks issue their first weight loads, then wait for it.
+template <bool PDL>
+cudaError_t RuleLaunch(cudaStream_t st, const bf16* x, const int8_t* w, const float* s, bf16* y, int m, int n, int k) {
+  namespace mm = w::mma;
+  const int tiles = (n + 15) / 16;
+  const bool many = tiles >= 288, head = tiles >= 4096;
+  if (m <= 16) {
+    if (head) return mm::Launch<2, 2, 2, 4, false, false, PDL>(st, x, w, s, y, m, n, k);
+    return many ? mm::Launch<2, 1, 4, 4, false, false, PDL>(st, x, w, s, y, m, n, k)
+                : mm::Launch<2, 1, 8, 8, false, false, PDL>(st, x, w, s, y, m, n, k);
+  }
+  return tiles >= 2000 ? mm::Launch<8, 2, 4, 2, false, false, PDL>(st, x, w, s, y, m, n, k)
+                       : mm::Launch<8, 2, 8, 1, false, false, PDL>(st, x, w, s, y, m, n, k);
 }
 
 struct Model {
@@ -129,7 +147,7 @@ int main(int argc, char** argv) {
 
     for (int m : ms) {
       // One matmul: w's layer `layer` (x from xd, or xf when K is the feed-forward width), or its read-only stand-in.
-      auto matmul = [&](const Weight& wt, int layer, bool read_only) {
+      auto matmul = [&](const Weight& wt, int layer, bool read_only, int how = 0) {   // how: 1 rule, 2 rule + PDL
         const int8_t* q = wt.q + wt.bytes() * layer;
         const float* s = wt.s + size_t(wt.n) * wt.groups() * layer;
         if (read_only) {
@@ -138,18 +156,23 @@ int main(int argc, char** argv) {
           CHECK(cudaGetLastError());
           return;
         }
+        const bf16* x = wt.k == md.ff ? xf : xd;
+        if (how) {
+          CHECK(how == 2 ? RuleLaunch<true>(st, x, q, s, y, m, wt.n, wt.k) : RuleLaunch<false>(st, x, q, s, y, m, wt.n, wt.k));
+          return;
+        }
         const jaxllm::MatmulShape sh{m, wt.n, wt.k, int64_t(wt.groups()), 64, 0};
-        CHECK(w::Dispatch<bf16>(st, sh, wt.k == md.ff ? xf : xd, q, s, y));
+        CHECK(w::Dispatch<bf16>(st, sh, x, q, s, y));
       };
       // One step: every layer's four matmuls, layer l reading layer (l % span)'s weights, then the head.
-      auto step = [&](int span, bool read_only) {
+      auto step = [&](int span, bool read_only, int how = 0) {
         for (int l = 0; l < L; ++l) {
-          matmul(qkv, l % span, read_only);
-          matmul(o, l % span, read_only);
-          matmul(gu, l % span, read_only);
-          matmul(down, l % span, read_only);
+          matmul(qkv, l % span, read_only, how);
+          matmul(o, l % span, read_only, how);
+          matmul(gu, l % span, read_only, how);
+          matmul(down, l % span, read_only, how);
         }
-        matmul(head, 0, read_only);
+        matmul(head, 0, read_only, how);
       };
       auto report = [&](const char* what, double us) {
         std::printf("  M=%-3d %-40s %9.1f us  %6.0f GB/s\n", m, what, us, (total + total_s) / us / 1e3);
@@ -162,6 +185,10 @@ int main(int argc, char** argv) {
       report("chain, every layer its own weights", PerCallUs(st, 2, [&](int) { step(L, false); }));
       report("chain, two layers' weights", PerCallUs(st, 2, [&](int) { step(2, false); }));
       report("read-only chain, every layer its own", PerCallUs(st, 2, [&](int) { step(L, true); }));
+      if (m > 8 && (m <= 16 || m > 32)) {   // the rule's tensor-core configurations, without and with PDL
+        report("chain, the rule (bench copy)", PerCallUs(st, 2, [&](int) { step(L, false, 1); }));
+        report("chain, the rule with PDL", PerCallUs(st, 2, [&](int) { step(L, false, 2); }));
+      }
       // Each shape alone: its L launches in a row (rotating over every layer's weights, or over two), per call x L.
       double alone = 0, alone2 = 0;
       for (const Weight* wt : {&qkv, &o, &gu, &down}) {

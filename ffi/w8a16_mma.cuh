@@ -72,7 +72,7 @@ constexpr size_t SmemBytes(int mt, int rt, int ks) { return size_t(ks) * 16 * rt
 
 // One block: rows [16 RT blockIdx.x, +16 RT) of w, rows [8 MT blockIdx.y, +8 MT) of x.
 // x [M, K] bf16, w [N, K] int8, scale [N, K / 64] f32, y [M, N] bf16. K % 64 == 0.
-template <int MT, int RT, int KS, int U, bool TILED = false, bool XPF = false>
+template <int MT, int RT, int KS, int U, bool TILED = false, bool XPF = false, bool PDL = false>
 __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w,
                                                   const float* __restrict__ scale, __nv_bfloat16* __restrict__ y,
                                                   int m, int n, int k) {
@@ -124,9 +124,10 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
     }
   };
   uint4 xn[MT][2];
-  if constexpr (XPF) {
+  if constexpr (XPF && !PDL) {
     if (begin < end) load_x(begin, xn);
   }
+  bool waited = false;   // PDL: launched as a programmatic dependent, it waits once its first weights are asked for
 
   for (int base = begin; base < end; base += U) {
     uint4 wq[U][RT][2];
@@ -141,6 +142,14 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
           wq[u][r][h] = live ? LoadWeights(wrow[r][h] + size_t(base + u) * (TILED ? 32 * 32 : kChunk)) : make_uint4(0, 0, 0, 0);
           sc[u][r][h] = live ? __ldg(srow[r][h] + base + u) : 0.f;
         }
+    if constexpr (PDL) {
+      if (!waited) {
+        waited = true;
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        if constexpr (XPF) load_x(begin, xn);
+      }
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + u >= end) break;
@@ -200,10 +209,10 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
   }
 }
 
-template <int MT, int RT, int KS, int U, bool TILED = false, bool XPF = false>
+template <int MT, int RT, int KS, int U, bool TILED = false, bool XPF = false, bool PDL = false>
 cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                    __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = Kernel<MT, RT, KS, U, TILED, XPF>;
+  auto kernel = Kernel<MT, RT, KS, U, TILED, XPF, PDL>;
   constexpr size_t smem = SmemBytes(MT, RT, KS);
   if constexpr (smem > (48 << 10)) {   // the opt-in to more dynamic shared memory, once
     static const cudaError_t opted =
@@ -211,6 +220,19 @@ cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w,
     if (opted != cudaSuccess) return opted;
   }
   const dim3 grid((n + 16 * RT - 1) / (16 * RT), (m + 8 * MT - 1) / (8 * MT));
+  if constexpr (PDL) {   // a programmatic dependent of the stream's previous kernel
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(KS * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, x, w, scale, y, m, n, k);
+  }
   kernel<<<grid, KS * 32, smem, stream>>>(x, w, scale, y, m, n, k);
   return cudaGetLastError();
 }
