@@ -73,6 +73,18 @@ def test_parity_qwen_shape_gpu(kernels):
 
 
 @pytest.mark.gpu
+def test_parity_batched_gpu():
+  """A batch of 16 (the tensor-core matmuls and, with kernels ffi, the fused attention block): the same tokens with
+  graphs on and off, every row."""
+  config = preset("qwen2.5-0.5b")
+  weights = random_weights(config, seed=0)
+  prompts = [list(range(3 + i, 9 + 2 * i)) for i in range(16)]
+  runs = [[r.ids for r in Engine(config, weights, None, max_context=128, kernels="ffi", graphs_on=g)
+           .generate_batch(prompts, 48, ignore_eos=True)] for g in (True, False)]
+  assert all(len(ids) == 48 for ids in runs[0]) and runs[0] == runs[1]
+
+
+@pytest.mark.gpu
 def test_while_device_loop_gpu():
   """Eight steps a call in a while loop: the unrolled program's tokens, graphs on and off (Qwen shape, the
   default fused path, 64 tokens)."""
