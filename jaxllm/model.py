@@ -4,7 +4,7 @@ Notation: B batch, T new tokens, D model width, H query heads, G key/value heads
 F feed-forward width, V vocabulary, L layers, S cache length.
 
 One forward serves prefill (T > 1: causal attention over the cache, written first) and decode (T = 1:
-the decode-attention kernel). On the GPU the layer loop is a Python loop, unrolled into the compiled program:
+the decode-attention kernel, or with kernels "ffi" the fused QKV epilogue and one-kernel attention). On the GPU the layer loop is a Python loop, unrolled into the compiled program:
 `lax.scan` over layers defeats XLA's command buffers (DESIGN.md). On the CPU the layers run under `lax.scan`
 by default (LAYERS, forward(layers="scan")): a program one layer long compiles in a fraction of the time
 (the functional API's first call: seconds instead of a minute) and holds one layer's working set. The residual stream is float32; matmul inputs use the activation dtype
@@ -91,6 +91,9 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
   h = rms_norm(x, weights.attn_norm[i], c.rms_eps).astype(dtype)
   qkv = linear(h, weights.wqkv, i, kernels=kernels)              # [B, T, H*Dh + 2*G*Dh]
   if fused_attention:
+    if t != 1 or cache_layer is not None:
+      raise ValueError(f"layer(fused_attention=True) decodes one token a row of an unrolled layer; got T = {t}"
+                       + ("" if cache_layer is None else " and a cache_layer"))
     q, k, v, counters = fused.qkv_epilogue(
         qkv[:, 0], weights.bqkv, weights.q_norm, weights.k_norm, rope_inv_freq(c, weights.rope_freqs), i, start,
         writes[:, 0], cache.k, cache.v, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, neox=c.rope_style == "neox",
@@ -200,7 +203,7 @@ def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array,
     # Decode with the FFI kernels on one device: the attention block as two fused kernels where they take the
     # model (a shard under tensor parallelism, reduce given, keeps XLA's ops).
     fused_attention = (kernels == "ffi" and tokens.shape[1] == 1 and reduce is None and "fused" in select.ffi_ops()
-                       and fused.attention_block_reason(config, cache) is None)
+                       and fused.attention_block_reason(config, cache, tokens.shape[0]) is None)
     for i in range(config.n_layers):
       x, cache = layer(config, weights, i, x, cache, start, writes, angles, kernels=kernels, reduce=reduce,
                        fused_attention=fused_attention)

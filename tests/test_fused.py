@@ -399,7 +399,16 @@ def test_batched_step_attention_block_matches_unfused(name):
   12 steps of a batch of 5 (the GPU's tensor-core matmul range) from different positions, one row inactive
   for a while: the hidden states and caches agree with "ffi-unfused" to the activation dtype's rounding."""
   from jaxllm.model import forward
+  from jaxllm.rope import llama3_rope_freqs
   config, weights = _synthetic(name)
+  # Per-layer q/k norms that differ (random_weights' are ones) and Llama 3.1's RoPE divisors, so a swapped norm,
+  # another layer's, or dropped divisors show.
+  rng = np.random.default_rng(4)
+  extra = {"rope_freqs": llama3_rope_freqs(config, original_context=64)}
+  for f in ("q_norm", "k_norm"):
+    if getattr(weights, f) is not None:
+      extra[f] = jnp.asarray(rng.uniform(0.5, 1.5, getattr(weights, f).shape), jnp.float32)
+  weights = dataclasses.replace(weights, **extra)
   batch = 5
   cache_f = cache_u = _cache(config, batch)
   dtype = cache_f.compute_dtype
@@ -407,7 +416,6 @@ def test_batched_step_attention_block_matches_unfused(name):
   steps = {k: jax.jit(lambda w, c, t, p, a, k=k: forward(config, w, c, t[:, None], p, a[:, None], kernels=k,
                                                          layers="unrolled"))
            for k in ("ffi", "ffi-unfused")}
-  rng = np.random.default_rng(4)
   tokens = jnp.zeros((batch,), jnp.int32)
   spec = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (tokens, tokens, tokens.astype(bool))]
   for kernels, n in (("ffi", config.n_layers), ("ffi-unfused", 0)):
@@ -422,7 +430,29 @@ def test_batched_step_attention_block_matches_unfused(name):
     assert np.isfinite(np.asarray(hf)).all()
     assert _rel(hf, hu) < tol, (t, _rel(hf, hu))
     assert _rel(cache_f.k, cache_u.k) < tol and _rel(cache_f.v, cache_u.v) < tol, t
-  assert not np.asarray(cache_f.k[:, 3, :, 8:] != 0).any()    # the inactive row wrote nothing past its position
+
+  # jax.vmap over the step (a batch of steps): the fused ops map one call at a time
+  def vstep(kernels):
+    fn = lambda t, p: forward(config, weights, _cache(config, 2, 32), t[:, None], p, kernels=kernels,
+                              layers="unrolled")[0]
+    return jax.jit(jax.vmap(fn))(jnp.asarray(rng.integers(0, config.vocab_size, (3, 2)), jnp.int32) * 0 + 7,
+                                 jnp.asarray([[0, 3], [5, 1], [2, 2]], jnp.int32))
+  assert _rel(vstep("ffi"), vstep("ffi-unfused")) < tol
+
+
+def test_attention_block_gate_says_why_not():
+  """attention_block_reason: a cache kept in another dtype than the activations is refused (the epilogue writes
+  the activation dtype); on the GPU so is a batch above GPU_BLOCK_MAX_BATCH; the batch sizes it takes, taken."""
+  config, _ = _synthetic("qwen2.5-0.5b")
+  cache = _cache(config, 4)
+  assert fused.attention_block_reason(config, cache, 4) is None
+  other = jnp.float32 if cache.k.dtype == jnp.bfloat16 else jnp.bfloat16
+  odd = dataclasses.replace(cache, k=cache.k.astype(other), v=cache.v.astype(other),
+                            compute=jnp.dtype(cache.compute_dtype).name)
+  assert "activation dtype" in fused.attention_block_reason(config, odd, 4)
+  big = fused.attention_block_reason(config, cache, fused.GPU_BLOCK_MAX_BATCH + 1)
+  assert (big is not None and "measured slower" in big) if ON_GPU else big is None
+  assert fused.attention_block_reason(config, cache, fused.GPU_BLOCK_MAX_BATCH) is None
 
 
 @pytest.mark.gpu

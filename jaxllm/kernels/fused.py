@@ -37,6 +37,10 @@ GPU_MAX_M = 4                 # rows the CUDA fused kernels take (tiles of 4 row
 # 2026-12-01-h200-fused.md) batch 4 took 1.228 ms per step fused against 1.136 unfused, batch 1 0.70 against
 # 0.89 (device-bound steps); batches 2 and 3 were not measured.
 GPU_FUSED_BATCH = 1
+# Batch sizes the GPU runs the unfused step's attention block fused for (attention_block_reason): on an H100
+# (Qwen2.5-0.5B shape, 128-token prompts; a review's bench runs on 2026-12-06, not kept as records) the step took
+# 9.4% less time at batch 16 (one pair) and 1.7-2.1% more at 64 (two pairs); 17-63 were not measured.
+GPU_BLOCK_MAX_BATCH = 16
 GPU_MAX_NORM_K = 6144         # K of the norm prologue: 4 rows of bf16 in 48 KB of shared memory
 MERGE_MAX_SPLITS = 256        # attn1::kMaxSplits in attention_cuda.cuh
 
@@ -181,7 +185,7 @@ def qkv_epilogue(qkv, bias, q_norm, k_norm, inv_freq, layer: int, pos, writes, k
   outs = (jax.ShapeDtypeStruct((b, n_heads, dh), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((b, n_kv_heads), jnp.int32))
   q, k_cache, v_cache, counters = jax.ffi.ffi_call(
-      "jaxllm_qkv_epilogue", outs, input_output_aliases={7: 1, 8: 2})(
+      "jaxllm_qkv_epilogue", outs, input_output_aliases={7: 1, 8: 2}, vmap_method="sequential")(
       qkv, _optional_f32(bias), _optional_f32(q_norm), _optional_f32(k_norm), inv_freq.astype(jnp.float32),
       pos.astype(jnp.int32),
       writes.astype(jnp.int32), k_cache, v_cache, layer=np.int64(layer), neox=np.int64(neox),
@@ -199,7 +203,8 @@ def decode_attention_merged(q, k_cache, v_cache, layer: int, lengths, counters, 
     splits = merged_splits(b, k_cache)
   outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, splits, dh + 2), jnp.float32),
           jax.ShapeDtypeStruct(counters.shape, jnp.int32))
-  out, _, counters = jax.ffi.ffi_call("jaxllm_decode_attention_merged", outs, input_output_aliases={4: 2})(
+  out, _, counters = jax.ffi.ffi_call("jaxllm_decode_attention_merged", outs, input_output_aliases={4: 2},
+                                      vmap_method="sequential")(
       q, k_cache, v_cache, jnp.clip(lengths, 1, k_cache.shape[3]).astype(jnp.int32), counters,
       layer=np.int64(layer))
   return (out, counters) if with_counters else out
@@ -276,10 +281,9 @@ def cpu_fused() -> bool:
   return lab.switch("JAXLLM_FUSED_CPU") == "1"
 
 
-def attention_block_reason(config, cache) -> str | None:
-  """None when the unfused decode step's attention block (qkv bias, q/k norm, RoPE, the cache append, the
-  attention) can run as qkv_epilogue + decode_attention_merged on the default backend: the step model.forward runs
-  where the fused one does not (batch > GPU_FUSED_BATCH on the GPU), with kernels "ffi". Else why not."""
+def _attention_reason(config, cache) -> str | None:
+  """Why the QKV epilogue and the one-kernel attention cannot run for this model and cache on the default
+  backend, or None (what the fused step and the unfused step's attention block both need)."""
   reason = ffi.unavailable_reason()
   if reason is not None:
     return reason
@@ -293,37 +297,38 @@ def attention_block_reason(config, cache) -> str | None:
     if not ffi.attention_supported(config.head_dim, config.n_heads, config.n_kv_heads):
       return "the attention geometry"
   elif not cpu_fused():
+    # Measured on the 2-core CPU (smollm2-135m, docs/kernels.md): the fused step ran slower than the
+    # unfused one (14.9-17.7 against 11.9-13.2 ms), so the CPU keeps the unfused path unless asked.
     return "the CPU runs the unfused step unless JAXLLM_FUSED_CPU=1 (the fusions do not pay there yet)"
   return None
+
+
+def attention_block_reason(config, cache, batch: int) -> str | None:
+  """None when the unfused decode step's attention block (qkv bias, q/k norm, RoPE, the cache append, the
+  attention) can run as qkv_epilogue + decode_attention_merged for a step of `batch` rows (model.forward with
+  kernels "ffi" and unrolled layers, where the fused step does not run); else why not."""
+  reason = _attention_reason(config, cache)
+  if reason is None and jax.default_backend() == "gpu" and batch > GPU_BLOCK_MAX_BATCH:
+    reason = f"batch {batch} > {GPU_BLOCK_MAX_BATCH} (the fused attention block measured slower at batch 64)"
+  return reason
 
 
 def fused_decode_reason(config, weights, cache, batch: int) -> str | None:
   """None when the fused decode step can run for this model, cache and batch on the default backend (with
   the FFI kernels registered); else why not (then the unfused FFI path runs)."""
-  reason = ffi.unavailable_reason()
-  if reason is not None:
-    return reason
+  if ffi.unavailable_reason() is not None:
+    return ffi.unavailable_reason()
   lins = (weights.wqkv, weights.wo, weights.w_gate_up, weights.w_down, weights.head)
   if not all(isinstance(lin, Linear) and lin.quantized for lin in lins):
     return "the fused kernels take W8A16 weights"
-  if cache.k.dtype != cache.compute_dtype:
-    return "the fused QKV epilogue writes the cache in the activation dtype"
-  if config.head_dim % 2 or config.head_dim > 256:
-    return f"head dim {config.head_dim}"
+  reason = _attention_reason(config, cache)
+  if reason is not None:
+    return reason
   if jax.default_backend() == "gpu":
-    if jnp.dtype(cache.compute_dtype) != jnp.bfloat16:
-      return "the CUDA fused kernels are built for bf16 activations"
     if batch > GPU_FUSED_BATCH:
       return f"batch {batch} > {GPU_FUSED_BATCH} (the fused step measured slower at batch 4)"
     if config.d_model > GPU_MAX_NORM_K:
       return f"model width {config.d_model} > {GPU_MAX_NORM_K}"
-    if not ffi.attention_supported(config.head_dim, config.n_heads, config.n_kv_heads):
-      return "the attention geometry"
-  else:
-    if not cpu_fused():
-      # Measured on the 2-core CPU (smollm2-135m, docs/kernels.md): the fused step ran slower than the
-      # unfused one (14.9-17.7 against 11.9-13.2 ms), so the CPU keeps the unfused path unless asked.
-      return "the CPU runs the unfused step unless JAXLLM_FUSED_CPU=1 (the fusions do not pay there yet)"
-    if batch > max_m():
-      return f"batch {batch} > {max_m()}"
+  elif batch > max_m():
+    return f"batch {batch} > {max_m()}"
   return None
