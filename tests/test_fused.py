@@ -418,7 +418,9 @@ def test_batched_step_attention_block_matches_unfused(name):
            for k in ("ffi", "ffi-unfused")}
   tokens = jnp.zeros((batch,), jnp.int32)
   spec = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (tokens, tokens, tokens.astype(bool))]
-  for kernels, n in (("ffi", config.n_layers), ("ffi-unfused", 0)):
+  taken = fused.attention_block_reason(config, cache_f, batch) is None   # on the GPU: head dim 64 only
+  assert taken or ON_GPU
+  for kernels, n in (("ffi", config.n_layers if taken else 0), ("ffi-unfused", 0)):
     text = steps[kernels].lower(weights, cache_f, *spec).as_text()
     assert text.count("@jaxllm_qkv_epilogue(") == n and text.count("@jaxllm_decode_attention_merged(") == n
   for t in range(12):
@@ -442,8 +444,11 @@ def test_batched_step_attention_block_matches_unfused(name):
 
 def test_attention_block_gate_says_why_not():
   """attention_block_reason: a cache kept in another dtype than the activations is refused (the epilogue writes
-  the activation dtype); on the GPU so is a batch above GPU_BLOCK_MAX_BATCH; the batch sizes it takes, taken."""
+  the activation dtype); on the GPU so are a batch above GPU_BLOCK_MAX_BATCH and a head dim other than 64; the
+  batch sizes it takes, taken."""
   config, _ = _synthetic("qwen2.5-0.5b")
+  wide, _ = _synthetic("qwen3-0.6b")   # head dim 128
+  assert (fused.attention_block_reason(wide, _cache(wide, 4), 4) is not None) == ON_GPU
   cache = _cache(config, 4)
   assert fused.attention_block_reason(config, cache, 4) is None
   other = jnp.float32 if cache.k.dtype == jnp.bfloat16 else jnp.bfloat16

@@ -37,10 +37,12 @@ GPU_MAX_M = 4                 # rows the CUDA fused kernels take (tiles of 4 row
 # 2026-12-01-h200-fused.md) batch 4 took 1.228 ms per step fused against 1.136 unfused, batch 1 0.70 against
 # 0.89 (device-bound steps); batches 2 and 3 were not measured.
 GPU_FUSED_BATCH = 1
-# Batch sizes the GPU runs the unfused step's attention block fused for (attention_block_reason): on an H100
-# (Qwen2.5-0.5B shape, 128-token prompts; a review's bench runs on 2026-12-06, not kept as records) the step took
-# 9.4% less time at batch 16 (one pair) and 1.7-2.1% more at 64 (two pairs); 17-63 were not measured.
+# Where the GPU runs the unfused step's attention block fused (attention_block_reason), from the batch-16 step on an
+# H100 (docs/results/2026-12-06-h100-attention-block.md): Qwen2.5-0.5B's (head dim 64) took 9.6% less time, 7B's
+# (head dim 128) 1.2% more; at 0.5B batch 64, 1.7-2.1% more (a review's runs, not kept as records). Batch 17-63
+# and other models were not measured.
 GPU_BLOCK_MAX_BATCH = 16
+GPU_BLOCK_HEAD_DIM = 64
 GPU_MAX_NORM_K = 6144         # K of the norm prologue: 4 rows of bf16 in 48 KB of shared memory
 MERGE_MAX_SPLITS = 256        # attn1::kMaxSplits in attention_cuda.cuh
 
@@ -308,8 +310,11 @@ def attention_block_reason(config, cache, batch: int) -> str | None:
   attention) can run as qkv_epilogue + decode_attention_merged for a step of `batch` rows (model.forward with
   kernels "ffi" and unrolled layers, where the fused step does not run); else why not."""
   reason = _attention_reason(config, cache)
-  if reason is None and jax.default_backend() == "gpu" and batch > GPU_BLOCK_MAX_BATCH:
-    reason = f"batch {batch} > {GPU_BLOCK_MAX_BATCH} (the fused attention block measured slower at batch 64)"
+  if reason is None and jax.default_backend() == "gpu":
+    if config.head_dim != GPU_BLOCK_HEAD_DIM:
+      reason = f"head dim {config.head_dim} (the fused attention block measured slower at 128, the 7B shape)"
+    elif batch > GPU_BLOCK_MAX_BATCH:
+      reason = f"batch {batch} > {GPU_BLOCK_MAX_BATCH} (the fused attention block measured slower at batch 64)"
   return reason
 
 
