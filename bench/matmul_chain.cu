@@ -19,30 +19,13 @@
 #include <string>
 #include <vector>
 
+#include "fills.cuh"
 #include "graph_timer.cuh"
 #include "w8a16_cuda.cuh"
 
 using bf16 = __nv_bfloat16;
 namespace w = jaxllm::w8a16;
 
-__device__ uint32_t Hash(uint64_t i, uint32_t seed) {
-  uint64_t z = i * 0x9e3779b97f4a7c15ull + seed;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return uint32_t(z ^ (z >> 31));
-}
-__global__ void FillInt8(int8_t* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = int8_t(Hash(i, seed) % 255 - 127);
-}
-__global__ void FillScale(float* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = 1e-3f + 1e-2f * (Hash(i, seed) % 1000) / 1000.f;
-}
-__global__ void FillBf16(bf16* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = __float2bfloat16(-1.f + 2.f * (Hash(i, seed) % 65536) / 65536.f);
-}
 
 // Reads n16 16-byte pieces (the weights) and n_s f32 (their scales) once, 4 pieces in flight a thread, with the
 // matmul's load (L1 bypassed, L2 prefetch hint); writes nothing unless the bytes hash to a constant.
