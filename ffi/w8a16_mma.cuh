@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "launch.cuh"
 
 namespace jaxllm {
 namespace w8a16 {
@@ -127,7 +128,6 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
   if constexpr (XPF && !PDL) {
     if (begin < end) load_x(begin, xn);
   }
-  bool waited = false;   // PDL: launched as a programmatic dependent, it waits once its first weights are asked for
 
   for (int base = begin; base < end; base += U) {
     uint4 wq[U][RT][2];
@@ -142,11 +142,10 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
           wq[u][r][h] = live ? LoadWeights(wrow[r][h] + size_t(base + u) * (TILED ? 32 * 32 : kChunk)) : make_uint4(0, 0, 0, 0);
           sc[u][r][h] = live ? __ldg(srow[r][h] + base + u) : 0.f;
         }
-    if constexpr (PDL) {
-      if (!waited) {
-        waited = true;
-        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-        asm volatile("griddepcontrol.wait;" ::: "memory");
+    if constexpr (PDL) {   // launched as a programmatic dependent: wait once the first weights are asked for
+      if (base == begin) {
+        GridDepLaunch();
+        GridDepWait();
         if constexpr (XPF) load_x(begin, xn);
       }
     }
@@ -220,19 +219,8 @@ cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w,
     if (opted != cudaSuccess) return opted;
   }
   const dim3 grid((n + 16 * RT - 1) / (16 * RT), (m + 8 * MT - 1) / (8 * MT));
-  if constexpr (PDL) {   // a programmatic dependent of the stream's previous kernel
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(KS * 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, kernel, x, w, scale, y, m, n, k);
-  }
+  if constexpr (PDL)   // a programmatic dependent of the stream's previous kernel
+    return LaunchEx(stream, true, grid, dim3(KS * 32), smem, kernel, x, w, scale, y, m, n, k);
   kernel<<<grid, KS * 32, smem, stream>>>(x, w, scale, y, m, n, k);
   return cudaGetLastError();
 }
