@@ -321,8 +321,9 @@ def attention_block_reason(config, cache, batch: int) -> str | None:
 def fused_decode_reason(config, weights, cache, batch: int) -> str | None:
   """None when the fused decode step can run for this model, cache and batch on the default backend (with
   the FFI kernels registered); else why not (then the unfused FFI path runs)."""
-  if ffi.unavailable_reason() is not None:
-    return ffi.unavailable_reason()
+  reason = ffi.unavailable_reason()
+  if reason is not None:
+    return reason
   lins = (weights.wqkv, weights.wo, weights.w_gate_up, weights.w_down, weights.head)
   if not all(isinstance(lin, Linear) and lin.quantized for lin in lins):
     return "the fused kernels take W8A16 weights"
