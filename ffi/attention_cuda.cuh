@@ -27,7 +27,7 @@
 #include <cstdlib>
 
 #include "qkv_cuda.cuh"   // qkv::Args, qkv::HeadRow
-#include "w8a16_cuda.cuh"   // GridDepWait, GridDepLaunch, LaunchEx
+#include "w8a16_cuda.cuh"   // GridDepWait, GridDepLaunch, LaunchEx (launch.cuh, through it)
 
 namespace jaxllm {
 namespace attn1 {

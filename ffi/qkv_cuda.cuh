@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "w8a16_cuda.cuh"   // ToF32, FromF32, GridDepWait, GridDepLaunch
+#include "w8a16_cuda.cuh"   // ToF32, FromF32; GridDepWait, GridDepLaunch (launch.cuh, through it)
 
 namespace jaxllm {
 namespace qkv {
