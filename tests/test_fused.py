@@ -554,3 +554,30 @@ def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name, 
   for key, got in outs.items():
     for a, b in zip(got, ref):
       np.testing.assert_array_equal(a, b, err_msg=str(key))
+
+
+def test_fused_step_under_vmap_equals_each_state_alone():
+  """jax.vmap over batch-1 fused steps (a user's program mapping independent states): each FFI call maps one
+  state at a time (vmap_method "sequential"; on the GPU the one layers call, on the CPU the per-op calls), and
+  every state's logits and cache are the bits its own step gives."""
+  from jaxllm.model import forward_decode_fused_head
+  config, weights = _synthetic("qwen2.5-0.5b")
+  rng = np.random.default_rng(6)
+  states = 3
+  base = _cache(config, 1, 64)
+  k0 = jnp.asarray(rng.standard_normal((states,) + base.k.shape), base.k.dtype)
+  v0 = jnp.asarray(rng.standard_normal((states,) + base.v.shape), base.v.dtype)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (states, 1)), jnp.int32)
+  pos = jnp.asarray([[40], [7], [0]], jnp.int32)
+  active = jnp.ones((states, 1), bool)
+
+  def step(w, k, v, t, p, a):
+    out, cache = forward_decode_fused_head(config, w, dataclasses.replace(base, k=k, v=v), t, p, a, greedy=False)
+    return out, cache.k, cache.v
+
+  mapped = jax.jit(jax.vmap(step, in_axes=(None, 0, 0, 0, 0, 0)))(weights, k0, v0, tokens, pos, active)
+  assert np.isfinite(np.asarray(mapped[0])).all()
+  alone = jax.jit(step)
+  for i in range(states):
+    for got, want in zip(mapped, alone(weights, k0[i], v0[i], tokens[i], pos[i], active[i])):
+      np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32), err_msg=str(i))
