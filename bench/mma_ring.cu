@@ -8,7 +8,8 @@
 // through L1 at use, as the kernel does).
 //
 // Timed against the kernel's configurations on the 7B matmuls (and the LM head) at 16 and 64 rows; every ring
-// configuration's output is compared bit for bit with the kernel of the same MT, RT and KS.
+// configuration's output is compared bit for bit with the kernel of the same MT, RT and KS. A stage of the ring
+// holds U chunks (one wait, then U chunks' arithmetic, which the compiler may interleave).
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I bench -I $(python3 -c "import jax; \
 //     print(jax.ffi.include_dir())") bench/mma_ring.cu -o /tmp/mma_ring && /tmp/mma_ring out.jsonl
@@ -44,13 +45,13 @@ __device__ __forceinline__ void CpWait() { asm volatile("cp.async.wait_group %0;
 // bytes), and (XR) MT x 32 lanes x 32 bytes of x; then the kernel's partial tiles, which reuse the rings' space.
 template <int MT, int RT, bool XR>
 __host__ __device__ constexpr size_t SlotBytes() { return size_t(RT) * 2 * 32 * (16 + 4) + (XR ? size_t(MT) * 32 * 32 : 0); }
-template <int MT, int RT, int KS, int S, bool XR>
+template <int MT, int RT, int KS, int S, int U, bool XR>
 __host__ __device__ constexpr size_t RingSmem() {
-  const size_t rings = size_t(KS) * S * SlotBytes<MT, RT, XR>();
+  const size_t rings = size_t(KS) * S * U * SlotBytes<MT, RT, XR>();
   return rings > mma::SmemBytes(MT, RT, KS) ? rings : mma::SmemBytes(MT, RT, KS);
 }
 
-template <int MT, int RT, int KS, int S, bool XR>
+template <int MT, int RT, int KS, int S, int U, bool XR>
 __global__ void __launch_bounds__(KS * 32) Ring(const bf16* __restrict__ x, const int8_t* __restrict__ w,
                                                 const float* __restrict__ scale, bf16* __restrict__ y, int m, int n,
                                                 int k) {
@@ -58,7 +59,7 @@ __global__ void __launch_bounds__(KS * 32) Ring(const bf16* __restrict__ x, cons
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int chunks = k / 64, row0 = blockIdx.x * 16 * RT, xrow0 = blockIdx.y * 8 * MT;
   const int begin = warp * chunks / KS, end = (warp + 1) * chunks / KS;
-  unsigned char* ring = smem + size_t(warp) * S * SlotBytes<MT, RT, XR>();
+  unsigned char* ring = smem + size_t(warp) * S * U * SlotBytes<MT, RT, XR>();
   // slot layout: weights [RT][2][32 lanes] uint4, scales [RT][2][32 lanes] float, x [MT][32 lanes][2] uint4
   auto wslot = [&](int s, int r, int h) {
     return reinterpret_cast<uint4*>(ring + s * SlotBytes<MT, RT, XR>()) + (r * 2 + h) * 32 + lane;
@@ -88,10 +89,14 @@ __global__ void __launch_bounds__(KS * 32) Ring(const bf16* __restrict__ x, cons
     xlive[t] = row < m;
     xrow[t] = x + size_t(xlive[t] ? row : 0) * k + 16 * c;
   }
-  // Chunk q's bytes into slot q % S (a chunk past the warp's range: an empty group, so the count stays even).
-  auto issue = [&](int q) {
-    if (q < end) {
-      const int s = q % S;
+  // Group i (chunks begin + U i ..., U of them) into slots (i % S) U ...: one commit group, empty past the warp's
+  // range so that the count stays even.
+  auto issue = [&](int i) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int q = begin + U * i + u;
+      if (q >= end) break;
+      const int s = (i % S) * U + u;
 #pragma unroll
       for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -121,11 +126,14 @@ __global__ void __launch_bounds__(KS * 32) Ring(const bf16* __restrict__ x, cons
       for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.f;
 
 #pragma unroll
-  for (int i = 0; i < S - 1; ++i) issue(begin + i);
-  for (int q = begin; q < end; ++q) {
-    issue(q + S - 1);
-    CpWait<S - 1>();   // chunk q's group (this lane's own copies) has landed
-    const int s = q % S;
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  for (int i = 0; begin + U * i < end; ++i) {
+    issue(i + S - 1);
+    CpWait<S - 1>();   // group i (this lane's own copies) has landed
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int q = begin + U * i + u, s = (i % S) * U + u;
+    if (q >= end) break;
     uint4 xv[MT][2];
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
@@ -164,6 +172,7 @@ __global__ void __launch_bounds__(KS * 32) Ring(const bf16* __restrict__ x, cons
       }
     }
   }
+  }
   CpWait<0>();
   __syncthreads();   // every warp done with its ring: the partial tiles take the space
 
@@ -186,11 +195,11 @@ __global__ void __launch_bounds__(KS * 32) Ring(const bf16* __restrict__ x, cons
   }
 }
 
-template <int MT, int RT, int KS, int S, bool XR>
+template <int MT, int RT, int KS, int S, int U, bool XR>
 cudaError_t LaunchRing(cudaStream_t st, const bf16* x, const int8_t* w, const float* scale, bf16* y, int m, int n,
                        int k) {
-  auto kernel = Ring<MT, RT, KS, S, XR>;
-  constexpr size_t smem = RingSmem<MT, RT, KS, S, XR>();
+  auto kernel = Ring<MT, RT, KS, S, U, XR>;
+  constexpr size_t smem = RingSmem<MT, RT, KS, S, U, XR>();
   if constexpr (smem > (48 << 10)) {
     static const cudaError_t opted = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (opted != cudaSuccess) return opted;
@@ -270,24 +279,26 @@ int main(int argc, char** argv) {
         return mma::Launch<MT, RT, KS, U>(st, x, wj, sj, yj, m, sh.n, sh.k);
       };
       report(m, cfg + "_u" + std::to_string(U), time(kernel));
-      auto ring = [&]<int S, bool XR>() {
-        if constexpr (RingSmem<MT, RT, KS, S, XR>() > (227 << 10)) return;   // past an SM's shared memory
+      auto ring = [&]<int S, int RU, bool XR>() {
+        if constexpr (RingSmem<MT, RT, KS, S, RU, XR>() > (227 << 10)) return;   // past an SM's shared memory
         auto fn = [&](const int8_t* wj, const float* sj, bf16* yj) {
-          return LaunchRing<MT, RT, KS, S, XR>(st, x, wj, sj, yj, m, sh.n, sh.k);
+          return LaunchRing<MT, RT, KS, S, RU, XR>(st, x, wj, sj, yj, m, sh.n, sh.k);
         };
         const float us = time(fn);
-        report(m, cfg + " ring s" + std::to_string(S) + (XR ? " xr" : ""), us,
+        report(m, cfg + " ring s" + std::to_string(S) + "u" + std::to_string(RU) + (XR ? " xr" : ""), us,
                same_as(m, kernel, fn) ? ", \"same_bits\": true" : ", \"same_bits\": false");
       };
-      ring.template operator()<4, false>();
-      ring.template operator()<8, false>();
-      ring.template operator()<4, true>();
-      ring.template operator()<8, true>();
+      ring.template operator()<4, 1, false>();
+      ring.template operator()<2, 2, false>();
+      ring.template operator()<3, 2, false>();
+      ring.template operator()<2, 4, false>();
+      ring.template operator()<3, 4, false>();
+      ring.template operator()<2, 4, true>();
+      ring.template operator()<3, 2, true>();
     };
     run.template operator()<2, 1, 4, 4>();
     run.template operator()<2, 1, 8, 8>();
     run.template operator()<2, 2, 2, 4>();
-    run.template operator()<2, 1, 2, 4>();
     run.template operator()<8, 2, 4, 2>();
     run.template operator()<8, 2, 8, 1>();
     for (void* p : {(void*)q, (void*)s, (void*)x, (void*)y, (void*)y2}) CHECK(cudaFree(p));
