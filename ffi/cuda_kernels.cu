@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -15,6 +16,17 @@
 
 namespace jaxllm {
 namespace {
+
+// One load per 64 KB of w [n] and s [n_s] bytes: the pages' address translations warmed, next to none of the bytes
+// brought into L2 (lab switch JAXLLM_MMA_TOUCH, below).
+__global__ void TouchPages(const int8_t* __restrict__ w, size_t n, const int8_t* __restrict__ s, size_t n_s,
+                           uint32_t* __restrict__ sink) {
+  const size_t i = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) << 16;
+  uint32_t v = 0;
+  if (i < n) v ^= __ldcg(reinterpret_cast<const uint32_t*>(w + i));
+  if (i < n_s) v ^= __ldcg(reinterpret_cast<const uint32_t*>(s + i));
+  if (v == 0x9e3779b9u && sink != nullptr) *sink = v;   // never in practice: keeps the loads
+}
 
 ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                      ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t mma) {
@@ -30,6 +42,19 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
                       ? w8a16::Dispatch<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data(), {},
                                                        int(mma))
                       : w8a16::Dispatch<float>(stream, s, x.untyped_data(), wl, sl, y->untyped_data());
+  // Lab switch JAXLLM_MMA_TOUCH=1 (a lab build; off otherwise): after a tensor-core matmul, touch the next layer's
+  // weights and scales, so that its call finds their address translations warm. bench/matmul_chain.cu asks whether
+  // the batched step's matmuls lose time to the translations of its 7 GB working set (at 7B and 16 rows each
+  // shape ran 31% slower over every layer's weights than over two layers': docs/results/2026-12-06-h100-matmul-study.md).
+  static const bool touch = LabFlag("JAXLLM_MMA_TOUCH", false);
+  if (e == cudaSuccess && touch && s.m >= w8a16::mma::kMinM && layer + 1 < w.dimensions()[0]) {
+    const size_t bytes = size_t(s.n) * s.k, sbytes = size_t(s.n) * s.groups * sizeof(float);
+    const size_t threads = (std::max(bytes, sbytes) >> 16) + 1;
+    TouchPages<<<unsigned((threads + 127) / 128), 128, 0, stream>>>(wl + bytes, bytes,
+                                                                   reinterpret_cast<const int8_t*>(sl + s.n * s.groups),
+                                                                   sbytes, nullptr);
+    e = cudaGetLastError();
+  }
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_w8a16 launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
