@@ -1,6 +1,6 @@
-// Random fills of the raw-CUDA benches (gemv_sweep.cu, matmul_chain.cu, mma_layout.cu): a counter hash
+// Random fills of the raw-CUDA benches (gemv_sweep.cu, matmul_chain.cu): a counter hash
 // (splitmix64's finalizer) of each element's index and a seed, so every run draws the same values; and
-// ReadOnce, a contiguous read of weight bytes at the copy rate (matmul_chain.cu, mma_layout.cu).
+// ReadOnce, a contiguous read of weight bytes at the copy rate (matmul_chain.cu).
 #pragma once
 
 #include <cuda_bf16.h>

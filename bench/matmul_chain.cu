@@ -38,12 +38,12 @@ cudaError_t RuleLaunch(cudaStream_t st, const bf16* x, const int8_t* w, const fl
   const int tiles = (n + 15) / 16;
   const bool many = tiles >= 288, head = tiles >= 4096;
   if (m <= 16) {
-    if (head) return mm::Launch<2, 2, 2, 4, false, false, PDL>(st, x, w, s, y, m, n, k);
-    return many ? mm::Launch<2, 1, 4, 4, false, false, PDL>(st, x, w, s, y, m, n, k)
-                : mm::Launch<2, 1, 8, 8, false, false, PDL>(st, x, w, s, y, m, n, k);
+    if (head) return mm::Launch<2, 2, 2, 4, PDL>(st, x, w, s, y, m, n, k);
+    return many ? mm::Launch<2, 1, 4, 4, PDL>(st, x, w, s, y, m, n, k)
+                : mm::Launch<2, 1, 8, 8, PDL>(st, x, w, s, y, m, n, k);
   }
-  return tiles >= 2000 ? mm::Launch<8, 2, 4, 2, false, false, PDL>(st, x, w, s, y, m, n, k)
-                       : mm::Launch<8, 2, 8, 1, false, false, PDL>(st, x, w, s, y, m, n, k);
+  return tiles >= 2000 ? mm::Launch<8, 2, 4, 2, PDL>(st, x, w, s, y, m, n, k)
+                       : mm::Launch<8, 2, 8, 1, PDL>(st, x, w, s, y, m, n, k);
 }
 
 // One load per 64 KB of [p, p + bytes) (and of the scales): the pages' address translations warmed, next to none of

@@ -73,7 +73,7 @@ constexpr size_t SmemBytes(int mt, int rt, int ks) { return size_t(ks) * 16 * rt
 
 // One block: rows [16 RT blockIdx.x, +16 RT) of w, rows [8 MT blockIdx.y, +8 MT) of x.
 // x [M, K] bf16, w [N, K] int8, scale [N, K / 64] f32, y [M, N] bf16. K % 64 == 0.
-template <int MT, int RT, int KS, int U, bool TILED = false, bool XPF = false, bool PDL = false>
+template <int MT, int RT, int KS, int U, bool PDL = false>
 __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restrict__ x, const int8_t* __restrict__ w,
                                                   const float* __restrict__ scale, __nv_bfloat16* __restrict__ y,
                                                   int m, int n, int k) {
@@ -91,10 +91,7 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = min(row0 + 16 * r + 8 * h + g, n - 1);
-      if constexpr (TILED)   // [N / 16, K / 64, 32 lanes, 2 halves, 16 bytes] (n % 16 == 0; a tile past N reads the last)
-        wrow[r][h] = w + (size_t(min(blockIdx.x * RT + r, n / 16 - 1)) * chunks * 32 + lane) * 32 + 16 * h;
-      else
-        wrow[r][h] = w + size_t(row) * k + 16 * c;
+      wrow[r][h] = w + size_t(row) * k + 16 * c;
       srow[r][h] = scale + size_t(row) * chunks;
     }
   const __nv_bfloat16* xrow[MT];
@@ -114,8 +111,7 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.f;
 
-  // x's 16 bf16 of chunk q per tile: words 2j, 2j + 1 are step j's. XPF: loaded a chunk ahead of their use (xn),
-  // so that their L1/L2 latency overlaps the chunk before.
+  // x's 16 bf16 of chunk q per tile: words 2j, 2j + 1 are step j's.
   auto load_x = [&](int q, uint4 (&dst)[MT][2]) {
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
@@ -124,11 +120,6 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
       dst[t][1] = xlive[t] ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
     }
   };
-  uint4 xn[MT][2];
-  if constexpr (XPF && !PDL) {
-    if (begin < end) load_x(begin, xn);
-  }
-
   for (int base = begin; base < end; base += U) {
     uint4 wq[U][RT][2];
     float sc[U][RT][2];
@@ -139,27 +130,20 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const bool live = base + u < end;
-          wq[u][r][h] = live ? LoadWeights(wrow[r][h] + size_t(base + u) * (TILED ? 32 * 32 : kChunk)) : make_uint4(0, 0, 0, 0);
+          wq[u][r][h] = live ? LoadWeights(wrow[r][h] + size_t(base + u) * kChunk) : make_uint4(0, 0, 0, 0);
           sc[u][r][h] = live ? __ldg(srow[r][h] + base + u) : 0.f;
         }
     if constexpr (PDL) {   // launched as a programmatic dependent: wait once the first weights are asked for
       if (base == begin) {
         GridDepLaunch();
         GridDepWait();
-        if constexpr (XPF) load_x(begin, xn);
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + u >= end) break;
       uint4 xv[MT][2];
-      if constexpr (XPF) {
-#pragma unroll
-        for (int t = 0; t < MT; ++t) xv[t][0] = xn[t][0], xv[t][1] = xn[t][1];
-        if (base + u + 1 < end) load_x(base + u + 1, xn);
-      } else {
-        load_x(base + u, xv);
-      }
+      load_x(base + u, xv);
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
         uint32_t a[4][4];                                  // [step j] the A fragment
@@ -208,10 +192,10 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const __nv_bfloat16* __restric
   }
 }
 
-template <int MT, int RT, int KS, int U, bool TILED = false, bool XPF = false, bool PDL = false>
+template <int MT, int RT, int KS, int U, bool PDL = false>
 cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
                    __nv_bfloat16* y, int m, int n, int k) {
-  auto kernel = Kernel<MT, RT, KS, U, TILED, XPF, PDL>;
+  auto kernel = Kernel<MT, RT, KS, U, PDL>;
   constexpr size_t smem = SmemBytes(MT, RT, KS);
   if constexpr (smem > (48 << 10)) {   // the opt-in to more dynamic shared memory, once
     static const cudaError_t opted =
