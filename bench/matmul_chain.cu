@@ -7,7 +7,8 @@
 // the working set, or in themselves. At 16 and 64 rows also the chain with each tensor-core matmul a
 // programmatic dependent of the one before (its first weight loads before its wait): what overlapping the
 // kernels' edges would give. And each shape alone with its next layer's pages touched first (one word per 64 KB),
-// against a far layer's touched: whether a large working set costs the matmuls address translations.
+// against a far layer's touched: whether a large working set costs the matmuls address translations (both times
+// include the touch kernel's own, so they compare with each other, not with the untouched one).
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I $(python3 -c "import jax; \
 //     print(jax.ffi.include_dir())") bench/matmul_chain.cu -o /tmp/matmul_chain

@@ -42,17 +42,26 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
                       ? w8a16::Dispatch<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data(), {},
                                                        int(mma))
                       : w8a16::Dispatch<float>(stream, s, x.untyped_data(), wl, sl, y->untyped_data());
-  // Lab switch JAXLLM_MMA_TOUCH=1 (a lab build; off otherwise): after a tensor-core matmul, touch the next layer's
-  // weights and scales, so that its call finds their address translations warm. bench/matmul_chain.cu asks whether
-  // the batched step's matmuls lose time to the translations of its 7 GB working set (at 7B and 16 rows each
-  // shape ran 31% slower over every layer's weights than over two layers': docs/results/2026-12-06-h100-matmul-study.md).
-  static const bool touch = LabFlag("JAXLLM_MMA_TOUCH", false);
-  if (e == cudaSuccess && touch && s.m >= w8a16::mma::kMinM && layer + 1 < w.dimensions()[0]) {
+  // Lab switch JAXLLM_MMA_TOUCH (a lab build; off otherwise): after a tensor-core matmul, touch another layer's
+  // weights and scales: `1` the next layer's, so that its call finds their address translations warm; `far` a
+  // layer half the stack away (the control: the same extra kernel, nothing warmed for the next call). Asks whether
+  // the batched step's matmuls lose time to the translations of its 7.5 GB of weights (at 7B and 16 rows gate/up
+  // repeated over every layer's weights took 31% more time than over two layers', down 13% more:
+  // docs/results/2026-12-06-h100-matmul-study.md).
+  static const int touch = [] {
+    const char* v = LabEnv("JAXLLM_MMA_TOUCH");
+    return v == nullptr || v[0] == '\0' || v[0] == '0' ? 0 : std::string(v) == "far" ? 2 : 1;
+  }();
+  const int64_t layers = w.dimensions()[0];
+  const int64_t other = touch == 1 ? layer + 1 : (layer + layers / 2) % layers;
+  const bool mma_path = x.element_type() == ffi::BF16 && s.m >= w8a16::mma::kMinM && s.group == w8a16::mma::kChunk &&
+                        s.k % w8a16::mma::kChunk == 0;
+  if (e == cudaSuccess && touch != 0 && mma_path && other < layers && other != layer) {
     const size_t bytes = size_t(s.n) * s.k, sbytes = size_t(s.n) * s.groups * sizeof(float);
     const size_t threads = (std::max(bytes, sbytes) >> 16) + 1;
-    TouchPages<<<unsigned((threads + 127) / 128), 128, 0, stream>>>(wl + bytes, bytes,
-                                                                   reinterpret_cast<const int8_t*>(sl + s.n * s.groups),
-                                                                   sbytes, nullptr);
+    const int64_t step = other - layer;   // layers from this one (the next, or half the stack away)
+    TouchPages<<<unsigned((threads + 127) / 128), 128, 0, stream>>>(
+        wl + step * int64_t(bytes), bytes, reinterpret_cast<const int8_t*>(sl + step * s.n * s.groups), sbytes, nullptr);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_w8a16 launch: ") + cudaGetErrorString(e));

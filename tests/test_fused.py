@@ -423,8 +423,10 @@ def test_batched_step_attention_block_matches_unfused(name):
   for kernels, n in (("ffi", config.n_layers if taken else 0), ("ffi-unfused", 0)):
     text = steps[kernels].lower(weights, cache_f, *spec).as_text()
     assert text.count("@jaxllm_qkv_epilogue(") == n and text.count("@jaxllm_decode_attention_merged(") == n
-  if not taken:
-    return   # the GPU at head dim 128: both programs are the same one
+  if not taken:   # the GPU at head dim 128: both programs are the same one
+    assert steps["ffi"].lower(weights, cache_f, *spec).as_text() == steps["ffi-unfused"].lower(
+        weights, cache_f, *spec).as_text()
+    return
   for t in range(12):
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, batch), jnp.int32)
     pos = jnp.asarray([t, t + 3, t + 17, max(0, t - 4), 2 * t], jnp.int32)
@@ -559,12 +561,15 @@ def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name, 
       np.testing.assert_array_equal(a, b, err_msg=str(key))
 
 
-def test_fused_step_under_vmap_equals_each_state_alone():
+@pytest.mark.parametrize("one", ["1", "0"] if ON_GPU else ["1"])
+def test_fused_step_under_vmap_equals_each_state_alone(monkeypatch, one):
   """jax.vmap over batch-1 fused steps (a user's program mapping independent states). The per-op calls (the CPU's
-  fused step) map one state at a time (vmap_method "sequential"): every state's logits and cache are the bits its
-  own step gives. The GPU's one layers call is refused under vmap (JAX's NotImplementedError): mapped
-  sequentially it gave other logits than each state alone (H100, 2026-12-06), a cause not found."""
+  fused step; on the GPU with the lab switch JAXLLM_LAYERS_CALL=0) map one state at a time (vmap_method
+  "sequential"): every state's logits and cache are the bits its own step gives. The GPU's one layers call is
+  refused under vmap (JAX's NotImplementedError): mapped sequentially it gave other logits than each state alone
+  (H100, 2026-12-06), a cause not found."""
   from jaxllm.model import forward_decode_fused_head
+  monkeypatch.setenv("JAXLLM_LAYERS_CALL", one)
   config, weights = _synthetic("qwen2.5-0.5b")
   rng = np.random.default_rng(6)
   states = 3
