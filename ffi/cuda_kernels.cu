@@ -6,27 +6,16 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "common.h"
 #include "attention_cuda.cuh"
+#include "touch.cuh"
 #include "w8a16_cuda.cuh"
 
 namespace jaxllm {
 namespace {
-
-// One load per 64 KB of w [n] and s [n_s] bytes: the pages' address translations warmed, next to none of the bytes
-// brought into L2 (lab switch JAXLLM_MMA_TOUCH, below).
-__global__ void TouchPages(const int8_t* __restrict__ w, size_t n, const int8_t* __restrict__ s, size_t n_s,
-                           uint32_t* __restrict__ sink) {
-  const size_t i = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) << 16;
-  uint32_t v = 0;
-  if (i < n) v ^= __ldcg(reinterpret_cast<const uint32_t*>(w + i));
-  if (i < n_s) v ^= __ldcg(reinterpret_cast<const uint32_t*>(s + i));
-  if (v == 0x9e3779b9u && sink != nullptr) *sink = v;   // never in practice: keeps the loads
-}
 
 ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                      ffi::Result<ffi::AnyBuffer> y, int64_t layer, int64_t mma) {
@@ -52,17 +41,12 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
     const char* v = LabEnv("JAXLLM_MMA_TOUCH");
     return v == nullptr || v[0] == '\0' || v[0] == '0' ? 0 : std::string(v) == "far" ? 2 : 1;
   }();
-  const int64_t layers = w.dimensions()[0];
-  const int64_t other = touch == 1 ? layer + 1 : (layer + layers / 2) % layers;
-  const bool mma_path = x.element_type() == ffi::BF16 && s.m >= w8a16::mma::kMinM && s.group == w8a16::mma::kChunk &&
-                        s.k % w8a16::mma::kChunk == 0;
-  if (e == cudaSuccess && touch != 0 && mma_path && other < layers && other != layer) {
-    const size_t bytes = size_t(s.n) * s.k, sbytes = size_t(s.n) * s.groups * sizeof(float);
-    const size_t threads = (std::max(bytes, sbytes) >> 16) + 1;
-    const int64_t step = other - layer;   // layers from this one (the next, or half the stack away)
-    TouchPages<<<unsigned((threads + 127) / 128), 128, 0, stream>>>(
-        wl + step * int64_t(bytes), bytes, reinterpret_cast<const int8_t*>(sl + step * s.n * s.groups), sbytes, nullptr);
-    e = cudaGetLastError();
+  if (touch != 0 && e == cudaSuccess && x.element_type() == ffi::BF16 && w8a16::mma::Takes(s.m, s.group, s.k)) {
+    const int64_t layers = w.dimensions()[0];
+    const int64_t other = touch == 1 ? layer + 1 : (layer + layers / 2) % layers;   // the next, or half the stack away
+    if (other < layers && other != layer)
+      e = TouchPages(stream, wl + (other - layer) * s.n * s.k, size_t(s.n) * s.k, sl + (other - layer) * s.n * s.groups,
+                     size_t(s.n) * s.groups * sizeof(float));
   }
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_w8a16 launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();

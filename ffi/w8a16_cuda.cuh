@@ -931,7 +931,7 @@ cudaError_t Dispatch(cudaStream_t st, const MatmulShape& s, const void* xp, cons
   }
   // 5 or more rows of bf16 x, plain matmul: tensor cores (w8a16_mma.cuh), the weights read once for up to 64 rows.
   if constexpr (EX == 0 && std::is_same_v<T, __nv_bfloat16>) {
-    if (m >= mma::kMinM && s.group == mma::kChunk && k % mma::kChunk == 0)
+    if (mma::Takes(m, s.group, k))
       return mma::Dispatch(st, static_cast<const __nv_bfloat16*>(x), w, sc, static_cast<__nv_bfloat16*>(y), m, n, k,
                            mma_choice);
   }

@@ -38,6 +38,9 @@ constexpr int kChunk = 64;    // inputs per chunk: one scale group
 constexpr int kMinM = 5;      // rows of x from which Dispatch takes this kernel (M <= 4: the GEMV kernels)
 constexpr int kMaxM = 64;     // rows of x per block column (more: further block columns, each reading w again)
 
+// Whether w8a16::Dispatch hands a bf16 matmul of m rows, scale group `group` and K = k to this kernel.
+inline bool Takes(int64_t m, int64_t group, int64_t k) { return m >= kMinM && group == kChunk && k % kChunk == 0; }
+
 // Four int8 weights (one 32-bit word, lowest byte first) as two bf16x2: lo = (b0, b1), hi = (b2, b3).
 __device__ __forceinline__ void Int8x4ToBf16(uint32_t q, uint32_t& lo, uint32_t& hi) {
   const uint32_t u = q ^ 0x80808080u;                     // b + 128 in each byte
