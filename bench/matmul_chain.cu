@@ -169,6 +169,20 @@ int main(int argc, char** argv) {
                        "\"us_two_layers\": %.3f, \"gpu\": \"%s\"}\n", md.name, m, wt->n, wt->k, a, b, prop.name);
         alone += double(a) * L;
         alone2 += double(b) * L;
+        // The working set's size: the same L launches rotating over 1, 2, 4, 8 layers' weights, the matmul and the
+        // read-only kernel. A share of a small working set kept in L2 falls smoothly as it grows; address translations
+        // missed past a reach would step.
+        std::printf("    %5d x %-5d by layers rotated (matmul / read-only us):", wt->n, wt->k);
+        for (int span : {1, 2, 4, 8, L}) {
+          const float mm = PerCallUs(st, L, [&](int i) { matmul(*wt, i % span, false); });
+          const float ro = PerCallUs(st, L, [&](int i) { matmul(*wt, i % span, true); });
+          std::printf("  %d: %.2f / %.2f", span, mm, ro);
+          if (out)
+            std::fprintf(out, "{\"model\": \"%s\", \"m\": %d, \"what\": \"span\", \"n\": %d, \"k\": %d, \"span\": %d, "
+                         "\"us\": %.3f, \"us_read_only\": %.3f, \"gpu\": \"%s\"}\n", md.name, m, wt->n, wt->k, span, mm, ro,
+                         prop.name);
+        }
+        std::printf("\n");
         // Translation warm-up: before each call, a kernel touches one word per 64 KB of the next call's weights and
         // scales, or (its control) of a layer half the stack away, which no call near it reads.
         auto touch = [&](const Weight& t, int layer) {
