@@ -3,7 +3,9 @@
 //   0  bf16, exact (the kernel's: each byte under 2^23 in an f32, one subtraction, the upper half): 11 instructions
 //      a word of four weights;
 //   1  f16, exact (each byte under 2^10 in an f16, one half2 subtraction a pair; x in f16): 5 a word;
-//   2  none (the weight bytes taken as bf16 bits, wrong values): the bound on what any conversion could save.
+//   2  none (the weight bytes taken as bf16 bits, wrong values): the bound on what any conversion could save;
+//   and "prep+f16", what a product would run: x (bf16) first as f16 rows under a power of two (ToF16, a block a
+//   row), then the f16 kernel as its programmatic dependent (first weight loads before the wait), y scaled back.
 // Each of the rule's and the autotune's configurations on the 7B matmuls at 16 and 64 rows, the weights rotated over
 // 28 layers (the engine's working set); outputs of 0 and 1 compared (x drawn in bf16 and held exactly in f16).
 //
@@ -43,11 +45,12 @@ __device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// ffi/w8a16_mma.cuh's Kernel (PDL off), the conversion CONV above; x is bf16 (CONV 0, 2) or f16 (1) bits.
-template <int MT, int RT, int KS, int U, int CONV>
+// ffi/w8a16_mma.cuh's Kernel, the conversion CONV above; x is bf16 (CONV 0, 2) or f16 (1) bits; xscale (when
+// given) multiplies each row of y (x's rows held in f16 under a power of two); PDL: as the kernel's PDL.
+template <int MT, int RT, int KS, int U, int CONV, bool PDL>
 __global__ void __launch_bounds__(KS * 32) Kernel(const uint16_t* __restrict__ x, const int8_t* __restrict__ w,
                                                   const float* __restrict__ scale, bf16* __restrict__ y, int m, int n,
-                                                  int k) {
+                                                  int k, const float* __restrict__ xscale) {
   extern __shared__ float partial[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int chunks = k / mm::kChunk, row0 = blockIdx.x * 16 * RT, xrow0 = blockIdx.y * 8 * MT;
@@ -84,6 +87,12 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const uint16_t* __restrict__ x
           wq[u][r][h] = live ? mm::LoadWeights(wrow[r][h] + size_t(base + u) * mm::kChunk) : make_uint4(0, 0, 0, 0);
           sc[u][r][h] = live ? __ldg(srow[r][h] + base + u) : 0.f;
         }
+    if constexpr (PDL) {
+      if (base == begin) {
+        jaxllm::w8a16::GridDepLaunch();
+        jaxllm::w8a16::GridDepWait();
+      }
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + u >= end) break;
@@ -148,27 +157,71 @@ __global__ void __launch_bounds__(KS * 32) Kernel(const uint16_t* __restrict__ x
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < KS; ++i) sum += partial[size_t(i) * 8 * MT * 16 * RT + o];
+    if (xscale != nullptr) sum *= xscale[xm];
     y[size_t(xm) * n + row] = __float2bfloat16(sum);
   }
 }
 
-template <int MT, int RT, int KS, int U, int CONV>
-void Launch(cudaStream_t st, const uint16_t* x, const int8_t* w, const float* s, bf16* y, int m, int n, int k) {
-  auto kernel = Kernel<MT, RT, KS, U, CONV>;
+// The production candidate's first kernel: each row of x (bf16) as f16 under a power of two 2^e, e such that the
+// row's largest magnitude lands in [2^14, 2^15) (every bf16 value within 2^-28 of it then exact), and 2^e.
+// A block a row; lets the matmul launch at once (PDL), which issues its first weight loads while this runs.
+__global__ void __launch_bounds__(256) ToF16(const bf16* __restrict__ x, __half* __restrict__ x16,
+                                             float* __restrict__ xscale, int k) {
+  jaxllm::w8a16::GridDepLaunch();
+  __shared__ float red[8];
+  const bf16* row = x + size_t(blockIdx.x) * k;
+  float mx = 0.f;
+  for (int i = threadIdx.x; i < k; i += 256) mx = fmaxf(mx, fabsf(__bfloat162float(row[i])));
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+  __syncthreads();
+  mx = red[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) mx = fmaxf(mx, red[i]);
+  const int e = mx > 0.f ? ilogbf(mx) - 14 : 0;
+  const float down = ldexpf(1.f, -e);
+  for (int i = threadIdx.x; i < k; i += 256) x16[size_t(blockIdx.x) * k + i] = __float2half_rn(__bfloat162float(row[i]) * down);
+  if (threadIdx.x == 0) xscale[blockIdx.x] = ldexpf(1.f, e);
+}
+
+template <int MT, int RT, int KS, int U, int CONV, bool PDL = false>
+void Launch(cudaStream_t st, const uint16_t* x, const int8_t* w, const float* s, bf16* y, int m, int n, int k,
+            const float* xscale = nullptr) {
+  auto kernel = Kernel<MT, RT, KS, U, CONV, PDL>;
   constexpr size_t smem = mm::SmemBytes(MT, RT, KS);
   if constexpr (smem > (48 << 10)) CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<dim3((n + 16 * RT - 1) / (16 * RT), (m + 8 * MT - 1) / (8 * MT)), KS * 32, smem, st>>>(x, w, s, y, m, n, k);
+  const dim3 grid((n + 16 * RT - 1) / (16 * RT), (m + 8 * MT - 1) / (8 * MT));
+  CHECK(jaxllm::w8a16::LaunchEx(st, PDL, grid, dim3(KS * 32), smem, kernel, x, w, s, y, m, n, k, xscale));
+}
+
+// x (bf16 bits) through ToF16 into the f16 kernel, which waits for it: the whole production candidate.
+__half* g_x16;
+float* g_xscale;
+template <int MT, int RT, int KS, int U>
+void LaunchPrep(cudaStream_t st, const uint16_t* x, const int8_t* w, const float* s, bf16* y, int m, int n, int k) {
+  ToF16<<<m, 256, 0, st>>>(reinterpret_cast<const bf16*>(x), g_x16, g_xscale, k);
   CHECK(cudaGetLastError());
+  Launch<MT, RT, KS, U, 1, true>(st, reinterpret_cast<const uint16_t*>(g_x16), w, s, y, m, n, k, g_xscale);
 }
 
 using Fn = void (*)(cudaStream_t, const uint16_t*, const int8_t*, const float*, bf16*, int, int, int);
 struct Config {
   int rows;
   const char* name;
-  Fn fn[3];
+  Fn fn[4];
 };
-#define CFG(R, MT, RT, KS, U) \
-  {R, #MT "," #RT "," #KS "," #U, {Launch<MT, RT, KS, U, 0>, Launch<MT, RT, KS, U, 1>, Launch<MT, RT, KS, U, 2>}}
+#define CFG(R, MT, RT, KS, U)                                                                                      \
+  {R, #MT "," #RT "," #KS "," #U,                                                                                   \
+   {[](cudaStream_t st, const uint16_t* x, const int8_t* w, const float* s, bf16* y, int m, int n, int k) {          \
+      Launch<MT, RT, KS, U, 0>(st, x, w, s, y, m, n, k);                                                            \
+    },                                                                                                              \
+    [](cudaStream_t st, const uint16_t* x, const int8_t* w, const float* s, bf16* y, int m, int n, int k) {         \
+      Launch<MT, RT, KS, U, 1>(st, x, w, s, y, m, n, k);                                                            \
+    },                                                                                                              \
+    [](cudaStream_t st, const uint16_t* x, const int8_t* w, const float* s, bf16* y, int m, int n, int k) {         \
+      Launch<MT, RT, KS, U, 2>(st, x, w, s, y, m, n, k);                                                            \
+    },                                                                                                              \
+    LaunchPrep<MT, RT, KS, U>}}
 const Config kConfigs[] = {
     CFG(16, 2, 1, 4, 4), CFG(16, 2, 1, 8, 8), CFG(16, 2, 2, 2, 4), CFG(16, 2, 1, 2, 4), CFG(16, 2, 2, 8, 2),
     CFG(16, 2, 1, 16, 4), CFG(16, 2, 1, 4, 8), CFG(64, 8, 2, 4, 2), CFG(64, 8, 2, 8, 1), CFG(64, 8, 1, 8, 2),
@@ -204,41 +257,50 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&xh, size_t(kM) * sh.k * 2));
     CHECK(cudaMalloc(&y0, size_t(kM) * sh.n * 2));
     CHECK(cudaMalloc(&y1, size_t(kM) * sh.n * 2));
+    CHECK(cudaMalloc(&g_x16, size_t(kM) * sh.k * 2));
+    CHECK(cudaMalloc(&g_xscale, kM * 4));
     FillInt8<<<2048, 256, 0, st>>>(w, wb * L, 3);
     FillScale<<<1024, 256, 0, st>>>(s, sb * L, 4);
     FillBf16<<<64, 256, 0, st>>>(xb, size_t(kM) * sh.k, 5);
     Bf16ToF16<<<64, 256, 0, st>>>(xb, xh, size_t(kM) * sh.k);
     CHECK(cudaStreamSynchronize(st));
-    const uint16_t* xs[3] = {reinterpret_cast<uint16_t*>(xb), reinterpret_cast<uint16_t*>(xh), reinterpret_cast<uint16_t*>(xb)};
+    const uint16_t* xs[4] = {reinterpret_cast<uint16_t*>(xb), reinterpret_cast<uint16_t*>(xh), reinterpret_cast<uint16_t*>(xb),
+                             reinterpret_cast<uint16_t*>(xb)};
     for (const Config& cf : kConfigs) {
       const int m = cf.rows;
-      // 0 against 1: the same products (x exact in both), summed in the same order: bf16 output rounding apart
-      cf.fn[0](st, xs[0], w, s, y0, m, sh.n, sh.k);
-      cf.fn[1](st, xs[1], w, s, y1, m, sh.n, sh.k);
-      std::vector<bf16> h0(size_t(m) * sh.n), h1(size_t(m) * sh.n);
-      CHECK(cudaMemcpy(h0.data(), y0, h0.size() * 2, cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy(h1.data(), y1, h1.size() * 2, cudaMemcpyDeviceToHost));
-      double num = 0, den = 0;
-      for (size_t i = 0; i < h0.size(); ++i) {
-        const double a = __bfloat162float(h0[i]), b = __bfloat162float(h1[i]);
-        num += (a - b) * (a - b);
-        den += a * a;
-      }
-      float us[3];
-      for (int v = 0; v < 3; ++v)
+      // 0 against 1 and 3: the same products (x exact in each), summed in the same order: bf16 output rounding apart
+      auto rel = [&](int v) {
+        cf.fn[0](st, xs[0], w, s, y0, m, sh.n, sh.k);
+        cf.fn[v](st, xs[v], w, s, y1, m, sh.n, sh.k);
+        std::vector<bf16> h0(size_t(m) * sh.n), h1(size_t(m) * sh.n);
+        CHECK(cudaMemcpy(h0.data(), y0, h0.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(h1.data(), y1, h1.size() * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0;
+        for (size_t i = 0; i < h0.size(); ++i) {
+          const double a = __bfloat162float(h0[i]), b = __bfloat162float(h1[i]);
+          num += (a - b) * (a - b);
+          den += a * a;
+        }
+        return std::sqrt(num / den);
+      };
+      const double rel1 = rel(1), rel3 = rel(3);
+      float us[4];
+      for (int v = 0; v < 4; ++v)
         us[v] = PerCallUs(st, L, [&](int i) {
           cf.fn[v](st, xs[v], w + wb * (i % L), s + sb * (i % L), y0, m, sh.n, sh.k);
         });
-      std::printf("%-11s M=%-2d %-10s bf16 %7.2f us  f16 %7.2f  none %7.2f  (f16 %.3fx, none %.3fx)  rel l2 f16-bf16 %.2e\n",
-                  sh.name, m, cf.name, us[0], us[1], us[2], us[1] / us[0], us[2] / us[0], std::sqrt(num / den));
+      std::printf("%-11s M=%-2d %-10s bf16 %7.2f us  f16 %7.2f  none %7.2f  prep+f16 %7.2f  (f16 %.3fx, none %.3fx, "
+                  "prep+f16 %.3fx)  rel l2 to bf16: f16 %.2e, prep+f16 %.2e\n", sh.name, m, cf.name, us[0], us[1], us[2],
+                  us[3], us[1] / us[0], us[2] / us[0], us[3] / us[0], rel1, rel3);
       if (out) {
         std::fprintf(out, "{\"shape\": \"%s\", \"m\": %d, \"config\": \"%s\", \"us_bf16\": %.3f, \"us_f16\": %.3f, "
-                     "\"us_none\": %.3f, \"rel_l2_f16_bf16\": %.3e, \"gpu\": \"%s\"}\n",
-                     sh.name, m, cf.name, us[0], us[1], us[2], std::sqrt(num / den), prop.name);
+                     "\"us_none\": %.3f, \"us_prep_f16\": %.3f, \"rel_l2_f16\": %.3e, \"rel_l2_prep_f16\": %.3e, "
+                     "\"gpu\": \"%s\"}\n", sh.name, m, cf.name, us[0], us[1], us[2], us[3], rel1, rel3, prop.name);
         std::fflush(out);
       }
     }
-    for (void* p : {(void*)w, (void*)s, (void*)xb, (void*)xh, (void*)y0, (void*)y1}) CHECK(cudaFree(p));
+    for (void* p : {(void*)w, (void*)s, (void*)xb, (void*)xh, (void*)y0, (void*)y1, (void*)g_x16, (void*)g_xscale})
+      CHECK(cudaFree(p));
   }
   if (out) std::fclose(out);
   return 0;
