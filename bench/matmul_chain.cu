@@ -6,9 +6,8 @@
 // Which of these the chain's time follows says whether the step's matmuls lose time to their neighbours, to
 // the working set, or in themselves. At 16 and 64 rows also the chain with each tensor-core matmul a
 // programmatic dependent of the one before (its first weight loads before its wait): what overlapping the
-// kernels' edges would give. And each shape alone with its next layer's pages touched first (one word per 64 KB),
-// against a far layer's touched: whether a large working set costs the matmuls address translations (both times
-// include the touch kernel's own, so they compare with each other, not with the untouched one).
+// kernels' edges would give. And each shape over 1, 2, 4, 8 and every layer's weights, beside the read-only kernel:
+// how its time grows with the working set.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I ffi -I $(python3 -c "import jax; \
 //     print(jax.ffi.include_dir())") bench/matmul_chain.cu -o /tmp/matmul_chain
@@ -23,7 +22,6 @@
 
 #include "fills.cuh"
 #include "graph_timer.cuh"
-#include "touch.cuh"
 #include "w8a16_cuda.cuh"
 
 using bf16 = __nv_bfloat16;
@@ -183,20 +181,6 @@ int main(int argc, char** argv) {
                          prop.name);
         }
         std::printf("\n");
-        // Translation warm-up: before each call, a kernel touches one word per 64 KB of the next call's weights and
-        // scales, or (its control) of a layer half the stack away, which no call near it reads.
-        auto touch = [&](const Weight& t, int layer) {
-          CHECK(jaxllm::TouchPages(st, t.q + t.bytes() * layer, t.bytes(), t.s + size_t(t.n) * t.groups() * layer,
-                                   size_t(t.n) * t.groups() * 4, sink));
-        };
-        const float tn = PerCallUs(st, L, [&](int i) { touch(*wt, (i + 1) % L); matmul(*wt, i % L, false); });
-        const float tf = PerCallUs(st, L, [&](int i) { touch(*wt, (i + L / 2) % L); matmul(*wt, i % L, false); });
-        std::printf("    %5d x %-5d alone, every layer: %.2f us a call with the next layer touched first, %.2f with a "
-                    "far layer touched (control)\n", wt->n, wt->k, tn, tf);
-        if (out)
-          std::fprintf(out, "{\"model\": \"%s\", \"m\": %d, \"what\": \"alone, touched\", \"n\": %d, \"k\": %d, "
-                       "\"us_next_touched\": %.3f, \"us_far_touched\": %.3f, \"gpu\": \"%s\"}\n", md.name, m, wt->n, wt->k,
-                       tn, tf, prop.name);
       }
       const float h = PerCallUs(st, 4, [&](int) { matmul(head, 0, false); });
       report("each shape alone (every layer), summed", alone + h);

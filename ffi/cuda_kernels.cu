@@ -11,7 +11,6 @@
 
 #include "common.h"
 #include "attention_cuda.cuh"
-#include "touch.cuh"
 #include "w8a16_cuda.cuh"
 
 namespace jaxllm {
@@ -31,23 +30,6 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
                       ? w8a16::Dispatch<__nv_bfloat16>(stream, s, x.untyped_data(), wl, sl, y->untyped_data(), {},
                                                        int(mma))
                       : w8a16::Dispatch<float>(stream, s, x.untyped_data(), wl, sl, y->untyped_data());
-  // Lab switch JAXLLM_MMA_TOUCH (a lab build; off otherwise): after a tensor-core matmul, touch another layer's
-  // weights and scales: `1` the next layer's, so that its call finds their address translations warm; `far` a
-  // layer half the stack away (the control: the same extra kernel, nothing warmed for the next call). Asks whether
-  // the batched step's matmuls lose time to the translations of its 7.5 GB of weights (at 7B and 16 rows gate/up
-  // repeated over every layer's weights took 31% more time than over two layers', down 13% more:
-  // docs/results/2026-12-06-h100-matmul-study.md).
-  static const int touch = [] {
-    const char* v = LabEnv("JAXLLM_MMA_TOUCH");
-    return v == nullptr || v[0] == '\0' || v[0] == '0' ? 0 : std::string(v) == "far" ? 2 : 1;
-  }();
-  if (touch != 0 && e == cudaSuccess && x.element_type() == ffi::BF16 && w8a16::mma::Takes(s.m, s.group, s.k)) {
-    const int64_t layers = w.dimensions()[0];
-    const int64_t other = touch == 1 ? layer + 1 : (layer + layers / 2) % layers;   // the next, or half the stack away
-    if (other < layers && other != layer)
-      e = TouchPages(stream, wl + (other - layer) * s.n * s.k, size_t(s.n) * s.k, sl + (other - layer) * s.n * s.groups,
-                     size_t(s.n) * s.groups * sizeof(float));
-  }
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_w8a16 launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }

@@ -16,7 +16,7 @@ PY_SWITCHES = {"JAXLLM_LAYERS_CALL": "0", "JAXLLM_PDL": "0", "JAXLLM_LAYERS_HEAD
 CPP_SWITCHES = {"JAXLLM_LAYERS_SKIP": "qkv,attention,o,gate_up,down", "JAXLLM_ATTN_STOP": "wait",
                 "JAXLLM_PDL_EARLY": "0", "JAXLLM_PREFETCH": "0", "JAXLLM_ATTN_CLUSTER": "0",
                 "JAXLLM_ATTN_PRELOAD": "0", "JAXLLM_ATTN_SWIZZLE": "0", "JAXLLM_ATTN_MBAR": "0",
-                "JAXLLM_HEAD_GRID": "1", "JAXLLM_MMA_HEAD": "0", "JAXLLM_MMA_TOUCH": "1",
+                "JAXLLM_HEAD_GRID": "1", "JAXLLM_MMA_HEAD": "0",
                 "JAXLLM_LOWBIT_PREFETCH": "0"}
 
 release_only = pytest.mark.skipif(lab.lab_build(), reason="a lab build (JAXLLM_LAB=ON) reads the lab switches")
