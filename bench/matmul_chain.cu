@@ -156,31 +156,30 @@ int main(int argc, char** argv) {
         report("chain, the rule (bench copy)", PerCallUs(st, 2, [&](int) { step(L, false, 1); }));
         report("chain, the rule with PDL", PerCallUs(st, 2, [&](int) { step(L, false, 2); }));
       }
-      // Each shape alone: its L launches in a row (rotating over every layer's weights, or over two), per call x L.
+      // Each shape alone: its L launches in a row, rotating over the weights of 1, 2, 4, 8 and every layer, the matmul
+      // and the read-only kernel, per call x L (the working set's size: a share of a small one kept in L2 falls
+      // smoothly as it grows; anything with a reach would step). Every layer's and two layers' times are summed below.
       double alone = 0, alone2 = 0;
       for (const Weight* wt : {&qkv, &o, &gu, &down}) {
-        const float a = PerCallUs(st, L, [&](int i) { matmul(*wt, i % L, false); });
-        const float b = PerCallUs(st, L, [&](int i) { matmul(*wt, i % 2, false); });
-        std::printf("    %5d x %-5d alone: %.2f us a call (every layer), %.2f (two layers)\n", wt->n, wt->k, a, b);
-        if (out)
-          std::fprintf(out, "{\"model\": \"%s\", \"m\": %d, \"what\": \"alone\", \"n\": %d, \"k\": %d, \"us\": %.3f, "
-                       "\"us_two_layers\": %.3f, \"gpu\": \"%s\"}\n", md.name, m, wt->n, wt->k, a, b, prop.name);
-        alone += double(a) * L;
-        alone2 += double(b) * L;
-        // The working set's size: the same L launches rotating over 1, 2, 4, 8 layers' weights, the matmul and the
-        // read-only kernel. A share of a small working set kept in L2 falls smoothly as it grows; address translations
-        // missed past a reach would step.
+        float every = 0.f, two = 0.f;
         std::printf("    %5d x %-5d by layers rotated (matmul / read-only us):", wt->n, wt->k);
         for (int span : {1, 2, 4, 8, L}) {
           const float mm = PerCallUs(st, L, [&](int i) { matmul(*wt, i % span, false); });
           const float ro = PerCallUs(st, L, [&](int i) { matmul(*wt, i % span, true); });
+          if (span == 2) two = mm;
+          if (span == L) every = mm;
           std::printf("  %d: %.2f / %.2f", span, mm, ro);
           if (out)
             std::fprintf(out, "{\"model\": \"%s\", \"m\": %d, \"what\": \"span\", \"n\": %d, \"k\": %d, \"span\": %d, "
                          "\"us\": %.3f, \"us_read_only\": %.3f, \"gpu\": \"%s\"}\n", md.name, m, wt->n, wt->k, span, mm, ro,
                          prop.name);
         }
-        std::printf("\n");
+        std::printf("\n    %5d x %-5d alone: %.2f us a call (every layer), %.2f (two layers)\n", wt->n, wt->k, every, two);
+        if (out)
+          std::fprintf(out, "{\"model\": \"%s\", \"m\": %d, \"what\": \"alone\", \"n\": %d, \"k\": %d, \"us\": %.3f, "
+                       "\"us_two_layers\": %.3f, \"gpu\": \"%s\"}\n", md.name, m, wt->n, wt->k, every, two, prop.name);
+        alone += double(every) * L;
+        alone2 += double(two) * L;
       }
       const float h = PerCallUs(st, 4, [&](int) { matmul(head, 0, false); });
       report("each shape alone (every layer), summed", alone + h);
