@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -25,6 +26,22 @@ constexpr const char* LabEnv(const char*) { return nullptr; }
 inline bool LabFlag(const char* name, bool dflt) {
   const char* v = LabEnv(name);
   return v == nullptr || v[0] == '\0' ? dflt : v[0] != '0';
+}
+
+// An output XLA aliases to an input (input_output_aliases: the caches, the attention's counters) is updated in
+// place: the kernels write only what changes. Where a handler is given that output as a buffer of its own (its
+// address differs from the input's), it copies the input into it first, so that the result never rests on XLA
+// keeping the alias. AliasCopy() is that copy's switch, off only by the lab switch JAXLLM_ALIAS_COPY=0 (to see
+// what a broken alias does).
+inline bool AliasCopy() {
+  static const bool on = LabFlag("JAXLLM_ALIAS_COPY", true);
+  return on;
+}
+
+// The host handlers' copy: the input into its aliased output, where they differ.
+inline void HoldAliasHost(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
+  if (AliasCopy() && in.untyped_data() != out.untyped_data() && out.size_bytes() > 0)
+    std::memcpy(out.untyped_data(), in.untyped_data(), out.size_bytes());
 }
 
 inline std::string DimsString(ffi::AnyBuffer::Dimensions d) {

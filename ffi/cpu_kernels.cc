@@ -322,13 +322,16 @@ ffi::Error FusedCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
 
 // The QKV epilogue (see BindQkv in common.h), as the unfused path computes it.
 ffi::Error QkvCpu(ffi::ThreadPool, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi::AnyBuffer qn, ffi::AnyBuffer kn,
-                  ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer, ffi::AnyBuffer,
-                  ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
-                  ffi::Result<ffi::AnyBuffer> counters, int64_t layer, int64_t neox, float pos_scale, float eps) {
+                  ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer k_in,
+                  ffi::AnyBuffer v_in, ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> kc,
+                  ffi::Result<ffi::AnyBuffer> vc, ffi::Result<ffi::AnyBuffer> counters, int64_t layer, int64_t neox,
+                  float pos_scale, float eps) {
   QkvShape s;
   if (auto err = CheckQkv(qkv, bias, qn, kn, inv_freq, pos, writes, *kc, *vc, *q_out, *counters, layer, &s);
       err.failure())
     return err;
+  HoldAliasHost(k_in, *kc);   // the caches, aliased
+  HoldAliasHost(v_in, *vc);
   const ffi::DataType t = qkv.element_type();
   const bool bf16 = t == ffi::BF16;
   const float *bp = LayerRow(bias, layer, s.nqkv), *qp = LayerRow(qn, layer, s.d), *kp = LayerRow(kn, layer, s.d);

@@ -371,7 +371,7 @@ cudaError_t LaunchOne(cudaStream_t stream, const AttentionShape& s, const ffi::A
 // The one-kernel attention (attention_cuda.cuh): counters [B, G] int32, zero on entry and left zero, aliased
 // to the third result.
 ffi::Error DecodeAttentionMergedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                     ffi::AnyBuffer lengths, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
+                                     ffi::AnyBuffer lengths, ffi::AnyBuffer counters_in, ffi::Result<ffi::AnyBuffer> out,
                                      ffi::Result<ffi::AnyBuffer> workspace, ffi::Result<ffi::AnyBuffer> counters,
                                      int64_t layer) {
   AttentionShape s;
@@ -394,7 +394,9 @@ ffi::Error DecodeAttentionMergedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi:
   float* ws = static_cast<float*>(workspace->untyped_data());
   int32_t* cnt = static_cast<int32_t*>(counters->untyped_data());
   const bool bf16 = q.element_type() == ffi::BF16;
-  cudaError_t e;
+  cudaError_t e = w8a16::HoldAlias(stream, counters_in.untyped_data(), cnt, counters->size_bytes(), AliasCopy());
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jaxllm_decode_attention_merged counters copy: ") + cudaGetErrorString(e));
   if (s.d == 64) {
     e = bf16 ? LaunchOne<__nv_bfloat16, 64>(stream, s, q, k, v, len, ws, out->untyped_data(), P, cnt)
              : LaunchOne<float, 64>(stream, s, q, k, v, len, ws, out->untyped_data(), P, cnt);

@@ -66,14 +66,20 @@ ffi::Error FusedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 // ---- QKV epilogue (kernel in qkv_cuda.cuh) -----------------------------------------------------------------
 
 ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi::AnyBuffer qn, ffi::AnyBuffer kn,
-                   ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer, ffi::AnyBuffer,
-                   ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
-                   ffi::Result<ffi::AnyBuffer> counters, int64_t layer, int64_t neox, float pos_scale, float eps) {
+                   ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer k_in,
+                   ffi::AnyBuffer v_in, ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> kc,
+                   ffi::Result<ffi::AnyBuffer> vc, ffi::Result<ffi::AnyBuffer> counters, int64_t layer, int64_t neox,
+                   float pos_scale, float eps) {
   QkvShape s;
   if (auto err = CheckQkv(qkv, bias, qn, kn, inv_freq, pos, writes, *kc, *vc, *q_out, *counters, layer, &s);
       err.failure())
     return err;
   if (s.b == 0) return ffi::Error::Success();
+  for (auto [in, out] : {std::pair{&k_in, &kc}, std::pair{&v_in, &vc}})   // the caches, aliased
+    if (cudaError_t e = w8a16::HoldAlias(stream, in->untyped_data(), (*out)->untyped_data(), (*out)->size_bytes(),
+                                         AliasCopy());
+        e != cudaSuccess)
+      return ffi::Error::Internal(std::string("jaxllm_qkv_epilogue cache copy: ") + cudaGetErrorString(e));
   qkv::Args a;
   a.qkv = qkv.untyped_data();
   a.bias = LayerRow(bias, layer, s.nqkv);
@@ -184,7 +190,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
                       ffi::AnyBuffer lengths, ffi::AnyBuffer inv_freq, ffi::AnyBuffer attn_norm, ffi::AnyBuffer wqkv,
                       ffi::AnyBuffer sqkv, ffi::AnyBuffer bqkv, ffi::AnyBuffer qn, ffi::AnyBuffer kn, ffi::AnyBuffer wo,
                       ffi::AnyBuffer so, ffi::AnyBuffer ffn_norm, ffi::AnyBuffer wgu, ffi::AnyBuffer sgu,
-                      ffi::AnyBuffer wd, ffi::AnyBuffer sd, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer out_norm,
+                      ffi::AnyBuffer wd, ffi::AnyBuffer sd, ffi::AnyBuffer k_in, ffi::AnyBuffer v_in, ffi::AnyBuffer out_norm,
                       ffi::AnyBuffer wh, ffi::AnyBuffer sh, ffi::Result<ffi::AnyBuffer> x_out,
                       ffi::Result<ffi::AnyBuffer> kc, ffi::Result<ffi::AnyBuffer> vc,
                       ffi::Result<ffi::AnyBuffer> workspace, ffi::Result<ffi::AnyBuffer> head_out, int64_t heads,
@@ -256,6 +262,11 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
     mh = MatmulShape{b, hwd[0], d, hsd[1], d / hsd[1], 0};
   }
   if (b == 0) return ffi::Error::Success();
+  for (auto [in, out] : {std::pair{&k_in, &kc}, std::pair{&v_in, &vc}})   // the caches, aliased
+    if (cudaError_t e = w8a16::HoldAlias(stream, in->untyped_data(), (*out)->untyped_data(), (*out)->size_bytes(),
+                                         AliasCopy());
+        e != cudaSuccess)
+      return ffi::Error::Internal(name + "cache copy: " + cudaGetErrorString(e));
 
   using bf16 = __nv_bfloat16;
   using namespace w8a16;

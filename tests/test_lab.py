@@ -17,7 +17,7 @@ CPP_SWITCHES = {"JAXLLM_LAYERS_SKIP": "qkv,attention,o,gate_up,down", "JAXLLM_AT
                 "JAXLLM_PDL_EARLY": "0", "JAXLLM_PREFETCH": "0", "JAXLLM_ATTN_CLUSTER": "0",
                 "JAXLLM_ATTN_PRELOAD": "0", "JAXLLM_ATTN_SWIZZLE": "0", "JAXLLM_ATTN_MBAR": "0",
                 "JAXLLM_HEAD_GRID": "1", "JAXLLM_MMA_HEAD": "0",
-                "JAXLLM_LOWBIT_PREFETCH": "0"}
+                "JAXLLM_LOWBIT_PREFETCH": "0", "JAXLLM_ALIAS_COPY": "0"}
 
 release_only = pytest.mark.skipif(lab.lab_build(), reason="a lab build (JAXLLM_LAB=ON) reads the lab switches")
 
