@@ -565,9 +565,11 @@ def test_layers_call_equals_per_op_calls_whatever_the_launch(monkeypatch, name, 
 def test_fused_step_under_vmap_equals_each_state_alone(monkeypatch, one):
   """jax.vmap over batch-1 fused steps (a user's program mapping independent states). The per-op calls (the CPU's
   fused step; on the GPU with the lab switch JAXLLM_LAYERS_CALL=0) map one state at a time (vmap_method
-  "sequential"): every state's logits and cache are the bits its own step gives. The GPU's one layers call is
-  refused under vmap (JAX's NotImplementedError): mapped sequentially it gave other logits than each state alone
-  (H100, 2026-12-06), a cause not found."""
+  "sequential"): every state's logits and cache are the bits its own step gives. Until the handlers copied an
+  aliased input into an output XLA gave a buffer of its own (test_aliased_ops_under_vmap_keep_their_inputs), the
+  GPU's per-op step failed here (H200, 2026-12-06; H100 2026-12-07 with that copy off). The GPU's one layers call
+  is refused under vmap (JAX's NotImplementedError): mapped sequentially it gave other logits than each state
+  alone (H100, 2026-12-06), before that copy; not run mapped since."""
   from jaxllm import lab
   from jaxllm.model import forward_decode_fused_head
   if one == "0" and not lab.lab_build():
@@ -599,3 +601,39 @@ def test_fused_step_under_vmap_equals_each_state_alone(monkeypatch, one):
   for i in range(states):
     for got, want in zip(mapped, alone(weights, k0[i], v0[i], tokens[i], pos[i], active[i])):
       np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32), err_msg=str(i))
+
+
+def test_aliased_ops_under_vmap_keep_their_inputs():
+  """jax.vmap over the QKV epilogue and the one-kernel attention with mapped caches and counters (their outputs
+  aliased to those inputs; vmap_method "sequential"): each state's outputs are the bits of its own call, and a
+  mapped cache is its input but for the slot written. On the GPU XLA gives these outputs buffers of their own
+  under the sequential map, and the handlers copy the input in first (HoldAlias, ffi/launch.cuh): with that copy
+  off (lab switch JAXLLM_ALIAS_COPY=0, H100, 2026-12-07) the mapped caches of this QKV epilogue differed from
+  each state's own in 97,536 places, and the per-op fused step's logits in 4,094 of 4,096."""
+  rng = np.random.default_rng(11)
+  states, layers, h, g, dh, s = 3, 2, 14, 2, 64, 64
+  dtype = jnp.bfloat16 if ON_GPU else jnp.float32
+  n = (h + 2 * g) * dh
+  qkv = jnp.asarray(rng.standard_normal((states, 1, n)), dtype)
+  bias = jnp.asarray(rng.standard_normal((layers, n)), jnp.float32)
+  inv_freq = jnp.asarray(10000.0 ** (-np.arange(dh // 2) * 2.0 / dh), jnp.float32)
+  kc0 = jnp.asarray(rng.standard_normal((states, layers, 1, g, s, dh)), dtype)
+  vc0 = jnp.asarray(rng.standard_normal((states, layers, 1, g, s, dh)), dtype)
+  pos = jnp.asarray([[40], [7], [0]], jnp.int32)
+
+  def op(qkv, kc, vc, p):
+    q, kc, vc, counters = fused.qkv_epilogue(qkv, bias, None, None, inv_freq, 1, p, p, kc, vc, n_heads=h,
+                                             n_kv_heads=g, neox=True, pos_scale=1.0, eps=EPS)
+    out, counters = fused.decode_attention_merged(q, kc, vc, 1, p + 1, counters, with_counters=True)
+    return q, kc, vc, out, counters
+
+  mapped = jax.jit(jax.vmap(op))(qkv, kc0, vc0, pos)
+  alone = jax.jit(op)
+  for i in range(states):
+    for j, (got, want) in enumerate(zip(mapped, alone(qkv[i], kc0[i], vc0[i], pos[i]))):
+      np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32), err_msg=f"{i} {j}")
+    for got, before in ((mapped[1][i], kc0[i]), (mapped[2][i], vc0[i])):
+      kept = np.ones(before.shape, bool)
+      kept[1, 0, :, int(pos[i, 0])] = False                 # the one slot this call writes
+      np.testing.assert_array_equal(np.asarray(got, np.float32)[kept], np.asarray(before, np.float32)[kept])
+  assert np.all(np.asarray(mapped[4]) == 0)               # the attention leaves its counters zero
