@@ -492,10 +492,12 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// The one-kernel attention's signature on the CPU: the same computation (counters untouched, zero).
+// The one-kernel attention's signature on the CPU: the same computation (counters untouched: the input's, zero).
 ffi::Error DecodeAttentionMergedCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                    ffi::AnyBuffer lengths, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
-                                    ffi::Result<ffi::AnyBuffer> ws, ffi::Result<ffi::AnyBuffer>, int64_t layer) {
+                                    ffi::AnyBuffer lengths, ffi::AnyBuffer counters_in, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> ws, ffi::Result<ffi::AnyBuffer> counters,
+                                    int64_t layer) {
+  HoldAliasHost(counters_in, *counters);   // aliased
   return DecodeAttentionCpu(pool, q, k, v, lengths, out, ws, layer);
 }
 

@@ -567,15 +567,12 @@ def test_fused_step_under_vmap_equals_each_state_alone(monkeypatch, one):
   fused step; on the GPU with the lab switch JAXLLM_LAYERS_CALL=0) map one state at a time (vmap_method
   "sequential"): every state's logits and cache are the bits its own step gives. Until the handlers copied an
   aliased input into an output XLA gave a buffer of its own (test_aliased_ops_under_vmap_keep_their_inputs), the
-  GPU's per-op step failed here (H200, 2026-12-06; H100 2026-12-07 with that copy off). The GPU's one layers call
-  is refused under vmap (JAX's NotImplementedError): mapped sequentially it gave other logits than each state
-  alone (H100, 2026-12-06), before that copy; not run mapped since."""
-  from jaxllm import lab
+  GPU's per-op step failed here (H200, 2026-12-06; a lab build with that copy off, H100, 2026-12-07); with it,
+  it passed (H100, 2026-12-07). The GPU's one layers call is refused under vmap (JAX's NotImplementedError):
+  mapped sequentially it gave other logits than each state alone (H100, 2026-12-06), before that copy; not run
+  mapped since."""
   from jaxllm.model import forward_decode_fused_head
-  if one == "0" and not lab.lab_build():
-    pytest.skip("JAXLLM_LAYERS_CALL=0 is a lab switch: a release build runs the layers call whatever it says")
-  monkeypatch.setenv("JAXLLM_LAYERS_CALL", one)
-  print(f"lab build {lab.lab_build()}, {fused.layers_call()}")
+  monkeypatch.setenv("JAXLLM_LAYERS_CALL", one)   # read: _exact's lab_switches fixture, in any build
   config, weights = _synthetic("qwen2.5-0.5b")
   rng = np.random.default_rng(6)
   states = 3
@@ -608,8 +605,10 @@ def test_aliased_ops_under_vmap_keep_their_inputs():
   aliased to those inputs; vmap_method "sequential"): each state's outputs are the bits of its own call, and a
   mapped cache is its input but for the slot written. On the GPU XLA gives these outputs buffers of their own
   under the sequential map, and the handlers copy the input in first (HoldAlias, ffi/launch.cuh): with that copy
-  off (lab switch JAXLLM_ALIAS_COPY=0, H100, 2026-12-07) the mapped caches of this QKV epilogue differed from
-  each state's own in 97,536 places, and the per-op fused step's logits in 4,094 of 4,096."""
+  off (lab switch JAXLLM_ALIAS_COPY=0, H100, 2026-12-07) the mapped caches of a QKV epilogue of this geometry
+  (docs/results/2026-12-07-h100-vmap-alias/vmap_study.py) differed from each state's own in 97,536 places, and
+  the per-op fused step's logits in 4,094 of 4,096. (The CPU keeps the alias: test_unaliased_outputs_hold_their_
+  inputs below is the check of the copy itself that fails on either backend.)"""
   rng = np.random.default_rng(11)
   states, layers, h, g, dh, s = 3, 2, 14, 2, 64, 64
   dtype = jnp.bfloat16 if ON_GPU else jnp.float32
@@ -637,3 +636,37 @@ def test_aliased_ops_under_vmap_keep_their_inputs():
       kept[1, 0, :, int(pos[i, 0])] = False                 # the one slot this call writes
       np.testing.assert_array_equal(np.asarray(got, np.float32)[kept], np.asarray(before, np.float32)[kept])
   assert np.all(np.asarray(mapped[4]) == 0)               # the attention leaves its counters zero
+
+
+def test_unaliased_outputs_hold_their_inputs():
+  """The QKV epilogue and the one-kernel attention with their caches' and counters' outputs not aliased to the
+  inputs (alias=False: XLA gives them buffers of their own, as it did under jax.vmap on the GPU): the handlers
+  copy the inputs in first, so every result is the aliased call's bits, the caches their inputs but for the
+  written slots, the counters zero. Without that copy (HoldAlias, HoldAliasHost) the outputs hold whatever their
+  buffers held: this test failed on the CPU with it removed."""
+  rng = np.random.default_rng(12)
+  layers, b, h, g, dh, s = 2, 3, 14, 2, 64, 48
+  dtype = jnp.bfloat16 if ON_GPU else jnp.float32
+  n = (h + 2 * g) * dh
+  qkv = jnp.asarray(rng.standard_normal((b, n)), dtype)
+  bias = jnp.asarray(rng.standard_normal((layers, n)), jnp.float32)
+  inv_freq = jnp.asarray(10000.0 ** (-np.arange(dh // 2) * 2.0 / dh), jnp.float32)
+  kc0 = jnp.asarray(rng.standard_normal((layers, b, g, s, dh)), dtype)
+  vc0 = jnp.asarray(rng.standard_normal((layers, b, g, s, dh)), dtype)
+  pos = jnp.asarray([30, 5, 47], jnp.int32)
+
+  def op(qkv, kc, vc, alias):
+    q, kc, vc, counters = fused.qkv_epilogue(qkv, bias, None, None, inv_freq, 1, pos, pos, kc, vc, n_heads=h,
+                                             n_kv_heads=g, neox=True, pos_scale=1.0, eps=EPS, alias=alias)
+    out, counters = fused.decode_attention_merged(q, kc, vc, 1, pos + 1, counters, with_counters=True, alias=alias)
+    return q, kc, vc, out, counters
+
+  want = jax.jit(lambda *a: op(*a, True))(qkv, kc0, vc0)
+  got = jax.jit(lambda *a: op(*a, False))(qkv, kc0, vc0)
+  for j, (a, w) in enumerate(zip(got, want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32), err_msg=str(j))
+  kept = np.ones(kc0.shape, bool)
+  kept[1, np.arange(b), :, np.asarray(pos)] = False        # the slot each row writes
+  for a, before in ((got[1], kc0), (got[2], vc0)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32)[kept], np.asarray(before, np.float32)[kept])
+  assert np.all(np.asarray(got[4]) == 0)

@@ -179,15 +179,17 @@ def linear_residual(a, lin: Linear, layer, res, *, poison=None):
 
 
 def qkv_epilogue(qkv, bias, q_norm, k_norm, inv_freq, layer: int, pos, writes, k_cache, v_cache, *,
-                 n_heads: int, n_kv_heads: int, neox: bool, pos_scale: float, eps: float):
+                 n_heads: int, n_kv_heads: int, neox: bool, pos_scale: float, eps: float, alias: bool = True):
   """qkv_epilogue_reference through the kernel, the caches updated in place (aliased), plus the zeroed
-  counters [B, G] int32 the one-kernel attention takes."""
+  counters [B, G] int32 the one-kernel attention takes. alias=False (tests): the caches' outputs not aliased, so
+  XLA gives them buffers of their own, which the handler fills from the inputs (as where XLA breaks an alias)."""
   ffi._ensure_registered()
   b, dh = qkv.shape[0], k_cache.shape[-1]
   outs = (jax.ShapeDtypeStruct((b, n_heads, dh), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((b, n_kv_heads), jnp.int32))
   q, k_cache, v_cache, counters = jax.ffi.ffi_call(
-      "jaxllm_qkv_epilogue", outs, input_output_aliases={7: 1, 8: 2}, vmap_method="sequential")(
+      "jaxllm_qkv_epilogue", outs, input_output_aliases={7: 1, 8: 2} if alias else None,
+      vmap_method="sequential")(
       qkv, _optional_f32(bias), _optional_f32(q_norm), _optional_f32(k_norm), inv_freq.astype(jnp.float32),
       pos.astype(jnp.int32),
       writes.astype(jnp.int32), k_cache, v_cache, layer=np.int64(layer), neox=np.int64(neox),
@@ -196,17 +198,18 @@ def qkv_epilogue(qkv, bias, q_norm, k_norm, inv_freq, layer: int, pos, writes, k
 
 
 def decode_attention_merged(q, k_cache, v_cache, layer: int, lengths, counters, *, splits=None,
-                            with_counters=False):
+                            with_counters=False, alias=True):
   """Decode attention (attention.decode_attention_reference's contract) in one kernel; counters [B, G]
   int32 zero (qkv_epilogue's; the kernel leaves them zero). splits: the split count (default: enough
-  blocks to fill the GPU, at most 256). with_counters: also return the counters (to pass on)."""
+  blocks to fill the GPU, at most 256). with_counters: also return the counters (to pass on). alias=False
+  (tests): the counters' output not aliased to the input (see qkv_epilogue)."""
   b, h, dh = q.shape
   if splits is None:
     splits = merged_splits(b, k_cache)
   outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, splits, dh + 2), jnp.float32),
           jax.ShapeDtypeStruct(counters.shape, jnp.int32))
-  out, _, counters = jax.ffi.ffi_call("jaxllm_decode_attention_merged", outs, input_output_aliases={4: 2},
-                                      vmap_method="sequential")(
+  out, _, counters = jax.ffi.ffi_call("jaxllm_decode_attention_merged", outs,
+                                      input_output_aliases={4: 2} if alias else None, vmap_method="sequential")(
       q, k_cache, v_cache, jnp.clip(lengths, 1, k_cache.shape[3]).astype(jnp.int32), counters,
       layer=np.int64(layer))
   return (out, counters) if with_counters else out
