@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Call D: (1) issue 36's acceptance shapes beside llama.cpp (bench/scaling.py: 0.5B, 1B, 7B at batch 1, 16, 64;
+# Call 1: (1) issue 36's acceptance shapes beside llama.cpp (bench/scaling.py: 0.5B, 1B, 7B at batch 1, 16, 64;
 # auto and ffi-unfused; llama-bench / llama-batched-bench on Q8_0 GGUFs); (2) docs/results/2026-12-07-h100-vmap-alias/vmap_study.py on this
 # release build; (3) tests/test_fused.py and tests/test_lab.py, as time allows.
 set -u

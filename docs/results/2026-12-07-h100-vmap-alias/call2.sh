@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Call A: the whole suite (release build, bench/gpu_check.sh) and, beside it once the build is done,
+# Call 2: the whole suite (release build, bench/gpu_check.sh) and, beside it once the build is done,
 # docs/results/2026-12-07-h100-vmap-alias/vmap_study.py on the same build (its "step" case needs a lab build: there it records the refusal).
 set -u
 [ -n "${OUT-}" ] || exit 2
