@@ -38,11 +38,23 @@ inline bool AliasCopy() {
   return on;
 }
 
+// Whether the handler must copy `in` into its aliased output `out` (they differ, and the switch is on).
+inline bool AliasBroken(const ffi::AnyBuffer& in, const ffi::AnyBuffer& out) {
+  return AliasCopy() && in.untyped_data() != out.untyped_data() && out.size_bytes() > 0;
+}
+
 // The host handlers' copy: the input into its aliased output, where they differ.
 inline void HoldAliasHost(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
-  if (AliasCopy() && in.untyped_data() != out.untyped_data() && out.size_bytes() > 0)
-    std::memcpy(out.untyped_data(), in.untyped_data(), out.size_bytes());
+  if (AliasBroken(in, out)) std::memcpy(out.untyped_data(), in.untyped_data(), out.size_bytes());
 }
+
+#ifdef __CUDACC__
+// The CUDA handlers' copy, on the stream (a command buffer records it as a copy node).
+inline cudaError_t HoldAlias(cudaStream_t stream, const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
+  if (!AliasBroken(in, out)) return cudaSuccess;
+  return cudaMemcpyAsync(out.untyped_data(), in.untyped_data(), out.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+}
+#endif
 
 inline std::string DimsString(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";

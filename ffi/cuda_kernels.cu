@@ -394,7 +394,7 @@ ffi::Error DecodeAttentionMergedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi:
   float* ws = static_cast<float*>(workspace->untyped_data());
   int32_t* cnt = static_cast<int32_t*>(counters->untyped_data());
   const bool bf16 = q.element_type() == ffi::BF16;
-  cudaError_t e = w8a16::HoldAlias(stream, counters_in.untyped_data(), cnt, counters->size_bytes(), AliasCopy());
+  cudaError_t e = HoldAlias(stream, counters_in, *counters);   // aliased
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("jaxllm_decode_attention_merged counters copy: ") + cudaGetErrorString(e));
   if (s.d == 64) {

@@ -65,6 +65,14 @@ ffi::Error FusedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 
 // ---- QKV epilogue (kernel in qkv_cuda.cuh) -----------------------------------------------------------------
 
+// The k and v caches, outputs aliased to their inputs (the QKV epilogue's and the layers call's): each input
+// copied in where XLA gave its output a buffer of its own (HoldAlias, common.h).
+cudaError_t HoldCaches(cudaStream_t stream, const ffi::AnyBuffer& k_in, ffi::AnyBuffer& kc,
+                       const ffi::AnyBuffer& v_in, ffi::AnyBuffer& vc) {
+  cudaError_t e = HoldAlias(stream, k_in, kc);
+  return e == cudaSuccess ? HoldAlias(stream, v_in, vc) : e;
+}
+
 ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi::AnyBuffer qn, ffi::AnyBuffer kn,
                    ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer k_in,
                    ffi::AnyBuffer v_in, ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> kc,
@@ -75,11 +83,8 @@ ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias,
       err.failure())
     return err;
   if (s.b == 0) return ffi::Error::Success();
-  for (auto [in, out] : {std::pair{&k_in, &kc}, std::pair{&v_in, &vc}})   // the caches, aliased
-    if (cudaError_t e = w8a16::HoldAlias(stream, in->untyped_data(), (*out)->untyped_data(), (*out)->size_bytes(),
-                                         AliasCopy());
-        e != cudaSuccess)
-      return ffi::Error::Internal(std::string("jaxllm_qkv_epilogue cache copy: ") + cudaGetErrorString(e));
+  if (cudaError_t e = HoldCaches(stream, k_in, *kc, v_in, *vc); e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jaxllm_qkv_epilogue cache copy: ") + cudaGetErrorString(e));
   qkv::Args a;
   a.qkv = qkv.untyped_data();
   a.bias = LayerRow(bias, layer, s.nqkv);
@@ -262,11 +267,8 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
     mh = MatmulShape{b, hwd[0], d, hsd[1], d / hsd[1], 0};
   }
   if (b == 0) return ffi::Error::Success();
-  for (auto [in, out] : {std::pair{&k_in, &kc}, std::pair{&v_in, &vc}})   // the caches, aliased
-    if (cudaError_t e = w8a16::HoldAlias(stream, in->untyped_data(), (*out)->untyped_data(), (*out)->size_bytes(),
-                                         AliasCopy());
-        e != cudaSuccess)
-      return ffi::Error::Internal(name + "cache copy: " + cudaGetErrorString(e));
+  if (cudaError_t e = HoldCaches(stream, k_in, *kc, v_in, *vc); e != cudaSuccess)
+    return ffi::Error::Internal(name + "cache copy: " + cudaGetErrorString(e));
 
   using bf16 = __nv_bfloat16;
   using namespace w8a16;

@@ -22,13 +22,6 @@ __device__ __forceinline__ void GridDepLaunch() {
 #endif
 }
 
-// The input of an aliased output copied into it where XLA gave the output a buffer of its own (see AliasCopy in
-// common.h; copy: that switch): on the stream, so a command buffer records it as a copy node.
-inline cudaError_t HoldAlias(cudaStream_t stream, const void* in, void* out, size_t bytes, bool copy) {
-  if (!copy || in == out || bytes == 0) return cudaSuccess;
-  return cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream);
-}
-
 // Launches kernel<<<grid, block, smem, stream>>>(args...); pdl: as a programmatic dependent of the previous
 // kernel on the stream (its GridDepWait then waits for that kernel); cluster > 1: in thread-block clusters of
 // that many blocks along x (sm_90; gridDim.x a multiple of it).

@@ -600,31 +600,41 @@ def test_fused_step_under_vmap_equals_each_state_alone(monkeypatch, one):
       np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32), err_msg=str(i))
 
 
+
+def _epilogue_attention(rng):
+  """The QKV epilogue then the one-kernel attention at the 0.5B shape's attention geometry (14 heads, 2 KV heads,
+  dim 64, a q/k/v bias) for layer 1 of 2: (n, op) with n the QKV row's width and op(qkv, kc, vc, pos, alias=True)
+  -> (q, kc, vc, attention out, counters), pos [B] the RoPE and write position."""
+  h, g, dh, layers = 14, 2, 64, 2
+  n = (h + 2 * g) * dh
+  bias = jnp.asarray(rng.standard_normal((layers, n)), jnp.float32)
+  inv_freq = jnp.asarray(10000.0 ** (-np.arange(dh // 2) * 2.0 / dh), jnp.float32)
+
+  def op(qkv, kc, vc, pos, alias=True):
+    q, kc, vc, counters = fused.qkv_epilogue(qkv, bias, None, None, inv_freq, 1, pos, pos, kc, vc, n_heads=h,
+                                             n_kv_heads=g, neox=True, pos_scale=1.0, eps=EPS, alias=alias)
+    out, counters = fused.decode_attention_merged(q, kc, vc, 1, pos + 1, counters, with_counters=True, alias=alias)
+    return q, kc, vc, out, counters
+  return n, op
+
+
 def test_aliased_ops_under_vmap_keep_their_inputs():
   """jax.vmap over the QKV epilogue and the one-kernel attention with mapped caches and counters (their outputs
   aliased to those inputs; vmap_method "sequential"): each state's outputs are the bits of its own call, and a
   mapped cache is its input but for the slot written. On the GPU XLA gives these outputs buffers of their own
-  under the sequential map, and the handlers copy the input in first (HoldAlias, ffi/launch.cuh): with that copy
+  under the sequential map, and the handlers copy the input in first (HoldAlias, ffi/common.h): with that copy
   off (lab switch JAXLLM_ALIAS_COPY=0, H100, 2026-12-07) the mapped caches of a QKV epilogue of this geometry
   (docs/results/2026-12-07-h100-vmap-alias/vmap_study.py) differed from each state's own in 97,536 places, and
   the per-op fused step's logits in 4,094 of 4,096. (The CPU keeps the alias: test_unaliased_outputs_hold_their_
   inputs below is the check of the copy itself that fails on either backend.)"""
   rng = np.random.default_rng(11)
-  states, layers, h, g, dh, s = 3, 2, 14, 2, 64, 64
   dtype = jnp.bfloat16 if ON_GPU else jnp.float32
-  n = (h + 2 * g) * dh
+  n, op = _epilogue_attention(rng)
+  states, cache = 3, (2, 1, 2, 64, 64)   # [L, B, G, S, Dh] a state
   qkv = jnp.asarray(rng.standard_normal((states, 1, n)), dtype)
-  bias = jnp.asarray(rng.standard_normal((layers, n)), jnp.float32)
-  inv_freq = jnp.asarray(10000.0 ** (-np.arange(dh // 2) * 2.0 / dh), jnp.float32)
-  kc0 = jnp.asarray(rng.standard_normal((states, layers, 1, g, s, dh)), dtype)
-  vc0 = jnp.asarray(rng.standard_normal((states, layers, 1, g, s, dh)), dtype)
+  kc0 = jnp.asarray(rng.standard_normal((states,) + cache), dtype)
+  vc0 = jnp.asarray(rng.standard_normal((states,) + cache), dtype)
   pos = jnp.asarray([[40], [7], [0]], jnp.int32)
-
-  def op(qkv, kc, vc, p):
-    q, kc, vc, counters = fused.qkv_epilogue(qkv, bias, None, None, inv_freq, 1, p, p, kc, vc, n_heads=h,
-                                             n_kv_heads=g, neox=True, pos_scale=1.0, eps=EPS)
-    out, counters = fused.decode_attention_merged(q, kc, vc, 1, p + 1, counters, with_counters=True)
-    return q, kc, vc, out, counters
 
   mapped = jax.jit(jax.vmap(op))(qkv, kc0, vc0, pos)
   alone = jax.jit(op)
@@ -645,24 +655,16 @@ def test_unaliased_outputs_hold_their_inputs():
   written slots, the counters zero. Without that copy (HoldAlias, HoldAliasHost) the outputs hold whatever their
   buffers held: this test failed on the CPU with it removed."""
   rng = np.random.default_rng(12)
-  layers, b, h, g, dh, s = 2, 3, 14, 2, 64, 48
   dtype = jnp.bfloat16 if ON_GPU else jnp.float32
-  n = (h + 2 * g) * dh
+  n, op = _epilogue_attention(rng)
+  b = 3
   qkv = jnp.asarray(rng.standard_normal((b, n)), dtype)
-  bias = jnp.asarray(rng.standard_normal((layers, n)), jnp.float32)
-  inv_freq = jnp.asarray(10000.0 ** (-np.arange(dh // 2) * 2.0 / dh), jnp.float32)
-  kc0 = jnp.asarray(rng.standard_normal((layers, b, g, s, dh)), dtype)
-  vc0 = jnp.asarray(rng.standard_normal((layers, b, g, s, dh)), dtype)
+  kc0 = jnp.asarray(rng.standard_normal((2, b, 2, 48, 64)), dtype)   # [L, B, G, S, Dh]
+  vc0 = jnp.asarray(rng.standard_normal((2, b, 2, 48, 64)), dtype)
   pos = jnp.asarray([30, 5, 47], jnp.int32)
 
-  def op(qkv, kc, vc, alias):
-    q, kc, vc, counters = fused.qkv_epilogue(qkv, bias, None, None, inv_freq, 1, pos, pos, kc, vc, n_heads=h,
-                                             n_kv_heads=g, neox=True, pos_scale=1.0, eps=EPS, alias=alias)
-    out, counters = fused.decode_attention_merged(q, kc, vc, 1, pos + 1, counters, with_counters=True, alias=alias)
-    return q, kc, vc, out, counters
-
-  want = jax.jit(lambda *a: op(*a, True))(qkv, kc0, vc0)
-  got = jax.jit(lambda *a: op(*a, False))(qkv, kc0, vc0)
+  want = jax.jit(lambda *a: op(*a, pos, True))(qkv, kc0, vc0)
+  got = jax.jit(lambda *a: op(*a, pos, False))(qkv, kc0, vc0)
   for j, (a, w) in enumerate(zip(got, want)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32), err_msg=str(j))
   kept = np.ones(kc0.shape, bool)
