@@ -11,7 +11,8 @@ from jaxllm import lab
 
 # Each Python switch set to a value other than its default.
 PY_SWITCHES = {"JAXLLM_LAYERS_CALL": "0", "JAXLLM_PDL": "0", "JAXLLM_LAYERS_HEAD": "0", "JAXLLM_FUSED_CPU": "1",
-               "JAXLLM_FFI_OPS": "matmul", "JAXLLM_CANDIDATES_KERNEL": "0", "JAXLLM_READ_AHEAD": "0"}
+               "JAXLLM_FFI_OPS": "matmul", "JAXLLM_CANDIDATES_KERNEL": "0", "JAXLLM_READ_AHEAD": "0",
+               "JAXLLM_ATTN_MAX_SPLITS": "2"}
 # The C++/CUDA switches likewise (LAYERS_SKIP and ATTN_STOP make the step's results wrong in a lab build).
 CPP_SWITCHES = {"JAXLLM_LAYERS_SKIP": "qkv,attention,o,gate_up,down", "JAXLLM_ATTN_STOP": "wait",
                 "JAXLLM_PDL_EARLY": "0", "JAXLLM_PREFETCH": "0", "JAXLLM_ATTN_CLUSTER": "0",
@@ -67,7 +68,7 @@ def test_lab_switches_read_the_environment_in_a_lab_build(lab_switches):
   for name, value in PY_SWITCHES.items():
     lab_switches.setenv(name, value)
   layers, cpu_fused, ops, kernel = _knobs()
-  assert (layers.one, layers.pdl, layers.head) == (False, False, False)
+  assert (layers.one, layers.pdl, layers.head, layers.max_splits) == (False, False, False, 2)
   assert (cpu_fused, ops, kernel) == (True, ("matmul",), False)
   assert lab.switch("JAXLLM_READ_AHEAD", "1") == "0"
   lab_switches.delenv("JAXLLM_READ_AHEAD")
@@ -75,6 +76,10 @@ def test_lab_switches_read_the_environment_in_a_lab_build(lab_switches):
   lab_switches.setenv("JAXLLM_CANDIDATES_KERNEL", "yes")
   with pytest.raises(ValueError, match="JAXLLM_CANDIDATES_KERNEL must be 0 or 1, got 'yes'"):
     _knobs()
+  lab_switches.setenv("JAXLLM_ATTN_MAX_SPLITS", "0")
+  with pytest.raises(ValueError, match="JAXLLM_ATTN_MAX_SPLITS must be an integer in 1..256, got '0'"):
+    _knobs()
+  lab_switches.setenv("JAXLLM_ATTN_MAX_SPLITS", "2")
   lab_switches.setenv("JAXLLM_FFI_OPS", "matmul,gemv")
   with pytest.raises(ValueError, match="JAXLLM_FFI_OPS takes"):
     _knobs()

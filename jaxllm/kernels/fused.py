@@ -126,12 +126,12 @@ def merged_tile(itemsize: int, head_dim: int) -> int:
 
 def merged_splits(b: int, k_cache) -> int:
   """Splits of the one-kernel attention: a tile each up to the cache's length, about ffi.ATTN_TARGET_BLOCKS
-  (sequence, kv head, split) blocks, at most MERGE_MAX_SPLITS. A block per tile keeps the short lengths of
-  decode at one tile of latency; the kernel merges up to 8 splits in a thread-block cluster (sm_90) and only
-  longer ones through global memory."""
+  (sequence, kv head, split) blocks, at most MERGE_MAX_SPLITS (a lab build's JAXLLM_ATTN_MAX_SPLITS: fewer).
+  A block per tile keeps the short lengths of decode at one tile of latency; the kernel merges up to 8 splits
+  in a thread-block cluster (sm_90) and only longer ones through global memory."""
   _, _, g, s, dh = k_cache.shape
   tiles = -(-s // merged_tile(k_cache.dtype.itemsize, dh))
-  return max(1, min(tiles, MERGE_MAX_SPLITS, -(-ffi.ATTN_TARGET_BLOCKS // (b * g))))
+  return max(1, min(tiles, layers_call().max_splits, -(-ffi.ATTN_TARGET_BLOCKS // (b * g))))
 
 
 def _stacked(lin: Linear, layer: int | None) -> tuple[Linear, int]:
@@ -269,14 +269,20 @@ class LayersCall(NamedTuple):
   one: bool        # every layer from one FFI call (decode_layers)
   pdl: bool        # programmatic dependent launch
   head: bool       # the LM head as that call's last kernel
+  max_splits: int  # the one-kernel attention's splits at most (merged_splits)
 
 
 def layers_call() -> LayersCall:
   """How the GPU runs the fused step's layers: one FFI call with the LM head as its last kernel, and PDL. In a
   lab build (jaxllm/lab.py), for comparison: JAXLLM_LAYERS_CALL=0 runs one FFI call per op,
-  JAXLLM_LAYERS_HEAD=0 the head in its own call, JAXLLM_PDL=0 launches plainly."""
+  JAXLLM_LAYERS_HEAD=0 the head in its own call, JAXLLM_PDL=0 launches plainly, JAXLLM_ATTN_MAX_SPLITS=n
+  cuts the attention's splits to n (a block then walks several tiles)."""
   one = jax.default_backend() == "gpu" and lab.switch("JAXLLM_LAYERS_CALL", "1") != "0"
-  return LayersCall(one, lab.switch("JAXLLM_PDL", "1") != "0", lab.switch("JAXLLM_LAYERS_HEAD", "1") != "0")
+  cap = lab.switch("JAXLLM_ATTN_MAX_SPLITS", str(MERGE_MAX_SPLITS))
+  if not cap.isdigit() or not 1 <= int(cap) <= MERGE_MAX_SPLITS:
+    raise ValueError(f"JAXLLM_ATTN_MAX_SPLITS must be an integer in 1..{MERGE_MAX_SPLITS}, got {cap!r}")
+  return LayersCall(one, lab.switch("JAXLLM_PDL", "1") != "0", lab.switch("JAXLLM_LAYERS_HEAD", "1") != "0",
+                    int(cap))
 
 
 # ---- when the fused decode step runs ---------------------------------------------------------------------
