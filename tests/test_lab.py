@@ -69,6 +69,10 @@ def test_lab_switches_read_the_environment_in_a_lab_build(lab_switches):
     lab_switches.setenv(name, value)
   layers, cpu_fused, ops, kernel = _knobs()
   assert (layers.one, layers.pdl, layers.head, layers.max_splits) == (False, False, False, 2)
+  import jax.numpy as jnp
+  from jaxllm.kernels import fused
+  cache = jnp.zeros((1, 1, 2, 256, 64), jnp.bfloat16)   # [L, B, G, S, Dh]: 8 tiles of 32 positions
+  assert fused.merged_splits(1, cache) == 2             # the attention's splits, capped
   assert (cpu_fused, ops, kernel) == (True, ("matmul",), False)
   assert lab.switch("JAXLLM_READ_AHEAD", "1") == "0"
   lab_switches.delenv("JAXLLM_READ_AHEAD")
@@ -76,9 +80,10 @@ def test_lab_switches_read_the_environment_in_a_lab_build(lab_switches):
   lab_switches.setenv("JAXLLM_CANDIDATES_KERNEL", "yes")
   with pytest.raises(ValueError, match="JAXLLM_CANDIDATES_KERNEL must be 0 or 1, got 'yes'"):
     _knobs()
-  lab_switches.setenv("JAXLLM_ATTN_MAX_SPLITS", "0")
-  with pytest.raises(ValueError, match="JAXLLM_ATTN_MAX_SPLITS must be an integer in 1..256, got '0'"):
-    _knobs()
+  for bad in ("0", "257", "\u00b2"):
+    lab_switches.setenv("JAXLLM_ATTN_MAX_SPLITS", bad)
+    with pytest.raises(ValueError, match=f"JAXLLM_ATTN_MAX_SPLITS must be an integer in 1..256, got '{bad}'"):
+      _knobs()
   lab_switches.setenv("JAXLLM_ATTN_MAX_SPLITS", "2")
   lab_switches.setenv("JAXLLM_FFI_OPS", "matmul,gemv")
   with pytest.raises(ValueError, match="JAXLLM_FFI_OPS takes"):

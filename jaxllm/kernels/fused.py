@@ -278,7 +278,7 @@ def layers_call() -> LayersCall:
   cuts the attention's splits to n (a block then walks several tiles)."""
   one = jax.default_backend() == "gpu" and lab.switch("JAXLLM_LAYERS_CALL", "1") != "0"
   cap = lab.switch("JAXLLM_ATTN_MAX_SPLITS", str(MERGE_MAX_SPLITS))
-  if not cap.isdigit() or not 1 <= int(cap) <= MERGE_MAX_SPLITS:
+  if not (cap.isascii() and cap.isdigit()) or not 1 <= int(cap) <= MERGE_MAX_SPLITS:   # ('²' is a digit to isdigit)
     raise ValueError(f"JAXLLM_ATTN_MAX_SPLITS must be an integer in 1..{MERGE_MAX_SPLITS}, got {cap!r}")
   return LayersCall(one, lab.switch("JAXLLM_PDL", "1") != "0", lab.switch("JAXLLM_LAYERS_HEAD", "1") != "0",
                     int(cap))
