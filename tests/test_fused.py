@@ -568,9 +568,8 @@ def test_fused_step_under_vmap_equals_each_state_alone(monkeypatch, one):
   "sequential"): every state's logits and cache are the bits its own step gives. Until the handlers copied an
   aliased input into an output XLA gave a buffer of its own (test_aliased_ops_under_vmap_keep_their_inputs), the
   GPU's per-op step failed here (H200, 2026-12-06; a lab build with that copy off, H100, 2026-12-07); with it,
-  it passed (H100, 2026-12-07). The GPU's one layers call is refused under vmap (JAX's NotImplementedError):
-  mapped sequentially it gave other logits than each state alone (H100, 2026-12-06), before that copy; not run
-  mapped since."""
+  it passed (H100, 2026-12-07). The GPU's one layers call ("1") maps sequentially too: it gave other logits than
+  each state alone before that copy (H100, 2026-12-06) and was refused until the copy was in."""
   from jaxllm.model import forward_decode_fused_head
   monkeypatch.setenv("JAXLLM_LAYERS_CALL", one)   # read: _exact's lab_switches fixture, in any build
   config, weights = _synthetic("qwen2.5-0.5b")
@@ -587,12 +586,7 @@ def test_fused_step_under_vmap_equals_each_state_alone(monkeypatch, one):
     out, cache = forward_decode_fused_head(config, w, dataclasses.replace(base, k=k, v=v), t, p, a, greedy=False)
     return out, cache.k, cache.v
 
-  mapped = jax.jit(jax.vmap(step, in_axes=(None, 0, 0, 0, 0, 0)))
-  if fused.layers_call().one:
-    with pytest.raises(NotImplementedError, match="vmap"):
-      mapped(weights, k0, v0, tokens, pos, active)
-    return
-  mapped = mapped(weights, k0, v0, tokens, pos, active)
+  mapped = jax.jit(jax.vmap(step, in_axes=(None, 0, 0, 0, 0, 0)))(weights, k0, v0, tokens, pos, active)
   assert np.isfinite(np.asarray(mapped[0])).all()
   alone = jax.jit(step)
   for i in range(states):

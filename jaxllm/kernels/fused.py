@@ -254,7 +254,8 @@ def decode_layers(config, weights, x, pos, writes, lengths, inv_freq, pos_scale:
                 else jax.ShapeDtypeStruct((b, hw.w.shape[0]), jnp.bfloat16))
   outs = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((nbytes,), jnp.uint8), head_out)
-  x, k_cache, v_cache, _, out = jax.ffi.ffi_call("jaxllm_decode_layers", outs, input_output_aliases={18: 1, 19: 2})(
+  x, k_cache, v_cache, _, out = jax.ffi.ffi_call("jaxllm_decode_layers", outs, input_output_aliases={18: 1, 19: 2},
+                                                  vmap_method="sequential")(
       x, pos.astype(jnp.int32), writes.astype(jnp.int32), lengths.astype(jnp.int32), inv_freq.astype(jnp.float32),
       w.attn_norm, w.wqkv.w, w.wqkv.scale, opt(w.bqkv), opt(w.q_norm), opt(w.k_norm), w.wo.w, w.wo.scale,
       w.ffn_norm, w.w_gate_up.w, w.w_gate_up.scale, w.w_down.w, w.w_down.scale, k_cache, v_cache, *head_in,
