@@ -214,12 +214,11 @@ __device__ __forceinline__ void CopyAsyncWait() {
 // since earlier steps), the owner's new key and value substituted as the warps read it: the tile's load is then
 // off the path that waits for the QKV projection.
 // C: blocks per cluster along x (1: no cluster; gridDim.x is then a multiple of C, and blocks p >= P idle).
-// (Body: the kernel's code; Kernel launches it, and a lab build's KernelRegCap with fewer registers.)
-template <typename T, int D, bool PRO>
-__device__ __forceinline__ void Body(const T* __restrict__ q, const T* k, const T* v,
-                                     const int32_t* __restrict__ lengths, float* __restrict__ ws, T* __restrict__ out,
-                                     int32_t* __restrict__ counters, int layer, int B, int H, int G, int S, int P,
-                                     int C, int pre, int swz, int mbar, const qkv::Args& pa) {
+template <typename T, int D, bool PRO = false>
+__global__ void __launch_bounds__(32 * kMaxGroup)
+    Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
+           float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
+           int S, int P, int C, int pre, int swz, int mbar, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
@@ -466,28 +465,6 @@ __device__ __forceinline__ void Body(const T* __restrict__ q, const T* k, const 
   for (int e = 0; e < DV; ++e) o_out[e] = FromF32<T>(a[e] / ll);
 }
 
-#define JAXLLM_ATTN1_PARAMS                                                                                         \
-  const T *__restrict__ q, const T *k, const T *v, const int32_t *__restrict__ lengths, float *__restrict__ ws,   \
-      T *__restrict__ out, int32_t *__restrict__ counters, int layer, int B, int H, int G, int S, int P, int C,  \
-      int pre, int swz, int mbar, qkv::Args pa
-template <typename T, int D, bool PRO = false>
-__global__ void __launch_bounds__(32 * kMaxGroup) Kernel(JAXLLM_ATTN1_PARAMS) {
-  Body<T, D, PRO>(q, k, v, lengths, ws, out, counters, layer, B, H, G, S, P, C, pre, swz, mbar, pa);
-}
-#ifdef JAXLLM_LAB
-// Lab switch JAXLLM_ATTN_REGCAP=1 (see Launch): the layers call's attention (with its prologue) at most
-// kLabRegCap registers a thread, so that at 7 warps (the 7B and 0.5B shapes) it leaves room for two of the
-// O projection's 256-thread, 80-register blocks on its SM (7 x 32 x 104 + 2 x 20,480 <= 65,536), which can then
-// start and issue their weight loads before it exits. ptxas (sm_90a): 100 registers at head dim 128 and 96 at 64,
-// against 118 and 107, no spills.
-constexpr int kLabRegCap = 104;
-template <typename T, int D>
-__global__ void __maxnreg__(kLabRegCap) KernelRegCap(JAXLLM_ATTN1_PARAMS) {
-  Body<T, D, true>(q, k, v, lengths, ws, out, counters, layer, B, H, G, S, P, C, pre, swz, mbar, pa);
-}
-#endif
-#undef JAXLLM_ATTN1_PARAMS
-
 // Blocks per cluster for P splits of R heads: the largest of 8, 4, 2 that P reaches (a cluster of blocks
 // that mostly idle buys nothing) and whose slots fit kMaxSlotBytes; 1 (no cluster) below sm_90, with P = 1,
 // or with lab switch JAXLLM_ATTN_CLUSTER=0 (for comparison).
@@ -529,10 +506,6 @@ cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, cons
   static const int swz = LabFlag("JAXLLM_ATTN_SWIZZLE", true) ? 7 : 0;
   static const int mbar = LabFlag("JAXLLM_ATTN_MBAR", true) ? 1 : 0;
   auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
-#ifdef JAXLLM_LAB
-  static const bool regcap = LabFlag("JAXLLM_ATTN_REGCAP", false);
-  if (regcap && pa.qkv != nullptr) kernel = KernelRegCap<T, D>;
-#endif
   return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
                          G, S, P, C, pre ? int(at) : -1, swz, mbar, pa);
 }
