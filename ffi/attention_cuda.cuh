@@ -218,11 +218,14 @@ template <typename T, int D, bool PRO = false>
 __global__ void __launch_bounds__(32 * kMaxGroup)
     Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
            float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
-           int S, int P, int C, int pre, int swz, int mbar, qkv::Args pa) {
+           int S, int P, int C, int pre, int swz, int mbar, int fold, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
   const int p = blockIdx.x, g = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, r = threadIdx.x >> 5;
   const int R = H / G, h = g * R + r;
+  // The splits' stride over `tiles` visible tiles: P, or C where up to fold x C tiles fit one cluster's C blocks
+  // (fold 2: a block walks a second tile rather than a second cluster merging through global memory).
+  auto stride_of = [&](int tiles) { return C > 1 && tiles > C && tiles <= fold * C ? C : P; };
   // PRO: what the prologue reads besides the QKV row was written before the layers call started (its inputs
   // lengths, writes and pos; the bias, norm weights and frequencies): loaded before the wait, off its path.
   int len_in = 0, at = -1;
@@ -246,7 +249,8 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     if (!pa.late_inputs) {
       load_inputs();
       const int len0 = min(max(len_in, 1), S);
-      if (pre >= 0 && p < min(P, (len0 + TP - 1) / TP)) {
+      const int tiles0 = (len0 + TP - 1) / TP;
+      if (pre >= 0 && p < min(stride_of(tiles0), tiles0)) {
         tile_s = reinterpret_cast<T*>(reinterpret_cast<char*>(slots) + pre);
         constexpr int kRowChunks = D * int(sizeof(T)) / 16, kChunks = TP * kRowChunks, kPer = 16 / int(sizeof(T));
         constexpr int kPart = Ge::KW / 4;   // 16-byte pieces of a lane's part of a key
@@ -269,7 +273,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     len_in = lengths[b];
   }
   const int len = min(max(len_in, 1), S);
-  const int tiles = (len + TP - 1) / TP, used = min(P, tiles);
+  const int tiles = (len + TP - 1) / TP, stride = stride_of(tiles), used = min(stride, tiles);
   // Whether this block's cluster merges its splits itself (the same for every block of a cluster; never with a
   // timing stop, whose blocks leave early).
   const bool clustered = C > 1 && used > 1 && pa.stop == 0;
@@ -296,7 +300,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
       // block that appends, warp 0's key head and values (they used to wait for the query head's arithmetic,
       // and the key head's, one round trip to L2 after another).
       tile_at = at >= 0 && at < S ? at / TP : -1;
-      const int owner = tile_at < tiles ? tile_at % P : 0;
+      const int owner = tile_at < tiles ? tile_at % stride : 0;
       const bool append = r == 0 && tile_at >= 0 && p == owner;
       if (tile_s != nullptr && tile_at == p) patch = at;
       qkv::HeadRow<D> qrow, krow;
@@ -333,7 +337,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
     const T* vh = v + head;
     const float* qr = q_s[r] + (lane % LPP) * EK;
     __syncwarp();
-    for (int c = p; c < tiles; c += P) {
+    for (int c = p; c < tiles; c += stride) {
       const int base = c * TP;
       Tile<T, D> cur;   // (no prefetch of the next tile: the other warps and blocks on the SM hide the latency)
       if (PRO && tile_s != nullptr && c == p) cur.LoadShared(tile_s, tile_s + TP * D, new_kv[0], new_kv[1], base, patch, swz, lane);
@@ -505,9 +509,14 @@ cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, cons
   if (pre) smem = at + tile;
   static const int swz = LabFlag("JAXLLM_ATTN_SWIZZLE", true) ? 7 : 0;
   static const int mbar = LabFlag("JAXLLM_ATTN_MBAR", true) ? 1 : 0;
+  // Up to 2 x C visible tiles, one cluster walks them (lab switch JAXLLM_ATTN_FOLD=0: a split a tile, for
+  // comparison): the 7B step at batch 1 and 128-256 keys 3.058 ms against 3.093-3.099 (H100); the splits capped
+  // at 8 there, 2.6% off; more tiles a block lost (capped at 8 at 512 keys: +3.3%; at 2048: +21%;
+  // docs/results/2026-12-07-h100-attention-fold.md).
+  static const int fold = LabFlag("JAXLLM_ATTN_FOLD", true) ? 2 : 0;
   auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
   return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
-                         G, S, P, C, pre ? int(at) : -1, swz, mbar, pa);
+                         G, S, P, C, pre ? int(at) : -1, swz, mbar, fold, pa);
 }
 
 }  // namespace attn1

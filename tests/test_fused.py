@@ -316,7 +316,8 @@ def test_merged_attention(h, g, dh, dtype, splits):
   q = jnp.asarray(2 * rng.standard_normal((b, h, dh)), dtype)
   fn = jax.jit(lambda q, k, v, lengths: fused.decode_attention_merged(q, k, v, 1, lengths,
                                                                       jnp.zeros((b, g), jnp.int32), splits=splits))
-  for lengths in ([1, 63, 64, 65], [127, 128, 129, 700], [2048, 1999, 3000, 1500]):
+  # (and 9-16 tiles, which one cluster walks two a block: 129-256 keys at head dim 128, 257-512 at 64, bf16)
+  for lengths in ([1, 63, 64, 65], [127, 128, 129, 700], [2048, 1999, 3000, 1500], [257, 300, 200, 512]):
     got = np.asarray(fn(q, k, v, jnp.asarray(lengths, jnp.int32)), np.float64)
     want = _attention64(np.asarray(q, np.float64), np.asarray(k[1], np.float64), np.asarray(v[1], np.float64),
                         lengths)
