@@ -1,11 +1,12 @@
 // The one-kernel decode attention (jaxllm_decode_attention_merged, and the fused step's attention).
 //
 // A block per (split p, kv head g, sequence b) with one warp per query head of the group (R = H / G warps):
-// each warp walks the block's tiles of TP positions (tiles p, p + P, ...), its lanes splitting the keys
+// each warp walks the block's tiles of TP positions (tiles p, p + stride, ...; stride P, or C when fold x C
+// tiles fit one cluster, see Launch), its lanes splitting the keys
 // (LPP lanes per position, 128 bytes of the row each) for the scores and the head dims (D / 32 per lane)
 // for the weighted sum.
-// Softmax is online in base 2 (q carries log2 e). A sequence whose visible keys fit the first P tiles uses
-// `used` = ceil(len / TP) (at most P) blocks; with one, it writes `out` itself. Otherwise the splits are
+// Softmax is online in base 2 (q carries log2 e). A sequence whose visible keys fit the first stride tiles uses
+// `used` = ceil(len / TP) (at most stride) blocks; with one, it writes `out` itself. Otherwise the splits are
 // merged in two levels:
 //   - in a thread-block cluster (C blocks along x, C = 2..8; sm_90): each block sends its unnormalized
 //     partials (acc [D], m, l) into the shared memory of the cluster's first block (distributed shared
@@ -213,7 +214,8 @@ __device__ __forceinline__ void CopyAsyncWait() {
 // block's first tile ([2][TP][D]: keys, values), made before the wait (cp.async; the cache holds those positions
 // since earlier steps), the owner's new key and value substituted as the warps read it: the tile's load is then
 // off the path that waits for the QKV projection.
-// C: blocks per cluster along x (1: no cluster; gridDim.x is then a multiple of C, and blocks p >= P idle).
+// C: blocks per cluster along x (1: no cluster; gridDim.x is then a multiple of C, and blocks p >= used idle).
+// fold: with C + 1 to fold x C visible tiles (and C > 1) the stride is C: the first cluster walks them all.
 template <typename T, int D, bool PRO = false>
 __global__ void __launch_bounds__(32 * kMaxGroup)
     Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
@@ -225,7 +227,8 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
   const int R = H / G, h = g * R + r;
   // The splits' stride over `tiles` visible tiles: P, or C where up to fold x C tiles fit one cluster's C blocks
   // (fold 2: a block walks a second tile rather than a second cluster merging through global memory).
-  auto stride_of = [&](int tiles) { return C > 1 && tiles > C && tiles <= fold * C ? C : P; };
+  // (head dim 128 only: below it the stride is P at compile time, the code as before the fold)
+  auto stride_of = [&](int tiles) { return D >= 128 && C > 1 && tiles > C && tiles <= fold * C ? C : P; };
   // PRO: what the prologue reads besides the QKV row was written before the layers call started (its inputs
   // lengths, writes and pos; the bias, norm weights and frequencies): loaded before the wait, off its path.
   int len_in = 0, at = -1;
@@ -509,11 +512,13 @@ cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, cons
   if (pre) smem = at + tile;
   static const int swz = LabFlag("JAXLLM_ATTN_SWIZZLE", true) ? 7 : 0;
   static const int mbar = LabFlag("JAXLLM_ATTN_MBAR", true) ? 1 : 0;
-  // Up to 2 x C visible tiles, one cluster walks them (lab switch JAXLLM_ATTN_FOLD=0: a split a tile, for
-  // comparison): the 7B step at batch 1 and 128-256 keys 3.058 ms against 3.093-3.099 (H100); the splits capped
-  // at 8 there, 2.6% off; more tiles a block lost (capped at 8 at 512 keys: +3.3%; at 2048: +21%;
-  // docs/results/2026-12-07-h100-attention-fold.md).
-  static const int fold = LabFlag("JAXLLM_ATTN_FOLD", true) ? 2 : 0;
+  // Head dim 128: with C + 1 to 2 x C visible tiles the first cluster walks them, two a block, instead of a second
+  // cluster merging through global memory (lab switch JAXLLM_ATTN_FOLD=0: a split a tile, for comparison). The
+  // 7B step at batch 1 and 128-256 keys: 3.058 ms against 3.093-3.099 (H100, one run against two); the splits
+  // capped at 8 there, 2.6% off. Not at head dim 64: the same cap lost 4.4% at the 0.5B shape with 2-3 tiles a
+  // block (512-640 keys), and its fold was not measured. More tiles a block lost at 7B too (capped at 8: +3.3%
+  // at 512 keys, +21% at 2048). Batch > 1 not measured. docs/results/2026-12-07-h100-attention-fold.md.
+  static const int fold = LabFlag("JAXLLM_ATTN_FOLD", true) ? 2 : 0;   // (the kernel ignores it below 128)
   auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
   return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
                          G, S, P, C, pre ? int(at) : -1, swz, mbar, fold, pa);

@@ -303,11 +303,12 @@ def _attention64(q, k, v, lengths):
 
 @pytest.mark.parametrize("h, g, dh", [(14, 2, 64), (16, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [None, 3, 12])
+@pytest.mark.parametrize("splits", [None, 3, 6, 12])
 def test_merged_attention(h, g, dh, dtype, splits):
   """One tile (the lone block writes the output), a few, and many splits: merged in a cluster (on the H200:
-  clusters of 2 for 3 splits with one idle block, 8 for 12 and the default), then across clusters by the last
-  block."""
+  clusters of 2 for 3 splits with one idle block, 4 for 6, 8 for 12 and the default), then across clusters by
+  the last block. At head dim 128, C + 1 to 2C visible tiles are walked by the first cluster (clusters of 8: 129,
+  200; of 4: 65 and 127-128)."""
   rng = np.random.default_rng(h * g + dh)
   s = 2048
   b = 4
@@ -316,7 +317,7 @@ def test_merged_attention(h, g, dh, dtype, splits):
   q = jnp.asarray(2 * rng.standard_normal((b, h, dh)), dtype)
   fn = jax.jit(lambda q, k, v, lengths: fused.decode_attention_merged(q, k, v, 1, lengths,
                                                                       jnp.zeros((b, g), jnp.int32), splits=splits))
-  # (and 9-16 tiles, which one cluster walks two a block: 129-256 keys at head dim 128, 257-512 at 64, bf16)
+  # (the last set: 9-32 tiles at head dim 128, 9-16 at 64, bf16)
   for lengths in ([1, 63, 64, 65], [127, 128, 129, 700], [2048, 1999, 3000, 1500], [257, 300, 200, 512]):
     got = np.asarray(fn(q, k, v, jnp.asarray(lengths, jnp.int32)), np.float64)
     want = _attention64(np.asarray(q, np.float64), np.asarray(k[1], np.float64), np.asarray(v[1], np.float64),

@@ -128,8 +128,8 @@ def merged_splits(b: int, k_cache) -> int:
   """Splits of the one-kernel attention: a tile each up to the cache's length, about ffi.ATTN_TARGET_BLOCKS
   (sequence, kv head, split) blocks, at most MERGE_MAX_SPLITS (a lab build's JAXLLM_ATTN_MAX_SPLITS: fewer).
   A block per tile keeps the short lengths of decode at one tile of latency; the kernel merges up to 8 splits
-  in a thread-block cluster (sm_90), walks 9-16 visible tiles with one cluster (two a block), and merges only
-  longer ones through global memory."""
+  in a thread-block cluster (sm_90), at head dim 128 walks up to twice a cluster's tiles with one cluster (two a
+  block), and merges only longer ones through global memory."""
   _, _, g, s, dh = k_cache.shape
   tiles = -(-s // merged_tile(k_cache.dtype.itemsize, dh))
   return max(1, min(tiles, layers_call().max_splits, -(-ffi.ATTN_TARGET_BLOCKS // (b * g))))
