@@ -3,7 +3,8 @@ bench/step_profile.py's reader). Tokens cannot say which kernel ran: a dispatch 
 kernel (the GEMV at batch 64, XLA's dot at batch 1) gives the same ones, only slower. At the 0.5B and 7B
 shapes (2 layers, the real vocabulary, so that the LM head takes its own kernel): at batch 1 the fused step,
 per layer the one-kernel attention (with the QKV epilogue as its prologue) and four W8A16 GEMVs, then the
-head's kernel (its own at 0.5B, a fifth GEMV at 7B); at batch 8 and 64 the tensor-core kernel for each layer's four matmuls and the head."""
+head's kernel (its own at 0.5B, a fifth GEMV at 7B); at batch 8 and 64 the tensor-core kernel for each layer's
+four matmuls and the head."""
 import importlib.util
 from pathlib import Path
 
@@ -51,8 +52,9 @@ def test_each_batch_launches_the_kernels_its_shape_was_tuned_for(name, tmp_path)
   one = got[1]
   assert one.get("jaxllm::attn1::Kernel") == LAYERS, one
   # The head on resident blocks (HeadKernel) where a warp's loads cover a row of K <= 2048 (0.5B); at 7B (K 3584)
-  # the staged GEMV, a warp per 4 rows (w8a16::Dispatch).
-  resident = name == "qwen2.5-0.5b"
+  # the staged GEMV, a warp per 4 rows (w8a16::Dispatch's StreamFits<4>).
+  from jaxllm.presets import preset
+  resident = preset(name).d_model <= 2048
   # the layers call's kernels only: no QKV epilogue kernel of the per-op path, no other jaxllm kernel
   head = {"jaxllm::w8a16::HeadKernel"} if resident else set()
   ours = {k for k in one if k.startswith("jaxllm::")}
