@@ -19,6 +19,10 @@ mkdir -p "$W"
 cd "$W"
 t0=$(date +%s)
 if [ ! -d src ]; then
+  # pip reads the sdist's metadata with its build backend, here, without build isolation
+  python3 -c "import scikit_build_core" 2>/dev/null || {
+    echo "build_llamacpp.sh: pip needs scikit-build-core (the sdist's build backend): pip install scikit-build-core"
+    exit 2; }
   python3 -m pip download -q --no-deps --no-binary :all: --no-build-isolation -d sdist llama-cpp-python==0.3.36
   mkdir -p unpack && tar xzf sdist/llama_cpp_python-0.3.36.tar.gz -C unpack
   mv unpack/llama_cpp_python-0.3.36/vendor/llama.cpp src && rm -rf unpack
