@@ -38,6 +38,10 @@ if [ ! -s $C/vocab.gguf.xz ]; then
   xz -kc $C/vocab.gguf > $C/vocab.gguf.xz
 fi
 if [ "${1-}" = --llama ] && [ ! -s $C/llamacpp-cuda-sm90.tar.xz ]; then
+  # checked here, since the build's own message would only reach its log
+  python3 -c "import scikit_build_core" 2>/dev/null || {
+    echo "prep.sh: the llama.cpp build needs scikit-build-core (pip reads the sdist's metadata with it):" \
+      "pip install scikit-build-core"; exit 2; }
   setsid nice bash bench/peers/build_llamacpp.sh cuda 90 $C/llamacpp-cuda-sm90.tar.xz > /tmp/llamacpp-cuda.log 2>&1 &
   echo "prep.sh: llama.cpp building in the background (tail /tmp/llamacpp-cuda.log)"
 fi
