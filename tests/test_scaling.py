@@ -164,6 +164,21 @@ def test_every_preset_reads_back_as_its_config(name, vocab, tmp_path, monkeypatc
   assert len(tokens) == 300 and tokens[:262] == gguf.GGUFReader(vocab).fields["tokenizer.ggml.tokens"].contents()
 
 
+def test_the_writer_process_stays_off_the_gpu(vocab, tmp_path):
+  """Run as a script (bench/scaling.py runs it beside the measured jaxllm process), the writer keeps jax on the CPU
+  even where the environment names the GPU: on the H100 its llama3 RoPE factors started the GPU's client, whose
+  preallocation left the llama-3.1-8b batch-1 run beside it out of memory."""
+  script = ROOT / "bench" / "peers" / "random_gguf.py"
+  out = tmp_path / "small.gguf"
+  code = (f"import runpy, sys; sys.argv = ['random_gguf.py', 'model', 'tiny', {vocab!r}, {str(out)!r}]\n"
+          f"try:\n  runpy.run_path({str(script)!r}, run_name='__main__')\nexcept SystemExit as e:\n  assert not e.code, e\n"
+          "import os, jax; print(os.environ['JAX_PLATFORMS'], jax.default_backend())")
+  env = dict(os.environ, JAX_PLATFORMS="cuda")
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == ["cpu", "cpu"] and out.stat().st_size > 0
+
+
 def test_a_cut_vocabulary_drops_merges_and_ids_past_it(vocab):
   fields = random_gguf.tokenizer_fields(vocab)
   cut = random_gguf.resize_tokenizer(fields, 258)          # the 256 bytes and two of the three merges' results

@@ -277,4 +277,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  # A writer of files, run beside the measured process (bench/scaling.py writes the next preset's GGUFs while
+  # jaxllm runs): it must not take the GPU. jax (llama3_rope_freqs, for llama-3.1's rope factors) would
+  # otherwise start the GPU's client, whose preallocation left that process out of memory.
+  os.environ["JAX_PLATFORMS"] = "cpu"
   sys.exit(main())
