@@ -6,7 +6,7 @@ Public API:
   create_cache, prefill, extend, decode_step, sequence_logits, continuation_logprobs: pure functions for
     your own jit/vmap/scan; Engine.generate_batch for several prompts; score() for batched log-likelihoods
   SamplingParams (a request's settings), Sampler (the same as per-sequence device arrays), eog_table
-  DecodeState, KVCache, Weights, Config, Tokenizer, GGUFFile, GGUFError, ChatTemplateError
+  DecodeState, KVCache, Weights, Config, Tokenizer, GGUFFile, GGUFError, ChatTemplateError, DeviceMemoryError
   DEMO_MODELS, fetch_demo_model, random_weights
   make_mesh(N): the mesh for Engine(..., mesh=) to run tensor parallel over N devices (jaxllm.parallel)
 """
@@ -15,6 +15,7 @@ from jaxllm.cache import KVCache, create_cache
 from jaxllm.chat_template import ChatTemplateError
 from jaxllm.config import Config
 from jaxllm.decode import DecodeState, decode_step, eog_table, extend, prefill, sequence_logits
+from jaxllm.device_memory import DeviceMemoryError
 from jaxllm.engine import Engine, GenerationResult
 from jaxllm.gguf import GGUFError, GGUFFile
 from jaxllm.load import default_dtype, load
@@ -29,8 +30,9 @@ from jaxllm.weights import random_weights
 __version__ = "0.1.0"
 
 __all__ = [
-    "ChatTemplateError", "Config", "DEFAULT_MODEL", "DEMO_MODELS", "DecodeState", "Engine", "GGUFError", "GGUFFile",
-    "GenerationResult", "KVCache", "Sampler", "SamplingParams", "StreamDecoder", "Tokenizer", "Weights",
+    "ChatTemplateError", "Config", "DEFAULT_MODEL", "DEMO_MODELS", "DecodeState", "DeviceMemoryError", "Engine",
+    "GGUFError", "GGUFFile", "GenerationResult", "KVCache", "Sampler", "SamplingParams", "StreamDecoder", "Tokenizer",
+    "Weights",
     "continuation_logprobs", "create_cache", "decode_step", "default_dtype", "eog_table", "extend",
     "fetch_demo_model", "load", "make_mesh", "prefill", "random_weights", "score", "sequence_logits",
 ]

@@ -153,12 +153,18 @@ def _settle(params, repeat_last_n: int, max_context: int, vocab_size: int):
 
 
 def main(argv=None) -> int:
-  """The CLI; Ctrl-C at any stage ends with one line `interrupted` on stderr and status 130."""
+  """The CLI; Ctrl-C at any stage ends with one line `interrupted` on stderr and status 130, the device out of
+  memory at any stage with one line `error: ...` (jaxllm.device_memory) and status 1."""
   try:
     return _main(argv)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr, flush=True)
     return INTERRUPTED
+  except RuntimeError as e:
+    from jaxllm.device_memory import explain, out_of_memory
+    if not out_of_memory(e):
+      raise
+    raise SystemExit(f"error: {explain(e)}") from None
 
 
 def _main(argv) -> int:
@@ -186,6 +192,7 @@ def _main(argv) -> int:
     raise SystemExit(f"error: {e}") from None
 
   from jaxllm import executables, graphs
+  from jaxllm.device_memory import out_of_memory
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.load import load
   from jaxllm.parallel import make_mesh
@@ -193,6 +200,8 @@ def _main(argv) -> int:
     args.quant = resolve_quant(args.quant, tensor_parallel=args.tp != 1)
     config, weights, tok = load(model, quant=args.quant, progress=stages, cache=not args.no_cache)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
+    if isinstance(e, RuntimeError) and out_of_memory(e):
+      raise                                               # main's one line
     raise SystemExit(f"error: {e}") from None
   if args.template is not None:
     try:

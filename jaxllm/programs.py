@@ -32,6 +32,7 @@ from jaxllm.cache import KVCache, create_cache
 from jaxllm.config import Config
 from jaxllm.cores import pool_threads
 from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
+from jaxllm.device_memory import explain, out_of_memory
 from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights, default_layers, use_fused
 from jaxllm.quant import Linear
@@ -310,7 +311,10 @@ class Programs:
     self._exe[key] = compiled
 
   def _drop_graphs(self, error: Exception) -> None:
-    """Command buffers off for this engine after `error` (once): compiles without them from now on, and warns."""
+    """Command buffers off for this engine after `error` (once): compiles without them from now on, and warns.
+    The device out of memory is raised instead (a DeviceMemoryError): built again, the program would fail alike."""
+    if out_of_memory(error):
+      raise explain(error) from error
     if self.graphs_fallback is not None:
       return
     self.graphs_fallback = f"{type(error).__name__}: {error}".splitlines()[0][:300]

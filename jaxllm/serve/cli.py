@@ -83,8 +83,19 @@ def _check(args) -> None:
 
 
 def make_loader(args, model: str):
-  """The function that loads the model and starts the scheduler (run on a thread while /health says 503)."""
+  """The function that loads the model and starts the scheduler (run on a thread while /health says 503). The
+  device out of memory comes out of it as a DeviceMemoryError (jaxllm.device_memory), whose one line the server
+  prints and /health reports."""
   def load():
+    from jaxllm.device_memory import explain, out_of_memory
+    try:
+      return load_and_start()
+    except RuntimeError as e:
+      if not out_of_memory(e):
+        raise
+      raise explain(e) from None
+
+  def load_and_start():
     from jaxllm import executables
     from jaxllm.engine import Engine
     from jaxllm.load import load as load_model
