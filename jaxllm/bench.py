@@ -449,15 +449,21 @@ def main(argv=None) -> int:
     for loop in ("pipelined", "streaming") if args.loop == "both" else (args.loop,):
       check_length(args.decode_len, args.tokens_per_call, loop == "pipelined")
   check_graph_comparison(args)
-  if args.ab:
-    records = ab_graphs(args)
-    table = ab_table(records)
-  elif args.sweep:
-    records = sweep(args)
-    table = runs_table(records)
-  else:
-    records = run(args)
-    table = runs_table(records)
+  try:
+    if args.ab:
+      records = ab_graphs(args)
+      table = ab_table(records)
+    elif args.sweep:
+      records = sweep(args)
+      table = runs_table(records)
+    else:
+      records = run(args)
+      table = runs_table(records)
+  except RuntimeError as e:           # the device out of memory: one line (jaxllm.device_memory), status 1
+    from jaxllm.device_memory import explain, out_of_memory
+    if not out_of_memory(e):
+      raise
+    raise SystemExit(f"error: {explain(e)}") from None
   write_records(records, args.out)
   print(table, file=sys.stderr)
   if args.report:

@@ -89,3 +89,14 @@ def test_the_servers_loader_says_it_in_one_line(tmp_path, monkeypatch):
   with pytest.raises(DeviceMemoryError, match="CUDA_ERROR_OUT_OF_MEMORY") as e:
     make_loader(args, path)()
   assert "\n" not in str(e.value)
+
+
+def test_the_bench_says_it_in_one_line(monkeypatch):
+  from jaxllm import bench
+
+  def run(args):
+    raise jax.errors.JaxRuntimeError(BFC)
+  monkeypatch.setattr(bench, "run", run)
+  with pytest.raises(SystemExit) as e:
+    bench.main(["synthetic:tiny", "--decode-len", "8"])
+  assert str(e.value.code).startswith("error: the ") and "ran out of memory" in str(e.value.code)
