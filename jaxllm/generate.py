@@ -192,6 +192,7 @@ def _main(argv) -> int:
     raise SystemExit(f"error: {e}") from None
 
   from jaxllm import executables, graphs
+  from jaxllm.cache import check_fits
   from jaxllm.device_memory import out_of_memory
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.load import load
@@ -240,6 +241,7 @@ def _main(argv) -> int:
                     tokens_per_call=args.tokens_per_call, mesh=make_mesh(args.tp) if args.tp != 1 else None)
     for ids in all_ids:
       engine.check_prompt(ids)
+    check_fits(config, max(1, len(all_ids)), max_context, engine.cache_dtype)   # every prompt's row at once
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
 

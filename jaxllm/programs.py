@@ -32,7 +32,7 @@ from jaxllm.cache import KVCache, create_cache
 from jaxllm.config import Config
 from jaxllm.cores import pool_threads
 from jaxllm.decode import DEVICE_LOOPS, MAX_EOG, DecodeState, decode_step, decode_steps, extend, finish_prefill
-from jaxllm.device_memory import explain, out_of_memory
+from jaxllm.device_memory import out_of_memory
 from jaxllm.kernels import fused, resolve_kernels, select
 from jaxllm.model import Weights, default_layers, use_fused
 from jaxllm.quant import Linear
@@ -311,16 +311,15 @@ class Programs:
     self._exe[key] = compiled
 
   def _drop_graphs(self, error: Exception) -> None:
-    """Command buffers off for this engine after `error` (once): compiles without them from now on, and warns.
-    The device out of memory is raised instead (a DeviceMemoryError): built again, the program would fail alike."""
-    if out_of_memory(error):
-      raise explain(error) from error
+    """Command buffers off for this engine after `error` (once): compiles without them from now on, and warns. The
+    device out of memory too (its trial holds a second copy of the state; a run without them does not), said so."""
     if self.graphs_fallback is not None:
       return
     self.graphs_fallback = f"{type(error).__name__}: {error}".splitlines()[0][:300]
     self.compiler_options = graphs.compiler_options(False)
     self._exe.clear()
-    warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) failed, running without them: "
+    why = "their trial ran out of device memory" if out_of_memory(error) else "failed"
+    warnings.warn(f"jaxllm: CUDA graphs (XLA command buffers) {why}, running without them: "
                   f"{self.graphs_fallback}", RuntimeWarning, stacklevel=4)
 
   def compile_programs(self, lookups: Sequence[Callable[[], object]], threads: int | None = None) -> None:

@@ -45,8 +45,9 @@ def pytest_collection_modifyitems(config, items):
 
 def _longest_first(items, times_file: str):
   """The test files in order of the seconds a recorded run spent in each (the longest first; a file not in the
-  record before them all: a new file's time is unknown, and a run cut short at its limit should not be what
-  skips it), each file's tests in pytest's order (which keeps the tests of a module-scoped fixture's
+  record before them all: a new file, whose time is unknown, should not be what a run cut short at its limit
+  skips; the record also lacks files whose every phase took under a second, which then start early at no cost),
+  each file's tests in pytest's order (which keeps the tests of a module-scoped fixture's
   parameter together): bench/gpu_check.sh points JAXLLM_TEST_ORDER at tests/gpu_test_times.jsonl, the
   JAXLLM_TEST_TIMES record of a whole GPU run. Under xdist the longest files then start first and the run does
   not wait at its end on work that started last. The order is the same in every worker (xdist requires it);

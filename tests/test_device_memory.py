@@ -1,6 +1,6 @@
-"""The device out of memory (jaxllm.device_memory): told apart from other runtime errors, raised by the engine as
-such instead of turning command buffers off, and one line from the CLI. The errors are XLA's texts as the H100
-gave them (docs/results/2026-12-07-h100-scaling-14b.md), raised where the device would raise them."""
+"""The device out of memory (jaxllm.device_memory): told apart from other runtime errors, said so when the engine's
+command-buffer trial meets it, and one line from generate, serve and bench. BFC and MODULE are XLA's texts as the
+H100 gave them (docs/results/2026-12-07-h100-scaling-14b.md), raised where the device would raise them."""
 import jax
 import pytest
 
@@ -12,54 +12,67 @@ BFC = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 b
        "=== Source Location Trace: ===\nexternal/xla+/xla/stream_executor/cuda/cuda_status.cc:45")
 MODULE = ("RESOURCE_EXHAUSTED: [0] Failed to get module function fusion_1875: CUDA_ERROR_OUT_OF_MEMORY: out of "
           "memory [executable_name='jit_decode_steps']")
+GRAPH = "RESOURCE_EXHAUSTED: Underlying backend ran out of memory trying to instantiate graph"   # openxla/xla#20611
+SHARED = "RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 73728, available: 65536"   # a compile
 
 
 def test_out_of_memory_is_told_apart():
-  assert out_of_memory(jax.errors.JaxRuntimeError(BFC))
-  assert out_of_memory(jax.errors.JaxRuntimeError(MODULE))
-  assert not out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: simulated command buffer failure"))
+  for text in (BFC, MODULE, GRAPH, "INTERNAL: cuBLAS error: CUBLAS_STATUS_ALLOC_FAILED"):
+    assert out_of_memory(jax.errors.JaxRuntimeError(text)), text
+  for text in ("INTERNAL: simulated command buffer failure", SHARED):
+    assert not out_of_memory(jax.errors.JaxRuntimeError(text)), text
   assert not out_of_memory(ValueError("the prompt is out of memory's reach"))     # not a runtime error
+  assert out_of_memory(DeviceMemoryError("the device ran out of memory"))
 
 
-def test_explain_is_one_line_with_xlas_first():
-  e = explain(jax.errors.JaxRuntimeError(BFC))
-  assert isinstance(e, DeviceMemoryError) and isinstance(e, RuntimeError)
-  text = str(e)
-  assert "\n" not in text and "Source Location" not in text
-  assert text.startswith(f"the {jax.devices()[0].device_kind} ran out of memory (RESOURCE_EXHAUSTED: Out of memory "
-                         "while trying to allocate 17179869184 bytes)")
-  assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in text
-  assert explain(e) is e
+def _explained(monkeypatch, figures, text=BFC):
+  import jaxllm.device_memory as dm
+  monkeypatch.setattr(dm, "_device_figures", lambda: figures)
+  e = explain(jax.errors.JaxRuntimeError(text))
+  assert isinstance(e, DeviceMemoryError) and isinstance(e, RuntimeError) and explain(e) is e
+  assert "\n" not in str(e) and "Source Location" not in str(e)
+  return str(e)
 
 
-def _failing_trials(monkeypatch, message):
-  """Programs built with command buffers on (as on a GPU) whose trial run raises `message`."""
+def test_explain_tells_a_full_pool_from_the_memory_outside_it(monkeypatch):
+  full = _explained(monkeypatch, ("NVIDIA H100 80GB HBM3", 59.5e9, 60e9))
+  assert full == ("the NVIDIA H100 80GB HBM3 ran out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to "
+                  "allocate 17179869184 bytes); this process holds 59.50 GB of the 60.00 GB pool it may use; a "
+                  "shorter max context, fewer sequences at once or a smaller model need less")
+  outside = _explained(monkeypatch, ("NVIDIA H100 80GB HBM3", 9e9, 60e9), MODULE)
+  assert "holds 9.00 GB of the 60.00 GB pool" in outside and "the memory outside that pool ran out" in outside
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in outside and "shorter max context" not in outside
+  cpu = _explained(monkeypatch, ("cpu", 0, 0))
+  assert cpu.startswith("the cpu ran out of memory (RESOURCE_EXHAUSTED") and "GPU" not in cpu
+
+
+def test_explain_without_a_backend(monkeypatch):
+  """The device full from the outset: the backend fails to start, and explain says it without the figures."""
+  def broken():
+    raise jax.errors.JaxRuntimeError(MODULE)
+  monkeypatch.setattr(jax, "devices", broken)
+  text = str(explain(jax.errors.JaxRuntimeError(BFC)))
+  assert text.startswith("the device ran out of memory (RESOURCE_EXHAUSTED")
+
+
+def test_an_oom_in_the_command_buffer_trial_falls_back_and_says_so(tiny_models, monkeypatch):
+  """The trial holds a second copy of its state (zeros): out of memory there, the engine runs without command
+  buffers, as on any trial failure, with a warning that names the memory."""
   import jaxllm.programs as programs_mod
-  real = programs_mod._trial_args
-
-  def trial(args):
-    raise jax.errors.JaxRuntimeError(message)
-  monkeypatch.setattr(programs_mod, "_graphs_possible", lambda: True)
-  monkeypatch.setattr(programs_mod, "_trial_args", trial)
-  return real
-
-
-def test_the_engine_raises_an_oom_instead_of_dropping_command_buffers(tiny_models, monkeypatch):
   gf = GGUFFile(tiny_models["qwen2"])
   weights, tok = load_weights(gf, progress=False), Tokenizer(gf.metadata)
-  _failing_trials(monkeypatch, MODULE)
+  reference = Engine(gf.config, weights, tok, max_context=64, graphs_on=False).generate(
+      list(range(3, 19)), 6, ignore_eos=True).ids
+
+  def trial(args):
+    raise jax.errors.JaxRuntimeError(MODULE)
+  monkeypatch.setattr(programs_mod, "_graphs_possible", lambda: True)    # as on a GPU: the mechanism under test
+  monkeypatch.setattr(programs_mod, "_trial_args", trial)
   engine = Engine(gf.config, weights, tok, max_context=64, graphs_on=True)
-  with pytest.raises(DeviceMemoryError, match="ran out of memory .*CUDA_ERROR_OUT_OF_MEMORY"):
-    engine.extend_fn(1, 16)
-  assert engine.graphs_active and engine.graphs_fallback is None      # not taken for a command-buffer failure
-  with pytest.raises(DeviceMemoryError):                               # the server's warmup: compile_programs
-    engine.compile_programs([lambda: engine.extend_fn(1, 16)])
-  assert engine.graphs_active
-  other = Engine(gf.config, weights, tok, max_context=64, graphs_on=True)
-  _failing_trials(monkeypatch, "INTERNAL: simulated command buffer failure")
-  with pytest.warns(RuntimeWarning, match="running without them"):     # other failures still fall back
-    other.extend_fn(1, 16)
-  assert not other.graphs_active
+  with pytest.warns(RuntimeWarning, match="CUDA graphs .* their trial ran out of device memory, running without "
+                                          "them: JaxRuntimeError: RESOURCE_EXHAUSTED"):
+    got = engine.generate(list(range(3, 19)), 6, ignore_eos=True).ids
+  assert got == reference and not engine.graphs_active
 
 
 def test_the_cli_says_it_in_one_line(tiny_models, monkeypatch, capsys):
@@ -100,3 +113,33 @@ def test_the_bench_says_it_in_one_line(monkeypatch):
   with pytest.raises(SystemExit) as e:
     bench.main(["synthetic:tiny", "--decode-len", "8"])
   assert str(e.value.code).startswith("error: the ") and "ran out of memory" in str(e.value.code)
+
+
+def test_an_oom_while_loading_is_one_line_too(tiny_models, monkeypatch):
+  """generate's load error handler passes the device out of memory on to main's one line (its own would print
+  XLA's lines)."""
+  import importlib
+  from jaxllm import generate
+
+  def load(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError(BFC)
+  monkeypatch.setattr(importlib.import_module("jaxllm.load"), "load", load)  # the module, not the function
+  with pytest.raises(SystemExit) as e:
+    generate.main([tiny_models["llama"], "-p", "hi", "-n", "2", "--quiet"])
+  text = str(e.value.code)
+  assert text.startswith("error: the ") and "ran out of memory (RESOURCE_EXHAUSTED" in text and "\n" not in text
+
+
+def test_generate_checks_the_cache_of_every_prompt_at_once(tiny_models, monkeypatch):
+  """Four prompts' cache past what the device has: one line before anything compiles (the engine's own check is
+  for one row; the warmup at four rows raised it as a traceback)."""
+  import numpy as np
+  import jaxllm.cache
+  from jaxllm import generate
+  from jaxllm.cache import cache_bytes
+  path = tiny_models["llama"]
+  one = cache_bytes(GGUFFile(path).config, 1, 64, np.float32)       # a row in f32 (bf16: half)
+  monkeypatch.setattr(jaxllm.cache, "memory_available", lambda: int(1.5 * one))
+  with pytest.raises(SystemExit) as e:
+    generate.main([path, "-p", "a", "-p", "b", "-p", "c", "-p", "d", "-n", "2", "--max-context", "64", "--quiet"])
+  assert str(e.value.code).startswith("error: a KV cache of 64 tokens x batch 4 needs ")

@@ -171,7 +171,8 @@ def test_the_writer_process_stays_off_the_gpu(vocab, tmp_path):
   script = ROOT / "bench" / "peers" / "random_gguf.py"
   out = tmp_path / "small.gguf"
   code = (f"import runpy, sys; sys.argv = ['random_gguf.py', 'model', 'tiny', {vocab!r}, {str(out)!r}]\n"
-          f"try:\n  runpy.run_path({str(script)!r}, run_name='__main__')\nexcept SystemExit as e:\n  assert not e.code, e\n"
+          f"try:\n  runpy.run_path({str(script)!r}, run_name='__main__')\n"
+          "except SystemExit as e:\n  assert not e.code, e\n"
           "import os, jax; print(os.environ['JAX_PLATFORMS'], jax.default_backend())")
   env = dict(os.environ, JAX_PLATFORMS="cuda")
   r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
