@@ -143,3 +143,74 @@ def test_generate_checks_the_cache_of_every_prompt_at_once(tiny_models, monkeypa
   with pytest.raises(SystemExit) as e:
     generate.main([path, "-p", "a", "-p", "b", "-p", "c", "-p", "d", "-n", "2", "--max-context", "64", "--quiet"])
   assert str(e.value.code).startswith("error: a KV cache of 64 tokens x batch 4 needs ")
+
+
+def _serving(tiny_models, monkeypatch, reset_fails: bool):
+  """A scheduler of 2 slots whose first turn runs out of device memory (and, with reset_fails, so does making its
+  state anew); one request submitted before it starts. Returns (scheduler, that request's events, its Done)."""
+  import threading
+  from jaxllm.serve.scheduler import Done, Request, Scheduler
+  from jaxllm.serve.slots import SlotPrograms
+  gf = GGUFFile(tiny_models["qwen2"])
+  engine = Engine(gf.config, load_weights(gf, progress=False), Tokenizer(gf.metadata), max_context=64,
+                  prefill_chunk=16)
+  real_turn, turns = Scheduler._turn, []
+
+  def turn(self):
+    turns.append(1)
+    if len(turns) == 1:
+      raise jax.errors.JaxRuntimeError(BFC)
+    real_turn(self)
+  monkeypatch.setattr(Scheduler, "_turn", turn)
+  if reset_fails:
+    def reset(self):
+      raise jax.errors.JaxRuntimeError(MODULE)
+    monkeypatch.setattr(SlotPrograms, "reset", reset)
+  scheduler = Scheduler(engine, slots=2, admit_group=1)
+  events, done = [], threading.Event()
+
+  def emit(event):
+    events.append(event)
+    if isinstance(event, Done):
+      done.set()
+  scheduler.submit(Request([3, 4, 5, 6], 3, emit, ignore_eos=True))
+  scheduler.start()
+  assert done.wait(120), "the request in the failed turn did not end"
+  return scheduler, events, done
+
+
+def test_the_server_ends_the_turns_requests_in_one_line_and_goes_on(tiny_models, monkeypatch, capsys):
+  import threading
+  from jaxllm.serve.scheduler import Delta, Done, Request
+  scheduler, events, _ = _serving(tiny_models, monkeypatch, reset_fails=False)
+  try:
+    end = events[-1]
+    assert end.finish_reason == "error" and end.error.startswith("DeviceMemoryError: the ")
+    assert "ran out of memory (RESOURCE_EXHAUSTED" in end.error and "\n" not in end.error
+    err = capsys.readouterr().err
+    assert "[jaxllm] error: the " in err and "Traceback" not in err
+    again, finished = [], threading.Event()
+
+    def emit(event):
+      again.append(event)
+      if isinstance(event, Done):
+        finished.set()
+    scheduler.submit(Request([3, 4, 5, 6], 3, emit, ignore_eos=True))          # the next request is served
+    assert finished.wait(120) and again[-1].finish_reason == "length"
+    assert sum(len(e.ids) for e in again if isinstance(e, Delta)) == 3
+  finally:
+    scheduler.stop()
+
+
+def test_a_server_that_cannot_make_its_state_anew_says_so_instead_of_hanging(tiny_models, monkeypatch, capsys):
+  from jaxllm.serve.scheduler import Request
+  scheduler, events, _ = _serving(tiny_models, monkeypatch, reset_fails=True)
+  try:
+    assert events[-1].finish_reason == "error" and "ran out of memory" in events[-1].error
+    scheduler._thread.join(30)
+    assert not scheduler._thread.is_alive()
+    with pytest.raises(RuntimeError, match="the server's engine stopped: DeviceMemoryError: the .* ran out of memory"):
+      scheduler.submit(Request([3, 4], 2, lambda event: None))
+    assert "Traceback" not in capsys.readouterr().err
+  finally:
+    scheduler.stop()

@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxllm.device_memory import explain, out_of_memory
 from jaxllm.sampling import SamplingParams, full_mask
 from jaxllm.serve.metrics import CompileCounter, Metrics
 from jaxllm.serve.slots import FULL, GREEDY, WIDE, Prefill, SlotPrograms
@@ -155,6 +156,7 @@ class Scheduler:
     self._history: list[list[int]] = [[] for _ in range(slots)]    # per slot: the tokens its cache holds
     self._used: list[float] = [0.0] * slots                         # per slot: when it was last freed
     self._stop = threading.Event()
+    self._dead: str | None = None          # why the engine thread stopped on its own (_failed_turn), for submit
     self._thread: threading.Thread | None = None
     # The decode call in flight: its tokens (on their way to the host) and the request of each row at dispatch.
     self._pending: tuple | None = None
@@ -180,7 +182,7 @@ class Scheduler:
     """Queues a request; raises QueueFull when max_waiting requests already wait for a slot, ValueError for a
     top_k above MAX_TOP_K where the scheduler was made without wide_top_k."""
     if self._stop.is_set():
-      raise RuntimeError("the server is shutting down")
+      raise RuntimeError(self._dead or "the server is shutting down")
     self.programs.check(request.params)
     with self._lock:
       if self._queued >= self.max_waiting + self._free_slots():
@@ -215,9 +217,8 @@ class Scheduler:
       try:
         self._turn()
       except Exception as e:  # a failed program: its requests end with the error, the server goes on
-        traceback.print_exc(file=sys.stderr)
-        self._fail_all(f"{type(e).__name__}: {e}".splitlines()[0][:300])
-    self._fail_all("the server is shutting down", reason="cancelled")
+        self._failed_turn(e)
+    self._fail_all(self._dead or "the server is shutting down", reason="cancelled")
     while True:
       try:
         item = self._inbox.get_nowait()
@@ -225,6 +226,23 @@ class Scheduler:
         break
       if item is not None:
         item.emit(Done("cancelled", len(item.prompt), 0, error="the server is shutting down"))
+
+  def _failed_turn(self, error: Exception) -> None:
+    """A program failed: its requests end with the error (the device out of memory as one line, jaxllm.device_memory;
+    anything else with its traceback on stderr) and the slots' state is made anew. Where even that fails (the
+    device still full), the engine thread stops, and every later submit raises why (the app answers 503)."""
+    if out_of_memory(error):
+      error = explain(error)
+      print(f"[jaxllm] error: {error}", file=sys.stderr, flush=True)
+    else:
+      traceback.print_exc(file=sys.stderr)
+    try:
+      self._fail_all(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    except Exception as again:  # no new state: the requests have ended, the server cannot serve more
+      again = explain(again) if out_of_memory(again) else again
+      self._dead = f"the server's engine stopped: {type(again).__name__}: {again}".splitlines()[0][:400]
+      print(f"[jaxllm] error: {self._dead}", file=sys.stderr, flush=True)
+      self._stop.set()
 
   def _take_inbox(self, block: bool) -> None:
     try:
@@ -454,11 +472,11 @@ class Scheduler:
     self._running = [None] * self.slots
     self._pending = None
     self._history = [[] for _ in range(self.slots)]
-    if reason == "error":
-      self.programs.reset()
     for run in runs:
       self._finish_request(run.request, Done(reason, len(run.request.prompt), len(run.generated), run.reused, error))
     while self._waiting:
       request = self._waiting.popleft()
       self._dequeued()
       self._finish_request(request, Done(reason, len(request.prompt), 0, error=error))
+    if reason == "error":                  # last: if it fails, every request has its answer already
+      self.programs.reset()

@@ -154,8 +154,10 @@ class SlotPrograms:
     return jax.device_put(state)
 
   def reset(self) -> None:
-    """A new empty state (after a failed program, whose donated state may be gone)."""
-    self.state, self._blocks = self._empty_state(), {}
+    """A new empty state (after a failed program, whose donated state may be gone). The old one is let go first:
+    after the device ran out of memory, both at once may not fit."""
+    self.state, self._blocks = None, {}
+    self.state = self._empty_state()
 
   # ---- programs ------------------------------------------------------------------------------
 
