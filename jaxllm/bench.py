@@ -23,6 +23,7 @@ import sys
 import time
 
 from jaxllm.bench_report import ab_table, plot, runs_table
+from jaxllm.device_memory import exit_on_out_of_memory
 
 SCHEMA_VERSION = 2
 MIN_CALLS = 2      # whole calls after the first token a timed request needs
@@ -449,7 +450,7 @@ def main(argv=None) -> int:
     for loop in ("pipelined", "streaming") if args.loop == "both" else (args.loop,):
       check_length(args.decode_len, args.tokens_per_call, loop == "pipelined")
   check_graph_comparison(args)
-  try:
+  with exit_on_out_of_memory():       # the device out of memory: one line, status 1
     if args.ab:
       records = ab_graphs(args)
       table = ab_table(records)
@@ -459,11 +460,6 @@ def main(argv=None) -> int:
     else:
       records = run(args)
       table = runs_table(records)
-  except RuntimeError as e:           # the device out of memory: one line (jaxllm.device_memory), status 1
-    from jaxllm.device_memory import explain, out_of_memory
-    if not out_of_memory(e):
-      raise
-    raise SystemExit(f"error: {explain(e)}") from None
   write_records(records, args.out)
   print(table, file=sys.stderr)
   if args.report:

@@ -11,6 +11,8 @@ as on any other: the trial holds a second copy of its state, which a run without
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 GB = 1e9
@@ -67,3 +69,15 @@ def explain(error: BaseException) -> DeviceMemoryError:
   else:
     advice = "a shorter max context, fewer sequences at once or a smaller model need less"
   return DeviceMemoryError(f"{what} ran out of memory ({first}); {held}; {advice}")
+
+
+@contextlib.contextmanager
+def exit_on_out_of_memory():
+  """A CLI's body: the device out of memory inside ends it with `error: <explain's line>` (SystemExit, status 1);
+  any other error passes as it is."""
+  try:
+    yield
+  except RuntimeError as e:
+    if not out_of_memory(e):
+      raise
+    raise SystemExit(f"error: {explain(e)}") from None

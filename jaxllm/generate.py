@@ -13,6 +13,7 @@ import time
 
 from jaxllm.cli_options import (CHAT_CONTEXT, CONTEXT_ROUND, INTERRUPTED, MAX_REPEAT_LAST_N, build_parser,
                                 read_chat_template)
+from jaxllm.device_memory import exit_on_out_of_memory
 from jaxllm.models import DEFAULT_MODEL
 from jaxllm.weights import resolve_quant
 
@@ -156,15 +157,11 @@ def main(argv=None) -> int:
   """The CLI; Ctrl-C at any stage ends with one line `interrupted` on stderr and status 130, the device out of
   memory at any stage with one line `error: ...` (jaxllm.device_memory) and status 1."""
   try:
-    return _main(argv)
+    with exit_on_out_of_memory():
+      return _main(argv)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr, flush=True)
     return INTERRUPTED
-  except RuntimeError as e:
-    from jaxllm.device_memory import explain, out_of_memory
-    if not out_of_memory(e):
-      raise
-    raise SystemExit(f"error: {explain(e)}") from None
 
 
 def _main(argv) -> int:
@@ -201,7 +198,7 @@ def _main(argv) -> int:
     args.quant = resolve_quant(args.quant, tensor_parallel=args.tp != 1)
     config, weights, tok = load(model, quant=args.quant, progress=stages, cache=not args.no_cache)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
-    if isinstance(e, RuntimeError) and out_of_memory(e):
+    if out_of_memory(e):
       raise                                               # main's one line
     raise SystemExit(f"error: {e}") from None
   if args.template is not None:
