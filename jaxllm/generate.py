@@ -13,7 +13,7 @@ import time
 
 from jaxllm.cli_options import (CHAT_CONTEXT, CONTEXT_ROUND, INTERRUPTED, MAX_REPEAT_LAST_N, build_parser,
                                 read_chat_template)
-from jaxllm.device_memory import exit_on_out_of_memory
+from jaxllm.device_memory import exit_on_out_of_memory, explain, out_of_memory
 from jaxllm.models import DEFAULT_MODEL
 from jaxllm.weights import resolve_quant
 
@@ -409,6 +409,13 @@ class _Run:
       except KeyboardInterrupt:
         result, answer = None, "".join(pieces)
         print("\n[jaxllm] (stopped)", file=sys.stderr)
+      except RuntimeError as e:
+        if not out_of_memory(e):
+          raise
+        # The turn is lost, not the chat: the engine makes a new cache on the next turn (the old one went with the
+        # failed call), and the history stays as it was before this question.
+        print(f"\n[jaxllm] error: {explain(e)} (the chat goes on: ask again, or /reset)", file=sys.stderr)
+        continue
       history = turn + [{"role": "assistant", "content": answer}]
       if result is None:
         continue

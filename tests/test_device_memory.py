@@ -214,3 +214,44 @@ def test_a_server_that_cannot_make_its_state_anew_says_so_instead_of_hanging(tin
     assert "Traceback" not in capsys.readouterr().err
   finally:
     scheduler.stop()
+
+
+def test_an_oom_in_a_chat_turn_loses_the_turn_not_the_chat(tiny_models, monkeypatch, capsys):
+  """Interactive chat: the device out of memory in a turn's decode call, with the state already donated (its
+  buffers gone, as XLA leaves them), prints one line and the chat goes on; the next turn, the same question,
+  answers what a chat of that question alone answers (the history kept no trace of the failed turn)."""
+  import io
+  import json
+  from jaxllm import generate
+  real, calls = Engine.advance_fn, []
+
+  def advance_fn(self, *args, **kwargs):
+    fn = real(self, *args, **kwargs)
+
+    def advance(state, block):
+      calls.append(1)
+      if len(calls) == 1:
+        for a in jax.tree.leaves(state):
+          a.delete()
+        raise jax.errors.JaxRuntimeError(BFC)
+      return fn(state, block)
+    return advance
+  real_generate = generate._Run._generate
+
+  def turn(self, *args, **kwargs):        # the chat's turns (after the warmup)
+    monkeypatch.setattr(Engine, "advance_fn", advance_fn)
+    return real_generate(self, *args, **kwargs)
+  monkeypatch.setattr(generate._Run, "_generate", turn)
+  argv = [tiny_models["qwen2"], "-n", "4", "--ignore-eos", "--json", "--quiet", "--max-context", "64"]
+  monkeypatch.setattr("sys.stdin", io.StringIO("the cat\nthe cat\n/exit\n"))
+  assert generate.main(argv + ["-i"]) == 0
+  out, err = capsys.readouterr()
+  answers = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+  (line,) = [x for x in err.splitlines() if "error:" in x]
+  assert "ran out of memory (RESOURCE_EXHAUSTED" in line and "the chat goes on" in line, err
+  assert len(answers) == 1 and len(calls) > 1
+  monkeypatch.setattr(Engine, "advance_fn", real)
+  monkeypatch.setattr(generate._Run, "_generate", real_generate)
+  assert generate.main(argv + ["--chat", "-p", "the cat"]) == 0
+  (alone,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+  assert answers[0]["prompt_ids"] == alone["prompt_ids"] and answers[0]["ids"] == alone["ids"]
