@@ -325,9 +325,17 @@ def _child(args, extra: list[str], env_extra: dict, out: str) -> list[dict]:
     cmd.append("--graph-state")
   proc = subprocess.run(cmd, env={**os.environ, **env_extra})
   if proc.returncode:
-    raise SystemExit(proc.returncode)      # the child has said why on stderr
+    raise ChildFailed(proc.returncode)     # the child has said why on stderr
   with open(out) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+class ChildFailed(Exception):
+  """A measuring process ended with a non-zero status (it has said why on stderr)."""
+
+  def __init__(self, status: int):
+    super().__init__(f"status {status}")
+    self.status = status
 
 
 def _backend() -> str:
@@ -352,17 +360,23 @@ def check_graph_comparison(args) -> None:
                    "GPU-only): every run would be the same program, so there is nothing to compare")
 
 
-def ab_graphs(args) -> list[dict]:
-  """Paired processes: graphs on, off, on, off, ...; per-pair ratios of TPOT and TTFT."""
+def ab_graphs(args) -> tuple[list[dict], list[str]]:
+  """Paired processes: graphs on, off, on, off, ...; per-pair ratios of TPOT and TTFT. Returns the records and
+  the runs that failed (a pair with a failed half is left out of the ratios; the other pairs go on)."""
   import tempfile
-  records = []
+  records, failed = [], []
   with tempfile.TemporaryDirectory() as tmp:
     for pair in range(args.pairs):
       for mode in ("on", "off"):
-        for r in _child(args, ["--graphs", mode, "--label", f"pair{pair}"], {}, os.path.join(tmp, f"{pair}{mode}.jsonl")):
+        try:
+          got = _child(args, ["--graphs", mode, "--label", f"pair{pair}"], {}, os.path.join(tmp, f"{pair}{mode}.jsonl"))
+        except ChildFailed as e:
+          failed.append(f"pair {pair} graphs {mode} ({e})")
+          continue
+        for r in got:
           r["pair"] = pair
           records.append(r)
-  return records
+  return records, failed
 
 
 def sweep_flag_sets(items: list[str]) -> list[str]:
@@ -386,15 +400,19 @@ def sweep_flag_sets(items: list[str]) -> list[str]:
   return sets
 
 
-def sweep(args) -> list[dict]:
+def sweep(args) -> tuple[list[dict], list[str]]:
+  """One process a flag set. Returns the records and the flag sets whose process failed (the others go on)."""
   import tempfile
-  records = []
+  records, failed = [], []
   with tempfile.TemporaryDirectory() as tmp:
     for i, flags in enumerate(sweep_flag_sets(args.sweep)):
       env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
-      for r in _child(args, ["--graphs", "env", f"--label={flags or '(default)'}"], env, os.path.join(tmp, f"{i}.jsonl")):
-        records.append(r)
-  return records
+      try:
+        records += _child(args, ["--graphs", "env", f"--label={flags or '(default)'}"], env,
+                          os.path.join(tmp, f"{i}.jsonl"))
+      except ChildFailed as e:
+        failed.append(f"{flags or '(default)'} ({e})")
+  return records, failed
 
 
 def build_parser():
@@ -450,22 +468,28 @@ def main(argv=None) -> int:
     for loop in ("pipelined", "streaming") if args.loop == "both" else (args.loop,):
       check_length(args.decode_len, args.tokens_per_call, loop == "pipelined")
   check_graph_comparison(args)
+  failed = []                         # --ab and --sweep: the runs whose process failed; the rest are kept
   with exit_on_out_of_memory():       # the device out of memory: one line, status 1
     if args.ab:
-      records = ab_graphs(args)
+      records, failed = ab_graphs(args)
       table = ab_table(records)
     elif args.sweep:
-      records = sweep(args)
+      records, failed = sweep(args)
       table = runs_table(records)
     else:
       records = run(args)
       table = runs_table(records)
+  if not records:
+    raise SystemExit(f"error: every run failed: {'; '.join(failed)}")
   write_records(records, args.out)
   print(table, file=sys.stderr)
   if args.report:
     with open(args.report, "w") as f:
       f.write(table + "\n")
     plot(records, os.path.splitext(args.report)[0] + ".png", f"{args.model}: {records[0]['env']['device']}")
+  if failed:
+    print(f"[bench] {len(failed)} run(s) failed, the others' records are kept: {'; '.join(failed)}", file=sys.stderr)
+    return 1
   return 0
 
 

@@ -90,6 +90,41 @@ def test_ab_and_sweep_run_each_setting_in_its_own_process(tmp_path):
   assert sw_report.with_suffix(".png").exists()
 
 
+def test_a_failed_run_of_a_sweep_keeps_the_others(tmp_path, capsys):
+  """A flag set whose process fails (XLA refuses an unknown flag) is named at the end and the status is 1; the other
+  flag sets' records are written, before and after it; where every run failed, one line says so."""
+  common = ["synthetic:tiny", "--prompt-len", "8", "--decode-len", "18", "--repeat", "1", "--loop", "pipelined"]
+  out = tmp_path / "sw.jsonl"
+  assert main([*common, "--sweep", "default", "xla_no_such_flag_here=1", "xla_cpu_enable_fast_math=false",
+               "--out", str(out)]) == 1
+  assert [json.loads(line)["label"] for line in out.read_text().splitlines()] == [
+      "(default)", "--xla_cpu_enable_fast_math=false"]
+  assert "[bench] 1 run(s) failed, the others' records are kept: --xla_no_such_flag_here=1 (status " in \
+      capsys.readouterr().err
+  with pytest.raises(SystemExit, match=r"^error: every run failed: --xla_no_such_flag_here=1 \(status "):
+    main([*common, "--sweep", "xla_no_such_flag_here=1", "--out", str(tmp_path / "none.jsonl")])
+
+
+def test_ab_leaves_out_a_pair_with_a_failed_half(monkeypatch, tmp_path, capsys):
+  from jaxllm import bench
+  monkeypatch.setattr(bench, "check_graph_comparison", lambda args: None)
+
+  def child(args, extra, env, out):
+    pair, mode = int(extra[3][4:]), extra[1]
+    if (pair, mode) == (1, "off"):
+      raise bench.ChildFailed(1)
+    return [{"kernels": "ffi", "loop": "pipelined", "graphs_requested": mode == "on", "tpot_ms_mean": 2.0 + pair,
+             "ttft_ms": 1.0, "decode_tok_s": 100.0, "label": extra[3]}]
+  monkeypatch.setattr(bench, "_child", child)
+  out = tmp_path / "ab.jsonl"
+  assert main(["synthetic:tiny", "--ab", "graphs", "--pairs", "3", "--out", str(out)]) == 1
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["pair"], r["graphs_requested"]) for r in rows] == [(0, True), (0, False), (1, True), (2, True), (2, False)]
+  err = capsys.readouterr().err
+  assert "| ffi | pipelined | 0 |" in err and "| ffi | pipelined | 1 |" not in err and "| ffi | pipelined | 2 |" in err
+  assert "1 run(s) failed, the others' records are kept: pair 1 graphs off (status 1)" in err
+
+
 def test_torch_peer_writes_the_schema(tmp_path):
   """bench/peers/hf_torch.py (HF transformers + StaticCache) on the CPU: same timing fields as jaxllm.bench."""
   import os
