@@ -35,9 +35,18 @@ def make_prompt(model: str, tokens: int, path: str) -> int:
   return len(tok.encode(text))
 
 
+def _run(cmd: list[str]) -> str:
+  """A child's stdout; a child that fails ends this script with what it said on stderr (its last lines)."""
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode:
+    said = "\n".join(proc.stderr.strip().splitlines()[-3:]) or f"status {proc.returncode}"
+    raise SystemExit(f"{os.path.basename(cmd[1]) if cmd[1] != '-m' else cmd[2]} failed: {said}")
+  return proc.stdout
+
+
 def ours(model: str, path: str, context: int) -> dict:
-  out = subprocess.run([sys.executable, "-m", "jaxllm.generate", model, "-f", path, "-c", str(context), "-n", "8",
-                        "--ignore-eos", "--json", "-q"], capture_output=True, text=True, check=True).stdout
+  out = _run([sys.executable, "-m", "jaxllm.generate", model, "-f", path, "-c", str(context), "-n", "8",
+              "--ignore-eos", "--json", "-q"])
   r = json.loads(out.strip().splitlines()[-1])
   return {"ttft_ms": r["ttft_ms"], "peak_rss_bytes": r["peak_rss_bytes"], "prompt_tokens": len(r["prompt_ids"]),
           "tpot_ms": r["tpot_ms"]}
@@ -47,9 +56,8 @@ def llama(model: str, path: str, context: int) -> dict:
   with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
     out = f.name
   try:
-    subprocess.run([sys.executable, os.path.join(HERE, "peers", "llamacpp_bench.py"), model, "--prompt-file", path,
-                    "--max-context", str(context), "--decode-len", "8", "--repeat", "1", "--out", out],
-                   check=True, capture_output=True, text=True)
+    _run([sys.executable, os.path.join(HERE, "peers", "llamacpp_bench.py"), model, "--prompt-file", path,
+          "--max-context", str(context), "--decode-len", "8", "--repeat", "1", "--out", out])
     with open(out) as f:
       r = json.loads(f.readline())
   finally:
@@ -66,6 +74,12 @@ def main(argv=None) -> int:
   p.add_argument("--pairs", type=int, default=2)
   p.add_argument("--json")
   args = p.parse_args(argv)
+  try:
+    import llama_cpp  # noqa: F401  (the peer; asked before jaxllm's runs take their minutes)
+  except ImportError:
+    sys.path.insert(0, os.path.join(HERE, "peers"))
+    from llamacpp_bench import NOT_INSTALLED
+    raise SystemExit(NOT_INSTALLED) from None
   with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "prompt.txt")
     n = make_prompt(args.model, args.tokens, path)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from jaxllm.bench_report import ab_table, plot, runs_table
+from jaxllm.bench_report import ab_table, graphs_word, plot, runs_table, state_seen
 from jaxllm.device_memory import exit_on_out_of_memory
 
 SCHEMA_VERSION = 2
@@ -279,7 +279,7 @@ def run(args) -> list[dict]:
   for rec in records:
     rec["copy_gb_s"] = bandwidth
     rec["byte_floor_ms"] = wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None
-    print(f"[bench] {args.model} kernels={rec['kernels']} K={rec['tokens_per_call']} graphs={_graphs_word(rec)} "
+    print(f"[bench] {args.model} kernels={rec['kernels']} K={rec['tokens_per_call']} graphs={graphs_word(rec)}{state_seen(rec)} "
           f"loop={rec['loop']}: TTFT {rec['ttft_ms']:.2f} ms, TPOT {rec['tpot_ms_mean']:.3f} ms (per step p50 "
           f"{rec['tpot_step_ms_p50']:.3f}, p90 {rec['tpot_step_ms_p90']:.3f}; per token received p50 "
           f"{rec['tpot_token_ms_p50']:.3f}, p90 {rec['tpot_token_ms_p90']:.3f}; {rec['calls_timed']} whole calls), "
@@ -289,13 +289,6 @@ def run(args) -> list[dict]:
           f"(beyond weights and cache {_gb(rec.get('peak_beyond_weights_and_cache_bytes'))}), "
           f"peak RSS {_gb(rec['peak_rss_bytes'])} GB", file=sys.stderr)
   return records
-
-
-def _graphs_word(rec: dict) -> str:
-  """graphs on/off as requested, with the state seen; n/a where the backend has no command buffers."""
-  if rec["env"]["platform"] != "gpu":
-    return f"n/a ({rec['env']['platform']})"
-  return f"{'on' if rec['graphs_requested'] else 'off'}({rec['graph_state'].get('state')})"
 
 
 def kernel_list(value: str) -> list[str]:

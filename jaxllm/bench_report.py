@@ -32,12 +32,26 @@ def ab_table(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def graphs_word(rec: dict) -> str:
+  """CUDA graphs as a record asked for them: on or off; n/a (the platform) where the backend has no command
+  buffers."""
+  platform = rec.get("env", {}).get("platform", "gpu")
+  if platform != "gpu":
+    return f"n/a ({platform})"
+  return "on" if rec["graphs_requested"] else "off"
+
+
+def state_seen(rec: dict) -> str:
+  """What --graph-state saw of the command buffers, in brackets, on the GPU; nothing elsewhere."""
+  return f"({rec['graph_state'].get('state')})" if not graphs_word(rec).startswith("n/a") else ""
+
+
 def runs_table(records: list[dict]) -> str:
   lines = ["| label | kernels | graphs | state | thunks/call | K | loop | TTFT (ms) | TPOT mean (ms) | per step "
            "p50/p90 (ms) | per token received p50/p90 (ms) | tok/s | weight GB/s | floor (ms) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
-    lines.append(f"| {r.get('label') or ''} | {r['kernels']} | {'on' if r['graphs_requested'] else 'off'} | "
+    lines.append(f"| {r.get('label') or ''} | {r['kernels']} | {graphs_word(r)} | "
                  f"{r['graph_state'].get('state')} | {r['graph_state'].get('work_thunks', '')} | "
                  f"{r.get('tokens_per_call', 1)}{' while' if r.get('device_loop') == 'while' else ''} | {r['loop']} | "
                  f"{r['ttft_ms']:.2f} | {r['tpot_ms_mean']:.3f} | {r['tpot_step_ms_p50']:.3f} / "

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="pipelined dispatches step i+1 before reading token i; streaming waits for each")
   p.add_argument("--tokens-per-call", type=int, default=None, metavar="K",
                  help="decode steps per executable call: the host dispatches and reads once per K tokens, "
-                      "which arrive together (default 8; 1 for an unfused step with --device-loop unrolled)")
+                      "which arrive together (default 8)")
   p.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under the JSON schema in FILE "
                  "(each token drawn under the grammar's mask, by llguidance; docs/server.md)")
   p.add_argument("--json-object", action="store_true", help="the output is a JSON object (any)")

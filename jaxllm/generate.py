@@ -244,7 +244,9 @@ def _main(argv) -> int:
 
   with stages.stage("compile and warm up") as info:
     engine.warmup(longest, params, batch=max(1, len(all_ids)), trial=True, masked=grammar is not None)
-    info["line"] = compile_line(engine.built, engine.cache_executables, engine.tune_seconds)
+    info["line"] = compile_line(engine.built, engine.cache_executables, engine.tune_seconds,
+                                "steps compiled over several devices are not kept" if engine.tp is not None else
+                                "the compile cache is off")
   greedy = greedy_mode(params)
   graph_state = graphs.graph_state(engine, greedy) if args.show_graph_state else None
   if graph_state is not None:

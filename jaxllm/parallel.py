@@ -40,7 +40,11 @@ def make_mesh(n: int, devices=None) -> Mesh:
   """A one-axis mesh (AXIS) over the first n devices (of `devices`, default jax.devices())."""
   devices = list(jax.devices() if devices is None else devices)
   if not 1 <= n <= len(devices):
-    raise ValueError(f"tensor parallel over {n} devices needs 1 to {len(devices)} (the devices present), got {n}")
+    hint = ""
+    if devices and devices[0].platform == "cpu" and n > len(devices):    # the CPU's simulated devices
+      hint = f" (on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} makes {n})"
+    raise ValueError(f"tensor parallel over {n} devices needs 1 to {len(devices)} (the devices present), got {n}"
+                     + hint)
   return Mesh(np.array(devices[:n]), (AXIS,))
 
 

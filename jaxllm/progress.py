@@ -58,11 +58,13 @@ class Stages:
                 leave=False, file=self.stream)
 
 
-def compile_line(built: dict, cache_on: bool, tune_seconds: float = 0.0) -> str:
+def compile_line(built: dict, cache_on: bool, tune_seconds: float = 0.0,
+                 not_kept: str = "the compile cache is off") -> str:
   """The compile stage's line (a format string for Stages.stage, `s` its seconds) from what an Engine built
   (Programs.built: executables loaded from the disk cache, compiled, saved to it): says which happened, and
-  the GPU matmul's autotune when it timed (Programs.tune_seconds, from half a second: once a card)."""
-  return _built_line(built, cache_on) + tune_note(tune_seconds)
+  the GPU matmul's autotune when it timed (Programs.tune_seconds, from half a second: once a card). not_kept:
+  why nothing is kept where cache_on is False."""
+  return _built_line(built, cache_on, not_kept) + tune_note(tune_seconds)
 
 
 def tune_note(tune_seconds: float) -> str:
@@ -74,13 +76,13 @@ def tune_note(tune_seconds: float) -> str:
           "JAXLLM_AUTOTUNE=0 skips it)")
 
 
-def _built_line(built: dict, cache_on: bool) -> str:
+def _built_line(built: dict, cache_on: bool, not_kept: str) -> str:
   loaded, compiled, saved = built["loaded"], built["compiled"], built["saved"]
   if not compiled:
     return "loaded compiled steps and warmed up in {s:.2f} s" if loaded else "warmed up in {s:.2f} s"
-  what = f"compiled {compiled} steps, loaded {loaded}," if loaded else "compiled"
+  what = f"compiled {compiled} step{'s' if compiled != 1 else ''}, loaded {loaded}," if loaded else "compiled"
   if not cache_on:
-    return what + " and warmed up in {s:.2f} s (not kept: the compile cache is off)"
+    return what + f" and warmed up in {{s:.2f}} s (not kept: {not_kept})"
   if not saved and jax_cache_active():
     return what + " and warmed up in {s:.2f} s, kept by JAX's own compilation cache (JAX_COMPILATION_CACHE_DIR)"
   kept = ("saved for the next run" if saved == compiled else "not saved" if not saved else

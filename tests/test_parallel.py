@@ -96,4 +96,5 @@ def test_a_model_that_does_not_split_says_why(results):
   assert errors[0] == ("tensor parallel over 4 devices needs each split evenly; 4 does not divide 6 query heads, "
                        "3 key/value heads (nor does 4 divide by them)")
   assert errors[1].endswith("4 does not divide the vocabulary of 510")
-  assert errors[2] == "tensor parallel over 8 devices needs 1 to 4 (the devices present), got 8"
+  assert errors[2] == ("tensor parallel over 8 devices needs 1 to 4 (the devices present), got 8 (on the CPU, "
+                       "XLA_FLAGS=--xla_force_host_platform_device_count=8 makes 8)")

@@ -145,6 +145,11 @@ def test_compile_line_names_each_case(own_compiles):
   assert said(compiled=2, loaded=1, saved=2) == "compiled 2 steps, loaded 1, and warmed up in 1.23 s, saved for the next run"
   assert said(compiled=3) == "compiled and warmed up in 1.23 s, not saved"
   assert said(compiled=3, saved=1) == "compiled and warmed up in 1.23 s, 1 of 3 saved for the next run"
+  assert said(compiled=1, loaded=2, saved=1) == "compiled 1 step, loaded 2, and warmed up in 1.23 s, saved for the next run"
+  off = {"loaded": 0, "compiled": 2, "saved": 0}
+  assert compile_line(off, False).format(s=1.0) == "compiled and warmed up in 1.00 s (not kept: the compile cache is off)"
+  assert compile_line(off, False, not_kept="steps compiled over several devices are not kept").format(s=1.0) == (
+      "compiled and warmed up in 1.00 s (not kept: steps compiled over several devices are not kept)")
   built = {"loaded": 3, "compiled": 0, "saved": 0}
   assert compile_line(built, True, 0.2) == compile_line(built, True)            # the tuning file read: not said
   assert compile_line(built, True, 9.04).format(s=12.0) == (

@@ -17,6 +17,11 @@ import numpy as np
 from jaxllm.bench import SCHEMA_VERSION, _peak_rss, check_length, environment, timing_stats, write_records
 from jaxllm.models import resolve_model
 
+NOT_INSTALLED = ("llama-cpp-python is not installed. Build it for this CPU (the generic build leaves AVX-512 off and "
+                 "reads ~1.8x slower here): CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
+                 "-DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON\" "
+                 "pip install llama-cpp-python==0.3.36 (docs/benchmarks.md)")
+
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,9 +41,7 @@ def main(argv=None) -> int:
   try:
     import llama_cpp
   except ImportError:
-    raise SystemExit("llama-cpp-python is not installed. Build it for this CPU (the generic build leaves AVX-512 "
-                     "off and reads ~1.8x slower here): CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON "
-                     "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON\" pip install llama-cpp-python==0.3.36")
+    raise SystemExit(NOT_INSTALLED)
   path = str(resolve_model(args.model))
   n_ctx = args.max_context or args.prompt_len + args.decode_len + 8   # (with --prompt-file, give --max-context)
   llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=args.threads,
