@@ -3,7 +3,8 @@
 # llama.cpp in one call. bench/scaling.py over PRESETS (default the 7B, 0.5B and 1B shapes) at batch 1, 16 and
 # 64, auto and ffi-unfused, llama-bench (batch 1) and llama-batched-bench (every batch) on GGUFs of PEERS blocks
 # (default Q8_0), with --check (auto within 3% of the best other path). A run already in $SCALING/scaling.jsonl is
-# skipped: put a cut-short call's folder back in the tree as SCALING to go on where it stopped.
+# skipped: put a cut-short call's folder back in the tree as SCALING to go on where it stopped. BATCHES (default
+# 1,16,64) and PRESETS narrow it to what a short call has room for.
 #
 # Carry [".whl", ".carry/llamacpp-cuda-sm90.tar.xz", ".carry/vocab.gguf.xz", ".carry/commit"]
 # (bench/device/prep.sh --llama makes them). With all of prep.sh's wheels the tree can pass the call's 64 MiB:
@@ -23,7 +24,7 @@ D=${SCALING:-$R/scaling}
 D=${D%/}                                  # scaling.py writes its report beside the folder: $D.md
 room 60 "the study (the build took the time)" || exit 1
 timeout $(left) python3 bench/scaling.py --dir $D --presets ${PRESETS:-qwen2.5-7b,qwen2.5-0.5b,llama-3.2-1b} \
-  --batches 1,16,64 --kernels auto,ffi-unfused --llama-bench $B/llama-bench \
+  --batches ${BATCHES:-1,16,64} --kernels auto,ffi-unfused --llama-bench $B/llama-bench \
   --llama-batched-bench $B/llama-batched-bench --vocab $ROOT/.carry/vocab.gguf --peer-types ${PEERS:-Q8_0} \
   --gguf-dir /tmp/gguf --time-limit $(( $(left) - 10 )) --check > $R/scaling.log 2>&1; stamp "scaling rc $?"
 cp $D/scaling.jsonl $D/scaling.png $OUT/ 2>/dev/null
