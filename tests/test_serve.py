@@ -386,6 +386,16 @@ def test_queue_full_is_503_with_retry_after(served, monkeypatch):
   assert status == 503 and int(headers["retry-after"]) >= 1 and "busy" in answer["error"]["message"]
 
 
+def test_queue_full_counts_the_requests_beyond_the_free_slots(served, monkeypatch):
+  """Queued requests up to the free slots are about to take them: the refusal counts only those beyond."""
+  s = served.scheduler
+  monkeypatch.setattr(s, "max_waiting", 1)
+  monkeypatch.setattr(s, "_queued", s._free_slots() + 1)      # each free slot about to be taken, one more waiting
+  status, _, answer = post(served.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+  assert status == 503 and answer["error"]["message"] == (
+      "the server is busy: 1 request is already waiting for a slot (at most 1); retry later")
+
+
 def test_prefix_reuse_continues_from_a_slot(served, client):
   """A second turn of a chat starts from the slot holding the first turn: only the new tokens are prefilled,
   and the answer is the one the whole prompt gives alone."""

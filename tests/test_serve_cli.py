@@ -132,3 +132,37 @@ def test_startup_says_when_the_matmul_autotune_timed(tmp_path, monkeypatch, caps
     scheduler.stop()
     line = next(l for l in capsys.readouterr().err.splitlines(keepends=True) if l.startswith("[jaxllm] compile 1 slots: "))
     assert line.endswith(note), line
+
+
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_event(tmp_path):
+  """A stream longer than --shutdown-timeout: it ends with the error event ("the server is shutting down") and
+  [DONE], not cut mid-response, and the server exits without a traceback."""
+  path = write_tiny_model(tmp_path / "tiny.gguf", "llama", context=4096)
+  port = free_port()
+  proc = _serve(path, "--port", str(port), "--max-batch", "2", "--max-context", "4096", "--prefill-chunk", "16",
+                "--tokens-per-call", "1", "--no-compile-cache", "--shutdown-timeout", "2")
+  url = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.monotonic() + 120
+    while _get(url + "/health")[0] != 200:
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+      time.sleep(0.05)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 4000, "ignore_eos": True,
+                                                        "temperature": 0, "stream": True, "n": 16}))
+    resp = conn.getresponse()
+    assert resp.read(6) == b"data: "
+    proc.send_signal(signal.SIGTERM)
+    rest = resp.read().decode()           # raises IncompleteRead where the stream is cut without its end
+    conn.close()
+    assert rest.count('"finish_reason": "length"') < 16, "the stream finished within the timeout: nothing cut"
+    events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "the server is shutting down" in json.loads(events[-2])["error"]["message"]
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode in (0, -signal.SIGTERM), err
+    assert "Traceback" not in err and "Cancel" not in err, err
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+

@@ -3,8 +3,8 @@
 Starts the HTTP server at once (GET /health answers 503 while the model loads and the programs compile,
 200 once it serves), then loads MODEL (a .gguf path or a demo-model name, as `generate` takes it) with the
 same quantization, kernel and graph options, and serves the OpenAI API on it (docs/server.md). SIGINT or
-SIGTERM stops taking requests, lets the streams in flight run for --shutdown-timeout seconds, then cancels
-the rest and exits.
+SIGTERM stops taking requests, lets the requests in flight run for --shutdown-timeout seconds, then ends the
+rest (a stream with its error event and [DONE], another request with 503) and exits.
 """
 from __future__ import annotations
 
@@ -159,10 +159,41 @@ def main(argv=None) -> int:
   app = create_app(state, loader, api_key=args.api_key, allowed_origins=args.allowed_origins)
   config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                           timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-  servers.append(uvicorn.Server(config))
+  servers.append(_server_class(uvicorn)(config, state))
   server = servers[0]
   try:
     server.run()
   except KeyboardInterrupt:
     return 130
   return 0 if state.load_error is None and server.started else 1
+
+
+def _server_class(uvicorn):
+  """uvicorn's Server, whose shutdown ends the requests still in flight through the scheduler just before
+  --shutdown-timeout runs out: each stream then gets its error event ("the server is shutting down") and
+  [DONE], each other request its 503, instead of uvicorn cancelling their tasks mid-response (a stream cut
+  without an end, and a traceback on stderr)."""
+  import asyncio
+
+  import anyio
+
+  class Server(uvicorn.Server):
+    def __init__(self, config, state):
+      super().__init__(config)
+      self.app_state = state
+
+    async def shutdown(self, sockets=None) -> None:
+      grace, scheduler = self.config.timeout_graceful_shutdown, self.app_state.scheduler
+      ender = None
+      if grace is not None and scheduler is not None:
+        async def end_in_flight():
+          await asyncio.sleep(max(0.0, grace - min(1.0, 0.2 * grace)))   # room left for the last events
+          await anyio.to_thread.run_sync(scheduler.stop)
+        ender = asyncio.ensure_future(end_in_flight())
+      try:
+        await super().shutdown(sockets)
+      finally:
+        if ender is not None:
+          ender.cancel()
+  return Server
+

@@ -59,8 +59,9 @@ from jaxllm.text import SequenceOutput
 class QueueFull(RuntimeError):
   """The scheduler's waiting queue is full: retry after `retry_after` seconds."""
 
-  def __init__(self, waiting: int, retry_after: int):
-    super().__init__(f"the server is busy: {waiting} requests are already waiting for a slot; retry later")
+  def __init__(self, waiting: int, retry_after: int, limit: int):
+    said = f"{waiting} request is" if waiting == 1 else f"{waiting} requests are"
+    super().__init__(f"the server is busy: {said} already waiting for a slot (at most {max(limit, 0)}); retry later")
     self.retry_after = retry_after
 
 
@@ -185,8 +186,10 @@ class Scheduler:
       raise RuntimeError(self._dead or "the server is shutting down")
     self.programs.check(request.params)
     with self._lock:
-      if self._queued >= self.max_waiting + self._free_slots():
-        raise QueueFull(self._queued, retry_after=max(1, self._queued // max(self.slots, 1)))
+      free = self._free_slots()           # queued requests up to the free slots are about to take one
+      if self._queued >= self.max_waiting + free:
+        raise QueueFull(max(self._queued - free, 0), retry_after=max(1, self._queued // max(self.slots, 1)),
+                        limit=self.max_waiting)
       self._queued += 1
     self.metrics.waiting = self._queued
     self._inbox.put(request)
