@@ -279,8 +279,9 @@ def run(args) -> list[dict]:
   for rec in records:
     rec["copy_gb_s"] = bandwidth
     rec["byte_floor_ms"] = wbytes / (bandwidth * 1e9) * 1e3 if bandwidth else None
-    print(f"[bench] {args.model} kernels={rec['kernels']} K={rec['tokens_per_call']} graphs={graphs_word(rec)}{state_seen(rec)} "
-          f"loop={rec['loop']}: TTFT {rec['ttft_ms']:.2f} ms, TPOT {rec['tpot_ms_mean']:.3f} ms (per step p50 "
+    print(f"[bench] {args.model} kernels={rec['kernels']} K={rec['tokens_per_call']} "
+          f"graphs={graphs_word(rec)}{state_seen(rec)} loop={rec['loop']}: TTFT {rec['ttft_ms']:.2f} ms, "
+          f"TPOT {rec['tpot_ms_mean']:.3f} ms (per step p50 "
           f"{rec['tpot_step_ms_p50']:.3f}, p90 {rec['tpot_step_ms_p90']:.3f}; per token received p50 "
           f"{rec['tpot_token_ms_p50']:.3f}, p90 {rec['tpot_token_ms_p90']:.3f}; {rec['calls_timed']} whole calls), "
           f"burst step {rec['step_ms_burst'] or 0:.3f} ms, batch {args.batch}: {rec['decode_tok_s']:.1f} tok/s per "

@@ -32,18 +32,21 @@ def ab_table(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _platform(rec: dict) -> str:
+  return rec.get("env", {}).get("platform", "gpu")
+
+
 def graphs_word(rec: dict) -> str:
   """CUDA graphs as a record asked for them: on or off; n/a (the platform) where the backend has no command
   buffers."""
-  platform = rec.get("env", {}).get("platform", "gpu")
-  if platform != "gpu":
-    return f"n/a ({platform})"
+  if _platform(rec) != "gpu":
+    return f"n/a ({_platform(rec)})"
   return "on" if rec["graphs_requested"] else "off"
 
 
 def state_seen(rec: dict) -> str:
   """What --graph-state saw of the command buffers, in brackets, on the GPU; nothing elsewhere."""
-  return f"({rec['graph_state'].get('state')})" if not graphs_word(rec).startswith("n/a") else ""
+  return f"({rec['graph_state'].get('state')})" if _platform(rec) == "gpu" else ""
 
 
 def runs_table(records: list[dict]) -> str:

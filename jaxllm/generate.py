@@ -190,7 +190,6 @@ def _main(argv) -> int:
 
   from jaxllm import executables, graphs
   from jaxllm.cache import check_fits
-  from jaxllm.device_memory import out_of_memory
   from jaxllm.engine import Engine, greedy_mode
   from jaxllm.load import load
   from jaxllm.parallel import make_mesh

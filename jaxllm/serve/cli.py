@@ -196,4 +196,3 @@ def _server_class(uvicorn):
         if ender is not None:
           ender.cancel()
   return Server
-
