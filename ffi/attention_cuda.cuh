@@ -219,7 +219,7 @@ __device__ __forceinline__ void CopyAsyncWait() {
 template <typename T, int D, bool PRO = false>
 __global__ void __launch_bounds__(32 * kMaxGroup)
     Kernel(const T* __restrict__ q, const T* k, const T* v, const int32_t* __restrict__ lengths,
-           float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int B, int H, int G,
+           float* __restrict__ ws, T* __restrict__ out, int32_t* __restrict__ counters, int layer, int N, int H, int G,
            int S, int P, int C, int pre, int swz, int mbar, int fold, qkv::Args pa) {
   using Ge = Geo<T, D>;
   constexpr int EK = Ge::EK, LPP = Ge::LPP, TP = Ge::TP, DV = Ge::DV;
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(32 * kMaxGroup)
       for (int j = 0; j < D / 32; ++j) vbias[j] = pa.bias ? pa.bias[(H + G + g) * D + lane + 32 * j] : 0.f;
     }
   };
-  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;
+  const size_t head = ((size_t(layer) * N + b) * G + g) * size_t(S) * D;   // cache[layer, b, g, 0, 0] (N rows)
   extern __shared__ float slots[];   // the cluster merge's slots, then (pre) the tile's copy
   T* tile_s = nullptr;               // pre: this block's copy of its first tile, keys then values
   if constexpr (PRO) {
@@ -492,12 +492,13 @@ int ClusterSize(int P, int R) {
   return 1;
 }
 
-// Launches the kernel: q [B, H, D], caches [L, B, G, S, D], ws [B, H, P, D + 2] f32, counters [B, G] (zero).
+// Launches the kernel: q [B, H, D], caches [L, N, G, S, D] with N >= B (a block of sequence b reads and, with the
+// prologue, writes row b at the caches' own strides), ws [B, H, P, D + 2] f32, counters [B, G] (zero).
 // pdl: launched as a programmatic dependent of the previous kernel on the stream (it waits for it first).
 // With a prologue (pa.qkv set, the fused step's layers call) q is unused and the caches are written.
 template <typename T, int D>
 cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, const int32_t* lengths, float* ws, T* out,
-                   int32_t* counters, int layer, int B, int H, int G, int S, int P, bool pdl = false,
+                   int32_t* counters, int layer, int B, int N, int H, int G, int S, int P, bool pdl = false,
                    const qkv::Args& pa = {}) {
   const int R = H / G, C = ClusterSize<D>(P, R);
   const dim3 grid((P + C - 1) / C * C, G, B), block(32 * R);
@@ -520,7 +521,7 @@ cudaError_t Launch(cudaStream_t stream, const T* q, const T* k, const T* v, cons
   // at 512 keys, +21% at 2048). Batch > 1 not measured. docs/results/2026-12-07-h100-attention-fold.md.
   static const int fold = LabFlag("JAXLLM_ATTN_FOLD", true) ? 2 : 0;   // (the kernel ignores it below 128)
   auto kernel = pa.qkv != nullptr ? Kernel<T, D, true> : Kernel<T, D, false>;
-  return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, B, H,
+  return w8a16::LaunchEx(stream, pdl, grid, block, smem, C, kernel, q, k, v, lengths, ws, out, counters, layer, N, H,
                          G, S, P, C, pre ? int(at) : -1, swz, mbar, fold, pa);
 }
 

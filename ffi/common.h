@@ -97,12 +97,14 @@ inline ffi::Error CheckMatmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, 
   return ffi::Error::Success();
 }
 
-// Geometry of one decode-attention call, validated.
+// Geometry of one decode-attention call, validated. The caches may hold more rows than the call's batch (a
+// server's N slots, a step on the first B of them): b is the batch (q, lengths, out), n the caches' rows, which
+// give their strides (a layer is n * g * s * d elements); the call reads rows [0, b).
 struct AttentionShape {
-  int64_t b, h, g, s, d, layer, layers;
+  int64_t b, h, g, s, d, layer, layers, n;
 };
 
-// q [B, H, Dh], k/v [L, B, G, S, Dh] (q's dtype), lengths [B] s32, out [B, H, Dh].
+// q [B, H, Dh], k/v [L, N, G, S, Dh] with N >= B (q's dtype), lengths [B] s32, out [B, H, Dh].
 inline ffi::Error CheckAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                  const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& out, int64_t layer,
                                  AttentionShape* shape) {
@@ -118,10 +120,14 @@ inline ffi::Error CheckAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || ld.size() != 1)
     return ffi::Error::InvalidArgument("jaxllm_decode_attention: expected q [B, H, Dh], caches [L, B, G, S, Dh], "
                                        "lengths [B]; got q " + DimsString(qd) + ", k " + DimsString(kd));
-  AttentionShape s{qd[0], qd[1], kd[2], kd[3], qd[2], layer, kd[0]};
+  AttentionShape s{qd[0], qd[1], kd[2], kd[3], qd[2], layer, kd[0], kd[1]};
   for (int i = 0; i < 5; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("jaxllm_decode_attention: k and v caches differ in shape");
-  if (kd[1] != s.b || kd[4] != s.d || ld[0] != s.b || s.g < 1 || s.h % s.g)
+  if (s.n < s.b)
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention: the caches [L, N, G, S, Dh] need at least the B = " +
+                                       std::to_string(s.b) + " rows of q (N >= B); got q " + DimsString(qd) +
+                                       ", caches " + DimsString(kd));
+  if (kd[4] != s.d || ld[0] != s.b || s.g < 1 || s.h % s.g)
     return ffi::Error::InvalidArgument("jaxllm_decode_attention: inconsistent shapes q " + DimsString(qd) + ", k " +
                                        DimsString(kd) + ", lengths " + DimsString(ld));
   if (layer < 0 || layer >= s.layers)
@@ -156,8 +162,8 @@ auto BindAttention() {
   return ffi::Ffi::Bind()
       .template Ctx<Ctx>()                 // backend context
       .template Arg<ffi::AnyBuffer>()      // q [B, H, Dh]
-      .template Arg<ffi::AnyBuffer>()      // k cache [L, B, G, S, Dh]
-      .template Arg<ffi::AnyBuffer>()      // v cache [L, B, G, S, Dh]
+      .template Arg<ffi::AnyBuffer>()      // k cache [L, N, G, S, Dh], N >= B (rows [0, B) read)
+      .template Arg<ffi::AnyBuffer>()      // v cache [L, N, G, S, Dh]
       .template Arg<ffi::AnyBuffer>();     // lengths [B] int32 (visible), read on the device
 }
 
@@ -256,13 +262,14 @@ auto BindFused() { return FinishFused(BindFusedArgs<Ctx>()); }
 template <typename Ctx>
 auto BindFusedInto() { return FinishFused(BindFusedArgs<Ctx>().template Arg<ffi::AnyBuffer>()); }
 
-// Geometry of one QKV epilogue call, validated.
+// Geometry of one QKV epilogue call, validated: b the batch, n the caches' rows (n >= b: their strides; the call
+// writes rows [0, b), as AttentionShape).
 struct QkvShape {
-  int64_t b, h, g, d, s, layers, nqkv;
+  int64_t b, h, g, d, s, layers, nqkv, n;
 };
 
 // qkv [B, (H + 2G) Dh] T; bias [L, (H + 2G) Dh] or [0] f32; q/k norm [L, Dh] or [0] f32; inv_freq [Dh/2] f32;
-// pos, writes [B] int32; caches [L, B, G, S, Dh] T; q out [B, H, Dh] T; counters out [B, G] int32.
+// pos, writes [B] int32; caches [L, N, G, S, Dh] T with N >= B; q out [B, H, Dh] T; counters out [B, G] int32.
 inline ffi::Error CheckQkv(const ffi::AnyBuffer& qkv, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& qn,
                            const ffi::AnyBuffer& kn, const ffi::AnyBuffer& inv_freq, const ffi::AnyBuffer& pos,
                            const ffi::AnyBuffer& writes, const ffi::AnyBuffer& kc, const ffi::AnyBuffer& vc,
@@ -278,10 +285,14 @@ inline ffi::Error CheckQkv(const ffi::AnyBuffer& qkv, const ffi::AnyBuffer& bias
     return ffi::Error::InvalidArgument(name + "expected qkv [B, N], caches [L, B, G, S, Dh], q [B, H, Dh], counters "
                                        "[B, G]; got qkv " + DimsString(qd) + ", k " + DimsString(kd) + ", q " +
                                        DimsString(od));
-  QkvShape s{qd[0], od[1], kd[2], kd[4], kd[3], kd[0], qd[1]};
+  QkvShape s{qd[0], od[1], kd[2], kd[4], kd[3], kd[0], qd[1], kd[1]};
   for (int i = 0; i < 5; ++i)
     if (kd[i] != vc.dimensions()[i]) return ffi::Error::InvalidArgument(name + "k and v caches differ in shape");
-  if (kd[1] != s.b || od[0] != s.b || od[2] != s.d || s.g < 1 || s.h % s.g || s.nqkv != (s.h + 2 * s.g) * s.d ||
+  if (s.n < s.b)
+    return ffi::Error::InvalidArgument(name + "the caches [L, N, G, S, Dh] need at least the B = " +
+                                       std::to_string(s.b) + " rows of qkv (N >= B); got qkv " + DimsString(qd) +
+                                       ", caches " + DimsString(kd));
+  if (od[0] != s.b || od[2] != s.d || s.g < 1 || s.h % s.g || s.nqkv != (s.h + 2 * s.g) * s.d ||
       cd[0] != s.b || cd[1] != s.g || counters.element_type() != ffi::S32 || s.d % 2 || s.d > 256)
     return ffi::Error::InvalidArgument(name + "inconsistent shapes qkv " + DimsString(qd) + ", caches " +
                                        DimsString(kd) + ", q " + DimsString(od) + ", counters " + DimsString(cd));
@@ -321,7 +332,7 @@ auto BindQkv() {
       .template Arg<ffi::AnyBuffer>()      // inv_freq [Dh / 2] f32
       .template Arg<ffi::AnyBuffer>()      // pos [B] int32: the RoPE position
       .template Arg<ffi::AnyBuffer>()      // writes [B] int32: the cache position (>= S: not written)
-      .template Arg<ffi::AnyBuffer>()      // k cache [L, B, G, S, Dh], aliased to result 1
+      .template Arg<ffi::AnyBuffer>()      // k cache [L, N, G, S, Dh], N >= B (rows [0, B) written): result 1
       .template Arg<ffi::AnyBuffer>()      // v cache, aliased to result 2
       .template Ret<ffi::AnyBuffer>()      // q [B, H, Dh], rotated
       .template Ret<ffi::AnyBuffer>()      // k cache

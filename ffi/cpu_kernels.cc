@@ -320,7 +320,8 @@ ffi::Error FusedCpuInto(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   return FusedCpu(pool, x, w, scale, aux, y, layer, norm_layer, mode, bf16, eps);
 }
 
-// The QKV epilogue (see BindQkv in common.h), as the unfused path computes it.
+// The QKV epilogue (see BindQkv in common.h), as the unfused path computes it; the caches may hold more rows than
+// qkv (N >= B: rows [0, B) written).
 ffi::Error QkvCpu(ffi::ThreadPool, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi::AnyBuffer qn, ffi::AnyBuffer kn,
                   ffi::AnyBuffer inv_freq, ffi::AnyBuffer pos, ffi::AnyBuffer writes, ffi::AnyBuffer k_in,
                   ffi::AnyBuffer v_in, ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> kc,
@@ -353,7 +354,7 @@ ffi::Error QkvCpu(ffi::ThreadPool, ffi::AnyBuffer qkv, ffi::AnyBuffer bias, ffi:
       const bool is_q = h < s.h;
       if (!is_q && (at < 0 || at >= s.s)) continue;
       const int64_t g = h - s.h;
-      const int64_t base = is_q ? (b * s.h + h) * s.d : (((layer * s.b + b) * s.g + g) * s.s + at) * s.d;
+      const int64_t base = is_q ? (b * s.h + h) * s.d : (((layer * s.n + b) * s.g + g) * s.s + at) * s.d;
       void* dst = is_q ? q_out->untyped_data() : kc->untyped_data();
       for (int64_t i = 0; i < half; ++i) {
         const int64_t e0 = neox ? i : 2 * i, e1 = neox ? i + half : 2 * i + 1;
@@ -399,7 +400,8 @@ constexpr int64_t kAttnChunk = 256;   // positions a task of the CPU decode atte
 // Decode attention: a task per (sequence, kv head, chunk of kAttnChunk visible positions). It reads each key
 // once for the group's query heads (scores), takes exp(score - the chunk's maximum) in one vectorized pass,
 // then reads each value once for the weighted sums; the chunks of a (sequence, kv head) then merge by their
-// maxima (one chunk: nothing to merge). Scores and sums in f32.
+// maxima (one chunk: nothing to merge). Scores and sums in f32. The caches may hold more rows than q (N >= B:
+// rows [0, B) read).
 ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> /*workspace: used by the CUDA handler only*/,
@@ -424,7 +426,7 @@ ffi::Error DecodeAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     const int64_t g = task % s.g, chunk_task = task / s.g;
     const int64_t b = std::upper_bound(first.begin(), first.end(), chunk_task) - first.begin() - 1;
     const int64_t p0 = (chunk_task - first[b]) * kAttnChunk, n = std::min<int64_t>(kAttnChunk, len[b] - p0);
-    const int64_t base = (((layer * s.b + b) * s.g + g) * s.s + p0) * d;   // cache[layer, b, g, p0, 0]
+    const int64_t base = (((layer * s.n + b) * s.g + g) * s.s + p0) * d;   // cache[layer, b, g, p0, 0] (N rows)
     std::vector<float> qf(rep * d), row(d), sc(rep * n);
     for (int64_t r = 0; r < rep; ++r) LoadF32(q.untyped_data(), t, (b * s.h + g * rep + r) * d, d, &qf[r * d]);
     // A cache row as f32: in place for an f32 cache, else widened into `row`.

@@ -46,7 +46,8 @@ ffi::Error W8A16Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 // online per head, in base 2 (q carries log2 e). The warps then merge in shared memory and write the
 // block's unnormalized partials ws[b, h, p] = (sum_j 2^(s_j - m) v_j [D], m, sum_j 2^(s_j - m)); the
 // combine kernel merges the splits that the visible length reached. Cost follows the visible length, not
-// S. The number of splits P is the workspace's dim 2, chosen by the Python wrapper to fill the GPU.
+// S. The number of splits P is the workspace's dim 2, chosen by the Python wrapper to fill the GPU. The caches
+// may hold more rows than q (N >= B, a server's slots): block (p, g, b) reads row b, at the caches' own strides.
 
 constexpr int kAttnWarps = 4;
 constexpr int kAttnThreads = 32 * kAttnWarps;
@@ -91,7 +92,7 @@ __device__ __forceinline__ void LoadWords(const void* p, bool ok, uint32_t (&out
 template <typename T, int D, int RM>
 __global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
     AttnSplitKernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const int32_t* __restrict__ lengths, float* __restrict__ ws, int layer, int B, int H, int G, int S,
+                    const int32_t* __restrict__ lengths, float* __restrict__ ws, int layer, int N, int H, int G, int S,
                     int P) {
   using Geo = AttnGeometry<T, D>;
   constexpr int EK = Geo::kKeyElems, LPP = Geo::kLanesPerPos, TP = Geo::kTile, CH = Geo::kChunk;
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(kAttnThreads, RM <= 8 ? 4 : 2)
   const int R = H / G;
   const int len = min(max(lengths[b], 1), S);
   if (p * CH >= len) return;
-  const size_t head = ((size_t(layer) * B + b) * G + g) * size_t(S) * D;   // cache[layer, b, g, 0, 0]
+  const size_t head = ((size_t(layer) * N + b) * G + g) * size_t(S) * D;   // cache[layer, b, g, 0, 0] (N rows)
   const T* kh = k + head;
   const T* vh = v + head;
   const int kpos = lane / LPP, kpart = lane % LPP;
@@ -307,7 +308,7 @@ cudaError_t LaunchSplit(cudaStream_t stream, const AttentionShape& s, const ffi:
                         const ffi::AnyBuffer& v, const int32_t* lengths, float* ws, int P) {
   AttnSplitKernel<T, D, RM><<<dim3(P, s.g, s.b), kAttnThreads, 0, stream>>>(
       static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
-      static_cast<const T*>(v.untyped_data()), lengths, ws, int(s.layer), int(s.b), int(s.h), int(s.g), int(s.s), P);
+      static_cast<const T*>(v.untyped_data()), lengths, ws, int(s.layer), int(s.n), int(s.h), int(s.g), int(s.s), P);
   return cudaGetLastError();
 }
 
@@ -365,7 +366,7 @@ cudaError_t LaunchOne(cudaStream_t stream, const AttentionShape& s, const ffi::A
                       const ffi::AnyBuffer& v, const int32_t* lengths, float* ws, void* out, int P, int32_t* counters) {
   return attn1::Launch<T, D>(stream, static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
                              static_cast<const T*>(v.untyped_data()), lengths, ws, static_cast<T*>(out), counters,
-                             int(s.layer), int(s.b), int(s.h), int(s.g), int(s.s), P);
+                             int(s.layer), int(s.b), int(s.n), int(s.h), int(s.g), int(s.s), P);
 }
 
 // The one-kernel attention (attention_cuda.cuh): counters [B, G] int32, zero on entry and left zero, aliased

@@ -102,8 +102,8 @@ ffi::Error QkvCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer bias,
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     return qkv::LaunchEpilogue<T>(stream, false, a, static_cast<T*>(q_out->untyped_data()),
-                                  static_cast<int32_t*>(counters->untyped_data()), int(s.b), int(s.h), int(s.g),
-                                  int(s.s), int(s.d));
+                                  static_cast<int32_t*>(counters->untyped_data()), int(s.b), int(s.n), int(s.h),
+                                  int(s.g), int(s.s), int(s.d));
   };
   cudaError_t e = qkv.element_type() == ffi::BF16 ? launch(__nv_bfloat16()) : launch(float());
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxllm_qkv_epilogue launch: ") + cudaGetErrorString(e));
@@ -205,9 +205,14 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   auto xd = x.dimensions(), kd = kc->dimensions();
   if (x.element_type() != ffi::F32 || xd.size() != 2 || kd.size() != 5 || kc->element_type() != ffi::BF16 ||
       vc->element_type() != ffi::BF16)
-    return ffi::Error::InvalidArgument(name + "expected x [B, D] f32 and bf16 caches [L, B, G, S, Dh]");
-  const int64_t b = xd[0], d = xd[1], layers = kd[0], g = kd[2], smax = kd[3], dh = kd[4], h = heads;
-  if (kd[1] != b || g != kv_heads || h % g || h / g > attn1::kMaxGroup || (dh != 64 && dh != 128) || b > 4 ||
+    return ffi::Error::InvalidArgument(name + "expected x [B, D] f32 and bf16 caches [L, N, G, S, Dh]");
+  // The caches may hold more rows than x (N >= B, a server's slots): the step reads and writes rows [0, B).
+  const int64_t b = xd[0], d = xd[1], layers = kd[0], cache_rows = kd[1], g = kd[2], smax = kd[3], dh = kd[4];
+  const int64_t h = heads;
+  if (cache_rows < b)
+    return ffi::Error::InvalidArgument(name + "the caches [L, N, G, S, Dh] need at least the B = " + std::to_string(b) +
+                                       " rows of x (N >= B); got x " + DimsString(xd) + ", caches " + DimsString(kd));
+  if (g != kv_heads || h % g || h / g > attn1::kMaxGroup || (dh != 64 && dh != 128) || b > 4 ||
       splits < 1 || splits > attn1::kMaxSplits)
     return ffi::Error::InvalidArgument(name + "unsupported geometry: caches " + DimsString(kd) + ", heads " +
                                        std::to_string(h) + ", batch " + std::to_string(b));
@@ -348,10 +353,10 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
       pa.kn = LayerRow(kn, i, dh);
       pa.layer = int(i);
       const bool pdl_attn = pdl_next();
-      e = dh == 64 ? attn1::Launch<bf16, 64>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h),
-                                             int(g), int(smax), int(splits), pdl_attn, pa)
-                   : attn1::Launch<bf16, 128>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b), int(h),
-                                              int(g), int(smax), int(splits), pdl_attn, pa);
+      e = dh == 64 ? attn1::Launch<bf16, 64>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b),
+                                             int(cache_rows), int(h), int(g), int(smax), int(splits), pdl_attn, pa)
+                   : attn1::Launch<bf16, 128>(stream, nullptr, kcp, vcp, len, ws, attn, cnt, int(i), int(b),
+                                              int(cache_rows), int(h), int(g), int(smax), int(splits), pdl_attn, pa);
       if (e != cudaSuccess) break;
     }
     if (!(skip & kSkipO)) {

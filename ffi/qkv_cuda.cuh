@@ -27,7 +27,7 @@ struct Args {
   const float* inv_freq = nullptr;  // [D / 2]
   const int32_t* pos = nullptr;     // [B] RoPE positions
   const int32_t* writes = nullptr;  // [B] cache positions (outside [0, S): nothing written)
-  void* kc = nullptr;               // caches [L, B, G, S, D] T, written at writes[b]
+  void* kc = nullptr;               // caches [L, N, G, S, D] T (N >= B rows), row b written at writes[b]
   void* vc = nullptr;
   int layer = 0;
   bool neox = false;
@@ -86,9 +86,9 @@ __device__ __forceinline__ void Rotate(float a, float c, float pos, float f, T* 
 
 __device__ __forceinline__ float ScaledPos(const Args& a, int b) { return __fdiv_rn(float(a.pos[b]), a.pos_scale); }
 
-// Offset of position `at` of kv head g, sequence b, in the caches [L, B, G, S, D].
-__device__ __forceinline__ size_t CacheAt(const Args& a, int B, int G, int S, int D, int b, int g, int at) {
-  return ((size_t(a.layer) * B + b) * G + g) * size_t(S) * D + size_t(at) * D;
+// Offset of position `at` of kv head g, sequence b, in the caches [L, N, G, S, D] (N rows, N >= B).
+__device__ __forceinline__ size_t CacheAt(const Args& a, int N, int G, int S, int D, int b, int g, int at) {
+  return ((size_t(a.layer) * N + b) * G + g) * size_t(S) * D + size_t(at) * D;
 }
 
 // What one warp's head reads besides the QKV row: the bias of its pairs' elements, their norm weights and
@@ -177,9 +177,9 @@ struct HeadRow {
 
 // Block (head, b) of D / 2 threads, heads 0..H-1 the queries (into q_out [B, H, D]) and H..H+G-1 the keys
 // (whose block also appends the values); thread i owns RoPE pair i. It also zeroes the attention counters
-// [B, G] (jaxllm_decode_attention_merged's, which then reset themselves).
+// [B, G] (jaxllm_decode_attention_merged's, which then reset themselves). N: the caches' rows (>= B, the grid's y).
 template <typename T>
-__global__ void EpilogueKernel(Args a, T* __restrict__ q_out, int32_t* __restrict__ counters, int B, int H, int G,
+__global__ void EpilogueKernel(Args a, T* __restrict__ q_out, int32_t* __restrict__ counters, int N, int H, int G,
                                int S, int D) {
   w8a16::GridDepWait();
   w8a16::GridDepLaunch();
@@ -213,7 +213,7 @@ __global__ void EpilogueKernel(Args a, T* __restrict__ q_out, int32_t* __restric
   }
   const int g = head - H, at = a.writes[b];
   if (at < 0 || at >= S) return;
-  const size_t off = CacheAt(a, B, G, S, D, b, g, at);
+  const size_t off = CacheAt(a, N, G, S, D, b, g, at);
   T* kc = static_cast<T*>(a.kc);
   T* vc = static_cast<T*>(a.vc);
   kc[off + e0] = r0;
@@ -224,10 +224,10 @@ __global__ void EpilogueKernel(Args a, T* __restrict__ q_out, int32_t* __restric
 }
 
 template <typename T>
-cudaError_t LaunchEpilogue(cudaStream_t stream, bool pdl, const Args& a, T* q_out, int32_t* counters, int B, int H,
-                           int G, int S, int D) {
+cudaError_t LaunchEpilogue(cudaStream_t stream, bool pdl, const Args& a, T* q_out, int32_t* counters, int B, int N,
+                           int H, int G, int S, int D) {
   return w8a16::LaunchEx(stream, pdl, dim3(unsigned(H + G), unsigned(B)), dim3(unsigned(D / 2)), 0,
-                         EpilogueKernel<T>, a, q_out, counters, B, H, G, S, D);
+                         EpilogueKernel<T>, a, q_out, counters, N, H, G, S, D);
 }
 
 }  // namespace qkv

@@ -30,7 +30,9 @@ NO_EOG = -2      # padding of the eog table (never a token: sampled ids are >= 0
 class DecodeState:
   """Everything a decode step reads and writes.
 
-  cache: KVCache [L, B, G, S, Dh].
+  cache: KVCache [L, N, G, S, Dh] with N >= B: sequence b is cache row b. A cache of more rows than the batch
+    (a server's N slots, a step on the first B of them) is read and written in place on rows [0, B), the
+    rest untouched: every kernel path takes the whole cache, so a step on fewer rows copies none of it.
   tokens: [B] int32, the last sampled token of each sequence (the next step's input); NONFINITE (-1)
     where the logits were not all finite.
   pos: [B] int32, where that token will be written: the number of tokens already in the cache; it is
@@ -154,6 +156,9 @@ def decode_step(config: Config, weights: Weights, state: DecodeState, *, greedy_
   """
   active = ~state.done
   b = state.tokens.shape[0]
+  if state.cache.batch < b:
+    raise ValueError(f"the cache [L, N, G, S, Dh] must hold at least the state's B = {b} rows, got "
+                     f"{state.cache.k.shape}")
   # The argmax alone decides the token: it may come from the LM head's kernel, or from each shard's own logits.
   argmax = greedy_only and not penalties and state.sampler.mask is None and state.sampler.bias_ids is None
   if use_fused(config, weights, state.cache, b, kernels):

@@ -57,7 +57,8 @@ def embed(weights: Weights, tokens: jax.Array) -> jax.Array:
 
 
 def _write_cache(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """Writes new [B, T, G, Dh] at cache[layer, b, :, positions[b, t]]; positions >= S are dropped."""
+  """Writes new [B, T, G, Dh] at cache[layer, b, :, positions[b, t]] of a cache [L, N, G, S, Dh] (N >= B: rows
+  [0, B) written in place, the rest untouched); positions >= S are dropped."""
   bi = jnp.arange(new.shape[0])[:, None]
   return cache.at[layer, bi, :, positions].set(new.astype(cache.dtype), mode="drop")
 
@@ -160,7 +161,9 @@ def _layer_slices(weights: Weights) -> dict:
 def forward(config: Config, weights: Weights, cache: KVCache, tokens: jax.Array, start: jax.Array,
             valid: jax.Array | None = None, *, kernels: str = "xla", layers: str | None = None,
             embed_fn=embed, reduce=None) -> tuple[jax.Array, KVCache]:
-  """Runs T new tokens per sequence, written to the cache from position start[b].
+  """Runs T new tokens per sequence, written to the cache from position start[b]. The cache may hold more rows
+  than the tokens (N >= B): sequence b is its row b, rows [B, N) untouched (decode on every path; prefill on
+  the jnp attention, not the GPU's flash kernel).
 
   layers: "unrolled" (a Python loop: every layer in the program, which XLA's command buffers need) or
   "scan" (lax.scan over the layers: a program a layer long, compiled in a fraction of the time, whose working

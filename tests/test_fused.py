@@ -668,3 +668,62 @@ def test_unaliased_outputs_hold_their_inputs():
   for a, before in ((got[1], kc0), (got[2], vc0)):
     np.testing.assert_array_equal(np.asarray(a, np.float32)[kept], np.asarray(before, np.float32)[kept])
   assert np.all(np.asarray(got[4]) == 0)
+
+
+@pytest.mark.parametrize("alias", [True, False])
+def test_epilogue_and_attention_on_the_first_rows_of_larger_caches(alias):
+  """The QKV epilogue and the one-kernel attention of B = 3 rows on caches of N = 5 (a server's decode call on 3
+  of its 5 slots): the same bits as on the caches cut to rows [0, B), rows [B, N) untouched; also with the caches'
+  outputs not aliased (the handlers copy the whole input in). With the caches' strides taken from B, the CPU's
+  epilogue wrote elsewhere and this test failed."""
+  rng = np.random.default_rng(13)
+  dtype = jnp.bfloat16 if ON_GPU else jnp.float32
+  n, op = _epilogue_attention(rng)
+  b, rows = 3, 5
+  qkv = jnp.asarray(rng.standard_normal((b, n)), dtype)
+  kc0 = jnp.asarray(rng.standard_normal((2, rows, 2, 300, 64)), dtype)   # [L, N, G, S, Dh]
+  vc0 = jnp.asarray(rng.standard_normal((2, rows, 2, 300, 64)), dtype)
+  pos = jnp.asarray([280, 5, 130], jnp.int32)
+
+  fn = jax.jit(lambda *a: op(*a, pos, alias))
+  whole, cut = fn(qkv, kc0, vc0), fn(qkv, kc0[:, :b], vc0[:, :b])
+  for j in (0, 3, 4):   # q, the attention's output, the counters
+    np.testing.assert_array_equal(np.asarray(whole[j], np.float32), np.asarray(cut[j], np.float32), err_msg=str(j))
+  for j, before in ((1, kc0), (2, vc0)):
+    got = np.asarray(whole[j], np.float32)
+    np.testing.assert_array_equal(got[:, :b], np.asarray(cut[j], np.float32), err_msg=str(j))
+    np.testing.assert_array_equal(got[:, b:], np.asarray(before[:, b:], np.float32), err_msg=str(j))
+    assert not np.array_equal(got[1, 0, :, 280], np.asarray(before[1, 0, :, 280], np.float32))   # written
+
+
+def test_caches_of_fewer_rows_than_the_batch_are_refused():
+  """The QKV epilogue and the one-kernel attention of B = 3 rows on caches of 2: each handler says what it needs."""
+  rng = np.random.default_rng(14)
+  dtype = jnp.bfloat16 if ON_GPU else jnp.float32
+  n, op = _epilogue_attention(rng)
+  qkv = jnp.asarray(rng.standard_normal((3, n)), dtype)
+  kc = jnp.zeros((2, 2, 2, 48, 64), dtype)
+  pos = jnp.asarray([3, 4, 5], jnp.int32)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"jaxllm_qkv_epilogue: the caches \[L, N, G, S, Dh\] need at "
+                                                       r"least the B = 3 rows of qkv \(N >= B\); got qkv \[3, 1152\], "
+                                                       r"caches \[2, 2, 2, 48, 64\]"):
+    jax.block_until_ready(jax.jit(lambda *a: op(*a, pos))(qkv, kc, kc))
+  q = jnp.zeros((3, 14, 64), dtype)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"need at least the B = 3 rows of q \(N >= B\); got q "
+                                                       r"\[3, 14, 64\], caches \[2, 2, 2, 48, 64\]"):
+    jax.block_until_ready(fused.decode_attention_merged(q, kc, kc, 1, pos + 1, jnp.zeros((3, 2), jnp.int32)))
+
+
+@pytest.mark.gpu
+def test_layers_call_refuses_caches_of_fewer_rows_than_the_batch():
+  """The GPU's layers call of B = 2 rows on caches of 1 row: refused, saying what it needs (its step on more rows
+  than B is tests/test_step_rows.py's)."""
+  from jaxllm.rope import rope_inv_freq
+  config, weights = _synthetic("qwen2.5-0.5b")
+  cache = _cache(config, 1, 64)
+  x = jnp.zeros((2, config.d_model), jnp.float32)
+  pos = jnp.asarray([3, 4], jnp.int32)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"jaxllm_decode_layers: the caches \[L, N, G, S, Dh\] need "
+                                                       r"at least the B = 2 rows of x \(N >= B\)"):
+    jax.block_until_ready(fused.decode_layers(config, weights, x, pos, pos, pos + 1, rope_inv_freq(config, None), 1.0,
+                                              cache.k, cache.v))

@@ -306,6 +306,47 @@ def test_decode_attention_rejects_bad_input():
     ffi.decode_attention(jnp.ones((2, 8, 64)), cache, cache, 3, jnp.ones((2,), jnp.int32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_reads_the_first_rows_of_larger_caches(dtype):
+  """Caches of N = 5 rows for q of B = 3 (a server's decode call on 3 of its 5 slots): the kernel reads rows
+  [0, B) in place, the same bits as on the caches cut to those rows, at lengths over several chunks and splits;
+  the reference the same."""
+  rng = np.random.default_rng(21)
+  b, n, h, g, s, d = 3, 5, 8, 2, 700, 64
+  k, v = (jnp.asarray(rng.standard_normal((2, n, g, s, d)), dtype) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((b, h, d)), dtype)
+  lens = jnp.asarray([700, 1, 259], jnp.int32)
+  call = jax.jit(lambda q, k, v: ffi.decode_attention(q, k, v, 1, lens))
+  whole, cut = call(q, k, v), call(q, k[:, :b], v[:, :b])
+  np.testing.assert_array_equal(np.asarray(whole, np.float32), np.asarray(cut, np.float32))
+  ref = decode_attention_reference(q, k, v, 1, lens)
+  np.testing.assert_array_equal(np.asarray(ref, np.float32),
+                                np.asarray(decode_attention_reference(q, k[:, :b], v[:, :b], 1, lens), np.float32))
+  assert _attention_error(whole, _attention_float64(q[:, None], k[:, :b], v[:, :b], 1, np.asarray(lens) - 1)[:, 0],
+                          dtype) <= 1
+
+
+def test_caches_of_fewer_rows_than_q_are_refused():
+  """Caches of N = 2 rows for q of B = 3: the binding says so, and so does the handler's own check (the binding
+  bypassed); the flash prefill kernel takes caches of exactly B rows."""
+  q = jnp.ones((3, 8, 64))
+  cache = jnp.ones((1, 2, 2, 32, 64))
+  lens = jnp.ones((3,), jnp.int32)
+  with pytest.raises(ValueError, match=r"must hold at least B = 3 rows \(q's\); got q \(3, 8, 64\), caches "
+                                       r"\(1, 2, 2, 32, 64\)"):
+    ffi.decode_attention(q, cache, cache, 0, lens)
+  outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((3, 8, 1, 66), jnp.float32))
+  raw = jax.ffi.ffi_call("jaxllm_decode_attention", outs)
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"the caches \[L, N, G, S, Dh\] need at least the B = 3 "
+                                                       r"rows of q \(N >= B\); got q \[3, 8, 64\], caches "
+                                                       r"\[1, 2, 2, 32, 64\]"):
+    jax.block_until_ready(raw(q, cache, cache, lens, layer=np.int64(0)))
+  bf = jnp.ones((2, 4, 8, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"must hold B = 2 rows"):
+    ffi.prefill_attention(bf, jnp.ones((1, 3, 2, 32, 64), jnp.bfloat16), jnp.ones((1, 3, 2, 32, 64), jnp.bfloat16),
+                          0, jnp.zeros((2,), jnp.int32))
+
+
 @pytest.mark.parametrize("b, g, s, itemsize, d", [(1, 2, 4096, 2, 64), (1, 2, 32768, 2, 64), (64, 2, 4096, 2, 64),
                                                     (3, 8, 513, 4, 128), (1, 1, 17, 2, 128), (16, 8, 100000, 2, 128)])
 def test_attention_splits_fill_the_gpu_within_the_cache(b, g, s, itemsize, d):

@@ -1,8 +1,11 @@
 """Attention over the preallocated KV cache: decode (one query per sequence) and prefill (a chunk of them).
 
 Shapes: B batch, T queries per sequence, H query heads, G key/value heads (H % G == 0, GQA), R = H / G,
-S cache length, Dh head dim, L layers. The cache is stacked over layers, [L, B, G, S, Dh]; `layer` (a
-Python int) picks one, so the FFI kernels read the layer in place instead of XLA slicing it out.
+S cache length, Dh head dim, L layers. The cache is stacked over layers, [L, N, G, S, Dh]; `layer` (a
+Python int) picks one, so the FFI kernels read the layer in place instead of XLA slicing it out. It may hold
+more rows than the queries (N >= B: a server's N slots, a step on the first B of them): query row b reads
+cache row b, rows [B, N) are never read (the decode kernels take the whole cache, with no copy of the rows;
+the CUDA flash prefill kernel takes N == B only).
 
 One contract for every path: query t of sequence b sits at cache position start[b] + t (its key already
 written) and sees the keys at positions <= its own, clipped to the cache: s <= min(start[b] + t, S - 1).
@@ -34,7 +37,7 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 
   Args:
     q: [B, H, Dh] queries (already rotated).
-    k_cache, v_cache: [L, B, G, S, Dh].
+    k_cache, v_cache: [L, N, G, S, Dh], N >= B (rows [0, B) read).
     layer: which layer of the cache.
     lengths: [B] int32 visible lengths.
   Returns:
@@ -48,10 +51,10 @@ def prefill_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.A
   """Causal attention of T queries from cache position start[b] (masked softmax over all S keys, f32).
 
   Materializes [B, H, T, S] scores: the definition the kernels are checked against, for small sizes.
-  q [B, T, H, Dh]; caches [L, B, G, S, Dh]; start [B] -> [B, T, H, Dh] in q.dtype.
+  q [B, T, H, Dh]; caches [L, N, G, S, Dh] (N >= B: rows [0, B) read); start [B] -> [B, T, H, Dh] in q.dtype.
   """
-  k, v = k_cache[layer], v_cache[layer]                        # [B, G, S, Dh]
   b, t, h, dh = q.shape
+  k, v = k_cache[layer, :b], v_cache[layer, :b]                # [B, G, S, Dh]
   g, s = k.shape[1], k.shape[2]
   qg = q.reshape(b, t, g, h // g, dh).astype(jnp.float32)       # [B, T, G, R, Dh]
   hi = _precision(q.dtype)
@@ -72,8 +75,8 @@ def prefill_attention_blocked(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
   S) with an online softmax in f32. The last block is read from min(j * block, S - block) so it stays in
   the cache; keys before j * block were counted by the previous block and are masked.
   """
-  k, v = k_cache[layer], v_cache[layer]                        # [B, G, S, Dh]
   b, t, h, dh = q.shape
+  k, v = k_cache[layer, :b], v_cache[layer, :b]                # [B, G, S, Dh]
   g, s = k.shape[1], k.shape[2]
   r = h // g
   block = min(block, s)

@@ -246,14 +246,21 @@ def q6k_matmul(x: jax.Array, lin: Q6K, layer: int | None = None, *, poison: jax.
   return _matmul("jaxllm_q6k", x, arrays, layer, poison)
 
 
-def _check_caches(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_layout: str) -> tuple[int, ...]:
-  """(L, B, G, S, Dh) of caches [L, B, G, S, Dh] that queries laid out as q_layout ("[B, H, Dh]" or
-  "[B, T, H, Dh]": batch first, heads and head dim last) fit; ValueError naming both shapes otherwise."""
+def _check_caches(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_layout: str, *,
+                  more_rows: bool = False) -> tuple[int, ...]:
+  """(L, B, G, S, Dh) of caches [L, N, G, S, Dh] that queries laid out as q_layout ("[B, H, Dh]" or
+  "[B, T, H, Dh]": batch first, heads and head dim last) fit, B the queries' rows: N == B, or N >= B where
+  more_rows (a kernel that reads rows [0, B) of a larger cache); ValueError naming both shapes otherwise."""
   if q.ndim != q_layout.count(",") + 1 or k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-    raise ValueError(f"expected q {q_layout} and caches [L, B, G, S, Dh]; got q {q.shape}, "
+    raise ValueError(f"expected q {q_layout} and caches [L, N, G, S, Dh]; got q {q.shape}, "
                      f"k {k_cache.shape}, v {v_cache.shape}")
-  n_layers, b, g, s, dh = k_cache.shape
-  if q.shape[0] != b or q.shape[-1] != dh or q.shape[-2] % g:
+  n_layers, n, g, s, dh = k_cache.shape
+  b = q.shape[0]
+  if n < b or (n != b and not more_rows):
+    rows = "at least B" if more_rows else "B"
+    raise ValueError(f"the caches [L, N, G, S, Dh] must hold {rows} = {b} rows (q's); got q {q.shape}, "
+                     f"caches {k_cache.shape}")
+  if q.shape[-1] != dh or q.shape[-2] % g:
     raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape}")
   return n_layers, b, g, s, dh
 
@@ -285,13 +292,14 @@ def attention_splits(b: int, g: int, s: int, itemsize: int, head_dim: int) -> in
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
                      lengths: jax.Array, *, poison: jax.Array | None = None) -> jax.Array:
-  """jaxllm's decode attention; see attention.decode_attention_reference for the contract.
+  """jaxllm's decode attention; see attention.decode_attention_reference for the contract. The caches
+  [L, N, G, S, Dh] may hold more rows than q (N >= B): the kernel reads rows [0, B) in place.
 
   `poison` (tests only): a [B, H, Dh] buffer the kernel writes into, to catch unwritten outputs.
   """
   _ensure_registered()
   _check_dtype("q", q)
-  n_layers, b, g, s, dh = _check_caches(q, k_cache, v_cache, "[B, H, Dh]")
+  n_layers, b, g, s, dh = _check_caches(q, k_cache, v_cache, "[B, H, Dh]", more_rows=True)
   _check_dtype("the cache", k_cache)
   if v_cache.dtype != k_cache.dtype:
     raise ValueError(f"k and v caches must share a dtype, got {k_cache.dtype}, {v_cache.dtype}")

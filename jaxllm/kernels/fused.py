@@ -12,7 +12,10 @@ and the head is norm_argmax (final norm, LM head, greedy argmax: no [B, V] logit
 GPU decode_layers runs every layer in one FFI call with the QKV epilogue folded into the attention: five
 kernels a layer, then the head as the call's last kernel, the same bits.
 
-Shapes: M rows (the batch), K inputs, N outputs, L stacked layers; x is the f32 residual stream.
+Shapes: M rows (the batch), K inputs, N outputs, L stacked layers; x is the f32 residual stream. The caches
+[L, R, G, S, Dh] may hold more rows than the step's batch (R >= M, a server's slots): the QKV epilogue, the
+attention and the layers call write and read rows [0, M) in place, the rest untouched (the caches are aliased
+through whole, never sliced: a slice passed to a custom call would be a copy).
 Weights and per-layer vectors stay stacked [L, ...] and are indexed by `layer` inside the kernels, so XLA
 never slices them out (a slice would be a kernel of its own).
 """
