@@ -11,6 +11,8 @@ engine's "auto"; on the GPU the fused step's one layers call at batch 1, the fus
 "ffi" scanned, and with the lab switch JAXLLM_FUSED_CPU=1 the CPU's fused handlers: the fused step (W8A16 weights)
 and the fused attention block (float weights). The same parameters run the CUDA kernels on a GPU, plus the fused
 step one FFI call per op (JAXLLM_LAYERS_CALL=0, GPU only: on the CPU that is the fused case again).
+The server's decode call on 2 of its 4 slots (SlotPrograms.decode) then equals what it gave when it cut those
+rows' cache out and wrote it back.
 """
 from __future__ import annotations
 
@@ -22,13 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tiny import write_tiny_model
+
+from jaxllm import Engine, GGUFFile
 from jaxllm.cache import create_cache
 from jaxllm.decode import MAX_EOG, NO_EOG, DecodeState, decode_step
 from jaxllm.kernels import ffi
 from jaxllm.load import default_dtype
 from jaxllm.presets import preset
-from jaxllm.sampling import Sampler, SamplingParams
-from jaxllm.weights import random_weights
+from jaxllm.sampling import Sampler, SamplingParams, full_mask
+from jaxllm.serve import rows
+from jaxllm.serve.slots import _ENGINE_MODE, FULL, GREEDY, WIDE, SlotPrograms
+from jaxllm.weights import load_weights, random_weights
 
 ON_GPU = jax.default_backend() == "gpu"
 MAX_LEN, STEPS = 96, 3
@@ -118,3 +125,70 @@ def test_a_cache_of_fewer_rows_than_the_state_is_refused():
   with pytest.raises(ValueError, match=r"at least the state's B = 3 rows, got \(2, 2, 3, 96, 64\)"):
     decode_step(config, weights, short)
 
+
+def _decode_rows_cutting_the_cache(step, count: int, k: int, masked: bool, wide: bool, weights, state, block):
+  """serve.rows.decode_rows as it was until 2026-12-07: rows [0, count) of every per-row value and of the cache
+  cut out of the state, stepped, and written back (two copies of those cache rows a call)."""
+  s = state.sampler
+  kept = (s.mask, s.bias_ids, s.bias_values)
+  if not masked:
+    state = rows._with_mask(state, None)
+  cut = rows._with_wide(rows._by_row(lambda a, axis: jax.lax.slice_in_dim(a, 0, count, axis=axis), state), wide)
+  if k == 1:
+    cut = step(weights, cut)
+    block = cut.tokens[None]
+  else:
+    cut, block = step(weights, cut, block)
+  out = rows._put_rows(state, cut, 0)
+  return (out if masked else rows._with_mask(out, *kept)), block
+
+
+def test_server_decode_call_on_fewer_rows_equals_the_rows_cut_out(tmp_path):
+  """4 slots, a greedy request in slot 0 and a sampled one under a token mask and logit biases in slot 1, the free
+  slots 2 and 3 holding random cache rows and values: three decode calls on rows [0, 2) (greedy: 8 steps a call;
+  masked: one step under the masks; sampled unmasked) give the tokens and the whole state, bit for bit, that the
+  call cutting those rows' cache out and back gave, and leave rows 2 and 3 as they were."""
+  gf = GGUFFile(write_tiny_model(tmp_path / "tiny.gguf", "qwen2", context=256))
+  engine = Engine(gf.config, load_weights(gf, progress=False), None, max_context=128, prefill_chunk=32,
+                  dtype=jnp.float32, cache_dtype=jnp.float32)
+  v = gf.config.vocab_size
+  programs = SlotPrograms(engine, 4)
+  rng = np.random.default_rng(8)
+  cache = programs.state.cache
+  k, vv = (jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (cache.k, cache.v))
+  programs.state = dataclasses.replace(programs.state, cache=dataclasses.replace(cache, k=k, v=vv),
+                                       tokens=jnp.asarray(rng.integers(0, v, 4), jnp.int32))
+  mask = full_mask(1, v)[0] & rng.integers(0, 2 ** 32, full_mask(1, v).shape[1], dtype=np.uint32)
+  jobs = [programs.plan(0, list(rng.integers(0, v, 40)), 0, SamplingParams(), 0, 120, ()),
+          programs.plan(1, list(rng.integers(0, v, 9)), 0, SamplingParams(temperature=0.9, top_p=0.9, seed=4), 0,
+                        120, (), mask=mask, bias={3: 5.0, 7: -100.0})]
+  for job in jobs:
+    while job.remaining > 1:
+      programs.extend_step(job)
+  programs.admit(programs.groups(jobs))
+  masks = full_mask(4, v)
+  masks[1] = mask
+  programs.put_masks(masks)
+  start = jax.device_get(programs.state)
+  for mode, masked in ((GREEDY, False), (FULL, True), (FULL, False)):
+    calls = programs._tokens_per_call(2, masked)
+    programs.state = jax.device_put(start)
+    got_tokens = [np.asarray(programs.decode(2, mode, masked)) for _ in range(3)]
+    got = jax.device_get(programs.state)
+    step, _, _ = engine.decode_program(2, _ENGINE_MODE[mode], calls, masked)
+    old = jax.jit(functools.partial(_decode_rows_cutting_the_cache, step, 2, calls, masked, mode == WIDE),
+                  donate_argnums=(1, 2))
+    state, want_tokens = jax.device_put(start), []
+    for _ in range(3):
+      state, block = old(engine.weights, state, jnp.zeros((calls, 2), jnp.int32))
+      want_tokens.append(np.asarray(block))
+    want = jax.device_get(state)
+    np.testing.assert_array_equal(np.stack(got_tokens), np.stack(want_tokens), err_msg=str((mode, masked)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b, err_msg=str((mode, masked)))
+    for name in ("k", "v"):
+      np.testing.assert_array_equal(getattr(got.cache, name)[:, 2:], getattr(start.cache, name)[:, 2:])
+    assert (got.pos[:2] > start.pos[:2]).all() and (got.pos[2:] == start.pos[2:]).all(), (mode, masked)
+    if masked:   # the row under the mask drew allowed tokens only
+      drawn = np.stack(got_tokens)[:, 0, 1]
+      assert all((mask[t // 32] >> (t % 32)) & 1 for t in drawn), drawn

@@ -17,7 +17,9 @@ The server keeps one batched DecodeState (cache [L, N, G, S, Dh], one row per sl
       what a free row's cache holds (prefix reuse);
   decode_rows(weights, state, block [K, count]) -> (state, block)
       the engine's decode program (Engine.decode_program: K steps a call) on rows [0, count), the rest
-      untouched; the masked variant (one step a call) draws each row under its token mask;
+      untouched: the step takes those rows' per-row values and the whole cache, whose rows [0, count) it reads
+      and writes in place (decode.DecodeState), so no cache row is copied; the masked variant (one step a call)
+      draws each row under its token mask;
   put_masks(state, masks [N, ceil(V / 32)]) -> state
       the token masks of the next masked call: a grammar's for a row under one (jaxllm.structured), every
       token for the others;
@@ -64,24 +66,37 @@ def _put_cache(cache: KVCache, row: KVCache, slot: jax.Array) -> KVCache:
   return dataclasses.replace(cache, k=_put(cache.k, row.k, slot, 1), v=_put(cache.v, row.v, slot, 1))
 
 
-def _by_row(fn, state: DecodeState, *others: DecodeState) -> DecodeState:
+def _by_row(fn, state: DecodeState, *others: DecodeState, cache: bool = True) -> DecodeState:
   """The state whose every per-row array is fn(its array, the others' arrays, axis=its row axis): 1 for the
   cache's k and v, 0 for every other field and the Sampler's arrays. The Sampler's static fields stay the
-  state's."""
+  state's. cache False: the cache is left as the state's, the other fields only."""
   others = tuple(_with_wide(o, state.sampler.wide_top_k) for o in others)
-  cache = dataclasses.replace(state.cache, **{n: fn(getattr(state.cache, n), *(getattr(o.cache, n) for o in others),
-                                                    axis=1) for n in ("k", "v")})
+  if cache:
+    cache = dataclasses.replace(state.cache, **{n: fn(getattr(state.cache, n),
+                                                      *(getattr(o.cache, n) for o in others), axis=1)
+                                                for n in ("k", "v")})
+  else:
+    cache = state.cache
   rest = {f.name: fn(getattr(state, f.name), *(getattr(o, f.name) for o in others), axis=0)
           for f in dataclasses.fields(DecodeState) if f.name not in ("cache", "sampler")}
   sampler = jax.tree.map(lambda *a: fn(*a, axis=0), state.sampler, *(o.sampler for o in others))
   return DecodeState(cache=cache, sampler=sampler, **rest)
 
 
-def _rows(state: DecodeState, count: int) -> DecodeState:
-  """Rows [0, count) of a state (count static)."""
+def _step_rows(state: DecodeState, count: int) -> DecodeState:
+  """The state a decode step on rows [0, count) takes (count static): those rows of every per-row value and
+  the whole cache [L, N, G, S, Dh], whose rows [0, count) the step reads and writes in place (a slice of the
+  cache would be a copy of those rows out and back, each call: a cost that grows with the context)."""
   if count == state.tokens.shape[0]:
     return state
-  return _by_row(lambda a, axis: jax.lax.slice_in_dim(a, 0, count, axis=axis), state)
+  return _by_row(lambda a, axis: jax.lax.slice_in_dim(a, 0, count, axis=axis), state, cache=False)
+
+
+def _put_step_rows(state: DecodeState, rows: DecodeState) -> DecodeState:
+  """state after a step on its first rows (rows: _step_rows' state stepped): their per-row values written back,
+  and the step's cache, the whole of it."""
+  out = _by_row(lambda big, row, axis: _put(big, row, 0, axis), state, rows, cache=False)
+  return dataclasses.replace(out, cache=rows.cache)
 
 
 def _put_rows(state: DecodeState, rows: DecodeState, slot) -> DecodeState:
@@ -107,20 +122,21 @@ def _with_mask(state: DecodeState, mask, bias_ids=None, bias_values=None) -> Dec
 
 def decode_rows(step, count: int, k: int, masked: bool, wide: bool, weights, state: DecodeState, block):
   """`step` (Engine.decode_program's function: one step for k = 1, else k steps with a [k, count] token block)
-  on rows [0, count) of state; returns (state, block [k, count] of the call's tokens). masked (static): the
-  step draws under the rows' token masks and logit biases; else it gets the rows without them (the engine's
-  program as it is), and they pass through unchanged. wide (static): the step's Sampler runs the wide step."""
+  on rows [0, count) of state, given those rows' per-row values and the whole cache (_step_rows); returns (state,
+  block [k, count] of the call's tokens). masked (static): the step draws under the rows' token masks and logit
+  biases; else it gets the rows without them (the engine's program as it is), and they pass through unchanged.
+  wide (static): the step's Sampler runs the wide step."""
   s = state.sampler
   kept = (s.mask, s.bias_ids, s.bias_values)
   if not masked:
     state = _with_mask(state, None)
-  rows = _with_wide(_rows(state, count), wide)
+  rows = _with_wide(_step_rows(state, count), wide)
   if k == 1:
     rows = step(weights, rows)
     block = rows.tokens[None]
   else:
     rows, block = step(weights, rows, block)
-  out = _with_wide(rows, state.sampler.wide_top_k) if count == state.tokens.shape[0] else _put_rows(state, rows, 0)
+  out = _with_wide(rows, state.sampler.wide_top_k) if count == state.tokens.shape[0] else _put_step_rows(state, rows)
   return (out if masked else _with_mask(out, *kept)), block
 
 
