@@ -16,6 +16,13 @@
 // The arithmetic is ffi/w8a16_mma.cuh's, fragment for fragment (the same K permutation and exact int8
 // conversion, each 64-input scale group summed apart and scaled per row); warps split a stage's chunks (WK) and
 // own different rows (WR groups of RT 16-row tiles), so the sums run in another order than the kernel's.
+//
+// Measured (H100 80GB, 2026-12-07, docs/results/2026-12-07-h100-ring.md; weights rotated over ~1 GB): right on
+// every shape; faster than ffi/w8a16_mma.cuh's best only on the 7B gate/up at 13-16 rows (63.7-64.3 us against
+// 66.6-66.8, two calls) and the 7B LM head at 64 rows (376 against 413), slower on the other 7B shapes and at 64
+// rows. Not a tuning candidate: it takes K in whole stages only (kCandidates must take any K a multiple of 64).
+// A persistent version (balanced tile ranges, the ring running on across a block's groups) was slower on every
+// shape: git show 482ff81:bench/w8a16_mma_coal.cuh.
 #pragma once
 
 #include "w8a16_mma.cuh"
@@ -194,183 +201,6 @@ cudaError_t Launch(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w,
   return cudaGetLastError();
 }
 
-
-// The same ring, persistent: a grid of at most BPS blocks an SM, each owning a contiguous, balanced range of the
-// 16-row tiles of w (at most one tile more than another block) and walking it in groups of RT x WR tiles, every
-// group over all of K. The ring runs on across the groups (the next group's first stages are in flight while a
-// group's last ones compute), so a block's copies never drain until its range ends: no per-block pipeline fill
-// and no partly filled last wave. A group's sums meet in shared memory of their own (beside the ring) and are
-// written as the group ends. For shapes with many tiles a block (gate/up, the LM head); few tiles (down at 7B:
-// 224) leave SMs idle, as nothing splits K across blocks.
-template <int MT, int RT, int WR, int WK, int KB, int S>
-struct PGeo : Geo<MT, RT, WR, WK, KB, S> {
-  using B = Geo<MT, RT, WR, WK, KB, S>;
-  static constexpr int kPartialBytes = WK * B::kRowsX * B::kRowsW * 4;
-  static constexpr int kSmemP = S * B::kStage + kPartialBytes;
-};
-
-template <int MT, int RT, int WR, int WK, int KB, int S>
-__global__ void __launch_bounds__(WR * WK * 32) Persistent(const __nv_bfloat16* __restrict__ x,
-                                                           const int8_t* __restrict__ w,
-                                                           const float* __restrict__ scale,
-                                                           __nv_bfloat16* __restrict__ y, int m, int n, int k) {
-  using G = PGeo<MT, RT, WR, WK, KB, S>;
-  constexpr int kGroupTiles = RT * WR;
-  extern __shared__ __align__(128) unsigned char smem[];
-  float* partial = reinterpret_cast<float*>(smem + S * G::kStage);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int wr = warp % WR, wk = warp / WR;
-  const int chunks = k / kChunk, stages = (chunks + KB - 1) / KB, tiles = (n + 15) / 16;   // a last stage may be short
-  const int t0 = int(int64_t(blockIdx.x) * tiles / gridDim.x), t1 = int(int64_t(blockIdx.x + 1) * tiles / gridDim.x);
-  const int groups = (t1 - t0 + kGroupTiles - 1) / kGroupTiles, units = groups * stages;
-  const int xrow0 = blockIdx.y * G::kRowsX;
-
-  // Unit u (group u / stages, stage u % stages) into slot u % S; one commit group either way.
-  auto issue = [&](int u) {
-    if (u < units) {
-      const int grp = u / stages, st = u - grp * stages;
-      const int tile0 = t0 + grp * kGroupTiles, live_rows = min(kGroupTiles, t1 - tile0) * 16;
-      const int row0 = tile0 * 16;
-      unsigned char* base = smem + (u % S) * G::kStage;
-      const int kb = min(KB, chunks - st * KB);                  // chunks in this stage
-      const int pieces_row = kb * 4;                              // 16-byte pieces of a w row's stage
-      for (int p = threadIdx.x; p < live_rows * pieces_row; p += G::kThreads) {
-        const int r = p / pieces_row, col = p % pieces_row, row = min(row0 + r, n - 1);
-        Copy16(base + r * G::kPitchW + col * 16, w + size_t(row) * k + size_t(st) * KB * kChunk + col * 16, true);
-      }
-      float* sdst = reinterpret_cast<float*>(base + G::kBytesW);
-      for (int p = threadIdx.x; p < live_rows * kb; p += G::kThreads) {
-        const int r = p / kb, q = p % kb, row = min(row0 + r, n - 1);
-        Copy4(sdst + r * KB + q, scale + size_t(row) * chunks + st * KB + q);
-      }
-      unsigned char* xdst = base + G::kBytesW + G::kBytesS;
-      const int pieces_x = kb * 8;                                // 16-byte pieces of an x row's stage
-      for (int p = threadIdx.x; p < G::kRowsX * pieces_x; p += G::kThreads) {
-        const int r = p / pieces_x, col = p % pieces_x, xr = xrow0 + r;
-        const bool live = xr < m;
-        Copy16(xdst + r * G::kPitchX + col * 16, x + size_t(live ? xr : 0) * k + size_t(st) * KB * kChunk + col * 8,
-               live);
-      }
-    }
-    Commit();
-  };
-
-  float acc[RT][MT][4];
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.f;
-
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue(s);
-  for (int u = 0; u < units; ++u) {
-    WaitGroup<S - 2>();
-    __syncthreads();
-    issue(u + S - 1);
-    const int grp = u / stages, st = u - grp * stages;
-    const int tile0 = t0 + grp * kGroupTiles, live_rows = min(kGroupTiles, t1 - tile0) * 16;
-    const unsigned char* ws = smem + (u % S) * G::kStage;
-    const float* ss = reinterpret_cast<const float*>(ws + G::kBytesW);
-    const unsigned char* xs = ws + G::kBytesW + G::kBytesS;
-    if (wr * RT * 16 < live_rows) {    // warp-uniform: a short last group leaves some warps out
-#pragma unroll
-      for (int qq = 0; qq < KB / WK; ++qq) {
-        const int q = wk * (KB / WK) + qq;
-        if (st * KB + q >= chunks) break;   // past a short last stage (warp-uniform)
-        uint32_t xw[MT][8];
-#pragma unroll
-        for (int t = 0; t < MT; ++t) {
-          const uint4* p = reinterpret_cast<const uint4*>(xs + (8 * t + g) * G::kPitchX + q * 128 + 32 * c);
-          const uint4 a = p[0], b = p[1];
-          xw[t][0] = a.x, xw[t][1] = a.y, xw[t][2] = a.z, xw[t][3] = a.w;
-          xw[t][4] = b.x, xw[t][5] = b.y, xw[t][6] = b.z, xw[t][7] = b.w;
-        }
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-          const int lr = (wr * RT + r) * 16 + g;
-          const uint4 w0 = *reinterpret_cast<const uint4*>(ws + lr * G::kPitchW + q * kChunk + 16 * c);
-          const uint4 w1 = *reinterpret_cast<const uint4*>(ws + (lr + 8) * G::kPitchW + q * kChunk + 16 * c);
-          const float s0 = ss[lr * KB + q], s1 = ss[(lr + 8) * KB + q];
-          uint32_t a[4][4];
-          const uint32_t q0[4] = {w0.x, w0.y, w0.z, w0.w};
-          const uint32_t q1[4] = {w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            Int8x4ToBf16(q0[j], a[j][0], a[j][2]);
-            Int8x4ToBf16(q1[j], a[j][1], a[j][3]);
-          }
-#pragma unroll
-          for (int t = 0; t < MT; ++t) {
-            float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) Mma(part, a[j], xw[t][2 * j], xw[t][2 * j + 1], part);
-            acc[r][t][0] += part[0] * s0;
-            acc[r][t][1] += part[1] * s0;
-            acc[r][t][2] += part[2] * s1;
-            acc[r][t][3] += part[3] * s1;
-          }
-        }
-      }
-    }
-    if (st == stages - 1) {     // the group's last stage: its sums out, the accumulators cleared
-#pragma unroll
-      for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int t = 0; t < MT; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int lr = (wr * RT + r) * 16 + g + 8 * (i / 2), xr = 8 * t + 2 * c + i % 2;
-            partial[(wk * G::kRowsX + xr) * G::kRowsW + lr] = acc[r][t][i];
-            acc[r][t][i] = 0.f;
-          }
-      __syncthreads();
-      for (int o = threadIdx.x; o < G::kRowsX * G::kRowsW; o += G::kThreads) {
-        const int xr = o / G::kRowsW, lr = o % G::kRowsW, row = tile0 * 16 + lr, xm = xrow0 + xr;
-        if (lr >= live_rows || row >= n || xm >= m) continue;
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < WK; ++i) sum += partial[i * G::kRowsX * G::kRowsW + o];
-        y[size_t(xm) * n + row] = __float2bfloat16(sum);
-      }
-      // the next write of `partial` comes after the next unit's barrier
-    }
-  }
-  WaitGroup<0>();
-}
-
-template <int MT, int RT, int WR, int WK, int KB, int S>
-bool FitsP(int k) {
-  return k % kChunk == 0 && PGeo<MT, RT, WR, WK, KB, S>::kSmemP <= 227 * 1024;
-}
-
-// BPS blocks an SM at most (fewer when the shared memory or registers do not allow them).
-template <int MT, int RT, int WR, int WK, int KB, int S, int BPS>
-cudaError_t LaunchP(cudaStream_t stream, const __nv_bfloat16* x, const int8_t* w, const float* scale,
-                    __nv_bfloat16* y, int m, int n, int k) {
-  using G = PGeo<MT, RT, WR, WK, KB, S>;
-  auto kernel = Persistent<MT, RT, WR, WK, KB, S>;
-  static int per_sm = -1, sms = 0;
-  if (per_sm < 0) {
-    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(G::kSmemP));
-        e != cudaSuccess)
-      return e;
-    int dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    int fit = 0;
-    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, G::kThreads, G::kSmemP);
-        e != cudaSuccess)
-      return e;
-    per_sm = fit < BPS ? fit : BPS;
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-  }
-  const int tiles = (n + 15) / 16, blocks = tiles < sms * per_sm ? tiles : sms * per_sm;
-  const dim3 grid(blocks, (m + G::kRowsX - 1) / G::kRowsX);
-  kernel<<<grid, G::kThreads, G::kSmemP, stream>>>(x, w, scale, y, m, n, k);
-  return cudaGetLastError();
-}
 
 }  // namespace mma_coal
 }  // namespace w8a16
