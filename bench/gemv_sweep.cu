@@ -439,22 +439,7 @@ int main(int argc, char** argv) {
         // odd_n checks the tensor-core kernels' edges only
         if (std::string(sh.name) == "odd_n" && c.name.find("mma") == std::string::npos) continue;
         if (c.name.rfind("wgmma", 0) == 0 && !wgmma_built) continue;
-        // The relative L2 error against the reference and the worst single output's error over the reference's
-        // RMS (a few wrong rows can hide in the L2 sum); NaN (unwritten outputs) propagates to both.
-        auto check = [&](double& err, double& worst) {
-          std::vector<bf16> got(size_t(m) * sh.n);
-          CHECK(cudaMemcpyAsync(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost, st));
-          CHECK(cudaStreamSynchronize(st));
-          double num = 0, den = 0, most = 0;
-          for (size_t i = 0; i < got.size(); ++i) {
-            const double d = double(__bfloat162float(got[i])) - r[i];
-            num += d * d;
-            den += double(r[i]) * r[i];
-            most = std::isnan(d) || std::fabs(d) > most ? std::fabs(d) : most;
-          }
-          err = std::sqrt(num / den);
-          worst = most / std::sqrt(den / got.size());
-        };
+        auto check = [&](double& err, double& worst) { ErrorVsReference(st, y, r, &err, &worst); };
         double err = NAN, worst = NAN, err_after = NAN, worst_after = NAN;
         if (c.matmul) {
           FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison

@@ -145,17 +145,8 @@ int main(int argc, char** argv) {
         if (c.rows != bucket || !c.fits(sh.k)) continue;
         FillBf16<<<256, 256, 0, st>>>(y, size_t(m) * sh.n, 9, NAN, NAN);   // poison
         CHECK(c.fn(st, x, q, s, y, m, sh.n, sh.k));
-        std::vector<bf16> got(size_t(m) * sh.n);
-        CHECK(cudaMemcpyAsync(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost, st));
-        CHECK(cudaStreamSynchronize(st));
-        double num = 0, den = 0, most = 0;
-        for (size_t i = 0; i < got.size(); ++i) {
-          const double d = double(__bfloat162float(got[i])) - r[i];
-          num += d * d;
-          den += double(r[i]) * r[i];
-          most = std::isnan(d) || std::fabs(d) > most ? std::fabs(d) : most;
-        }
-        const double err = std::sqrt(num / den), worst = most / std::sqrt(den / got.size());
+        double err = NAN, worst = NAN;
+        ErrorVsReference(st, y, r, &err, &worst);
         const bool ok = err < 1e-2 && worst < 5e-2;
         const float us = PerCallUs(st, calls, [&](int i) {
           const int j = i % copies;
