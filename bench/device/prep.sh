@@ -17,7 +17,7 @@
 # carrying [".whl", ".carry/llamacpp-cuda-sm90.tar.xz", ".carry/vocab.gguf.xz", ".carry/commit"], chained so the
 # machine stays warm. With every wheel, that and the tree came to more than a call's 64 MiB on 2026-12-07 (wheels
 # 11 MB, build 42 MB): keep in .whl/ only the wheels the call needs (scaling.sh's header).
-#   JAXLLM_TEST_OFFLINE=1 TESTS=all WORKERS=16 T_TESTS=480 OUT=$OUT bash bench/gpu_check.sh   (carry .whl alone)
+#   JAXLLM_TEST_OFFLINE=1 TESTS=all WORKERS=16 T_TESTS=520 OUT=$OUT bash bench/gpu_check.sh   (carry .whl alone)
 #   bash bench/device/scaling.sh   (its header says which wheels to keep so that the call fits)
 #   bash bench/device/serve.sh
 #   bash bench/device/perf.sh
