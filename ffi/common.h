@@ -118,8 +118,9 @@ inline ffi::Error CheckAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
   if (lengths.element_type() != ffi::S32)
     return ffi::Error::InvalidArgument("jaxllm_decode_attention: lengths must be int32");
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || ld.size() != 1)
-    return ffi::Error::InvalidArgument("jaxllm_decode_attention: expected q [B, H, Dh], caches [L, B, G, S, Dh], "
-                                       "lengths [B]; got q " + DimsString(qd) + ", k " + DimsString(kd));
+    return ffi::Error::InvalidArgument("jaxllm_decode_attention: expected q [B, H, Dh], caches [L, N, G, S, Dh] "
+                                       "(N >= B), lengths [B]; got q " + DimsString(qd) + ", k " + DimsString(kd) +
+                                       ", v " + DimsString(vd) + ", lengths " + DimsString(ld));
   AttentionShape s{qd[0], qd[1], kd[2], kd[3], qd[2], layer, kd[0], kd[1]};
   for (int i = 0; i < 5; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("jaxllm_decode_attention: k and v caches differ in shape");
@@ -282,9 +283,9 @@ inline ffi::Error CheckQkv(const ffi::AnyBuffer& qkv, const ffi::AnyBuffer& bias
       q_out.element_type() != t)
     return ffi::Error::InvalidArgument(name + "qkv, the caches and q must share one dtype, f32 or bf16");
   if (qd.size() != 2 || kd.size() != 5 || od.size() != 3 || cd.size() != 2)
-    return ffi::Error::InvalidArgument(name + "expected qkv [B, N], caches [L, B, G, S, Dh], q [B, H, Dh], counters "
-                                       "[B, G]; got qkv " + DimsString(qd) + ", k " + DimsString(kd) + ", q " +
-                                       DimsString(od));
+    return ffi::Error::InvalidArgument(name + "expected qkv [B, (H + 2G) Dh], caches [L, N, G, S, Dh] (N >= B), q "
+                                       "[B, H, Dh], counters [B, G]; got qkv " + DimsString(qd) + ", k " +
+                                       DimsString(kd) + ", q " + DimsString(od) + ", counters " + DimsString(cd));
   QkvShape s{qd[0], od[1], kd[2], kd[4], kd[3], kd[0], qd[1], kd[1]};
   for (int i = 0; i < 5; ++i)
     if (kd[i] != vc.dimensions()[i]) return ffi::Error::InvalidArgument(name + "k and v caches differ in shape");

@@ -30,6 +30,8 @@ class KVCache:
 
   @property
   def batch(self) -> int:
+    """The cache's rows (sequences it holds); a decode step may run on its first B of them (decode.DecodeState),
+    so this is not always the step's batch."""
     return self.k.shape[1]
 
   @property

@@ -32,7 +32,9 @@ class DecodeState:
 
   cache: KVCache [L, N, G, S, Dh] with N >= B: sequence b is cache row b. A cache of more rows than the batch
     (a server's N slots, a step on the first B of them) is read and written in place on rows [0, B), the
-    rest untouched: every kernel path takes the whole cache, so a step on fewer rows copies none of it.
+    rest untouched: every kernel path takes the whole cache, so a step with unrolled layers (the engine's and
+    the server's) copies none of it; with scanned layers each layer's attention reads a copy of that layer's
+    rows [0, B), as it did before caches could hold more rows.
   tokens: [B] int32, the last sampled token of each sequence (the next step's input); NONFINITE (-1)
     where the logits were not all finite.
   pos: [B] int32, where that token will be written: the number of tokens already in the cache; it is

@@ -116,8 +116,10 @@ def layer(config: Config, weights: Weights, i: int, x: jax.Array, cache: KVCache
   cache = dataclasses.replace(cache, k=_write_cache(cache.k, li, k, writes), v=_write_cache(cache.v, li, v, writes))
   if t == 1 and isinstance(li, int):
     attn = decode_attention(q[:, 0], cache.k, cache.v, li, start + 1, kernels=kernels)[:, None]
-  elif t == 1:   # a traced layer (under scan): the decode-attention kernel takes a static one, so it reads the slice
-    kl, vl = (jax.lax.dynamic_slice_in_dim(a, li, 1) for a in (cache.k, cache.v))          # [1, B, G, S, Dh]
+  elif t == 1:   # a traced layer (under scan): the decode-attention kernel takes a static one, so it reads a copy of
+    # the layer's rows [0, B) (of a cache of N >= B rows): the scanned step copies B rows of a layer, not N
+    kl, vl = (jax.lax.dynamic_slice(a, (li, 0, 0, 0, 0), (1, b) + a.shape[2:])              # [1, B, G, S, Dh]
+              for a in (cache.k, cache.v))
     attn = decode_attention(q[:, 0], kl, vl, 0, start + 1, kernels=kernels)[:, None]
   else:
     attn = prefill_attention(q, cache.k, cache.v, li, start, kernels=kernels)

@@ -192,3 +192,20 @@ def test_server_decode_call_on_fewer_rows_equals_the_rows_cut_out(tmp_path):
     if masked:   # the row under the mask drew allowed tokens only
       drawn = np.stack(got_tokens)[:, 0, 1]
       assert all((mask[t // 32] >> (t % 32)) & 1 for t in drawn), drawn
+
+
+@pytest.mark.skipif(ON_GPU, reason="reads the CPU's compiled program (on the GPU the batch-1 ffi step may be the fused "
+                    "layers call, which takes the cache whole)")
+def test_the_scanned_step_copies_only_its_rows_of_a_layer():
+  """With scanned layers each layer's attention reads a copy of the layer's cache (the kernel takes a static
+  layer): of the step's B rows, never of all N rows of the cache (a copy growing with the server's slots)."""
+  config, weights = _model("w8a16")
+  b, n = 1, 3
+  state = jax.device_put(_state(config, b, n, False))
+  step = jax.jit(functools.partial(decode_step, config, kernels="ffi", layers="scan", greedy_only=True,
+                                   penalties=False), donate_argnums=1)
+  hlo = step.lower(weights, state).compile().as_text()
+  _, _, g, s, dh = state.cache.k.shape
+  slices = [line for line in hlo.splitlines() if "dynamic-slice(" in line and f",{g},{s},{dh}]" in line]
+  assert slices, "no slice of a layer's cache found: the test no longer sees the scanned attention's input"
+  assert all(f"[1,{b},{g},{s},{dh}]" in line for line in slices), slices

@@ -126,8 +126,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
 def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int, start: jax.Array,
                       *, kernels: str = "xla") -> jax.Array:
   """Prefill attention through the selected implementation: the CUDA flash kernel on the GPU where it is
-  built for the geometry, else the blocked jnp form (which the CPU runs on both paths)."""
-  if (select.uses_ffi(kernels) and "attention" in select.ffi_ops()
+  built for the geometry and the cache holds exactly q's rows, else the blocked jnp form (which the CPU runs on
+  both paths, and which reads rows [0, B) of a cache of more rows)."""
+  if (select.uses_ffi(kernels) and "attention" in select.ffi_ops() and k_cache.shape[1] == q.shape[0]
       and ffi.prefill_attention_supported(q.shape[-1], q.shape[2], k_cache.shape[2], q.dtype)):
     return ffi.prefill_attention(q, k_cache, v_cache, layer, start)
   return prefill_attention_blocked(q, k_cache, v_cache, layer, start)
