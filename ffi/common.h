@@ -97,6 +97,16 @@ inline ffi::Error CheckMatmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, 
   return ffi::Error::Success();
 }
 
+// Unless the caches kd [L, N, G, S, Dh] hold at least the B rows of the call's `what` (dims wd, B first): an error
+// (prefixed by `name`) naming both shapes. The decode kernels read and write rows [0, B) of a cache of N >= B rows.
+inline ffi::Error CheckCacheRows(const std::string& name, const char* what, ffi::AnyBuffer::Dimensions wd,
+                                 ffi::AnyBuffer::Dimensions kd) {
+  if (kd[1] >= wd[0]) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(name + "the caches [L, N, G, S, Dh] need at least the B = " +
+                                     std::to_string(wd[0]) + " rows of " + what + " (N >= B); got " + what + " " +
+                                     DimsString(wd) + ", caches " + DimsString(kd));
+}
+
 // Geometry of one decode-attention call, validated. The caches may hold more rows than the call's batch (a
 // server's N slots, a step on the first B of them): b is the batch (q, lengths, out), n the caches' rows, which
 // give their strides (a layer is n * g * s * d elements); the call reads rows [0, b).
@@ -124,10 +134,7 @@ inline ffi::Error CheckAttention(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
   AttentionShape s{qd[0], qd[1], kd[2], kd[3], qd[2], layer, kd[0], kd[1]};
   for (int i = 0; i < 5; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("jaxllm_decode_attention: k and v caches differ in shape");
-  if (s.n < s.b)
-    return ffi::Error::InvalidArgument("jaxllm_decode_attention: the caches [L, N, G, S, Dh] need at least the B = " +
-                                       std::to_string(s.b) + " rows of q (N >= B); got q " + DimsString(qd) +
-                                       ", caches " + DimsString(kd));
+  if (auto err = CheckCacheRows("jaxllm_decode_attention: ", "q", qd, kd); err.failure()) return err;
   if (kd[4] != s.d || ld[0] != s.b || s.g < 1 || s.h % s.g)
     return ffi::Error::InvalidArgument("jaxllm_decode_attention: inconsistent shapes q " + DimsString(qd) + ", k " +
                                        DimsString(kd) + ", lengths " + DimsString(ld));
@@ -289,10 +296,7 @@ inline ffi::Error CheckQkv(const ffi::AnyBuffer& qkv, const ffi::AnyBuffer& bias
   QkvShape s{qd[0], od[1], kd[2], kd[4], kd[3], kd[0], qd[1], kd[1]};
   for (int i = 0; i < 5; ++i)
     if (kd[i] != vc.dimensions()[i]) return ffi::Error::InvalidArgument(name + "k and v caches differ in shape");
-  if (s.n < s.b)
-    return ffi::Error::InvalidArgument(name + "the caches [L, N, G, S, Dh] need at least the B = " +
-                                       std::to_string(s.b) + " rows of qkv (N >= B); got qkv " + DimsString(qd) +
-                                       ", caches " + DimsString(kd));
+  if (auto err = CheckCacheRows(name, "qkv", qd, kd); err.failure()) return err;
   if (od[0] != s.b || od[2] != s.d || s.g < 1 || s.h % s.g || s.nqkv != (s.h + 2 * s.g) * s.d ||
       cd[0] != s.b || cd[1] != s.g || counters.element_type() != ffi::S32 || s.d % 2 || s.d > 256)
     return ffi::Error::InvalidArgument(name + "inconsistent shapes qkv " + DimsString(qd) + ", caches " +

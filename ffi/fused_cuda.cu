@@ -209,9 +209,7 @@ ffi::Error LayersCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
   // The caches may hold more rows than x (N >= B, a server's slots): the step reads and writes rows [0, B).
   const int64_t b = xd[0], d = xd[1], layers = kd[0], cache_rows = kd[1], g = kd[2], smax = kd[3], dh = kd[4];
   const int64_t h = heads;
-  if (cache_rows < b)
-    return ffi::Error::InvalidArgument(name + "the caches [L, N, G, S, Dh] need at least the B = " + std::to_string(b) +
-                                       " rows of x (N >= B); got x " + DimsString(xd) + ", caches " + DimsString(kd));
+  if (auto err = CheckCacheRows(name, "x", xd, kd); err.failure()) return err;
   if (g != kv_heads || h % g || h / g > attn1::kMaxGroup || (dh != 64 && dh != 128) || b > 4 ||
       splits < 1 || splits > attn1::kMaxSplits)
     return ffi::Error::InvalidArgument(name + "unsupported geometry: caches " + DimsString(kd) + ", heads " +
